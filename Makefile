@@ -1,0 +1,42 @@
+# make demo | make test | make bench -- each sets up .venv first (Python 3.10+).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: demo test bench data setup clean
+
+setup: $(STAMP)
+
+# torch 2.14.1 / torchvision 0.29.1 are the pinned pair (pip takes them from local files
+# where they lie on disk); everything else comes from pyproject's extras.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[all]'
+	touch $(STAMP)
+
+# The embedded data set: Debian's dataset-fashion-mnist (real 60k/10k images).
+data:
+	@if [ ! -f $(FMNIST) ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null; \
+	  else \
+	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist'," \
+	         "or pass --data DIR with the four idx .gz files."; exit 1; \
+	  fi; \
+	fi
+
+test: $(STAMP) data
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP) data
+	$(PY) -m largebatch demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/optimizer_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

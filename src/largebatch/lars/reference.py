@@ -1,0 +1,138 @@
+"""The float64 NumPy statement of LARS and LAMB: the spec every path is tested against.
+
+Readable, slow, pure: each function takes arrays and returns new arrays, and never
+changes its inputs. The rules are those of DESIGN §2 and the docstrings of
+``largebatch.torch.LARS`` / ``LAMB``; ``t`` counts steps from 1.
+
+LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888, in the form of the
+MLPerf ResNet-50 reference)::
+
+    ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)     (1 if ||w|| == 0 or ||g|| == 0)
+    ratio = min(ratio / lr, 1)                          (only with trust_clip: LARC)
+    d = g + wd * w
+    v = momentum * v + lr * ratio * d                   (lr inside the momentum buffer)
+    w = w - v            nesterov: w = w - (momentum * v + lr * ratio * d)
+
+LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = identity)::
+
+    g = g / max(1, ||all grads|| / max_grad_norm)       (only with max_grad_norm)
+    m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
+    r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) (no 1 - b^t without bias_correction)
+    u = r + wd * w
+    ratio = ||w|| / ||u||                               (1 if ||w|| == 0 or ||u|| == 0)
+    w = w - lr * ratio * u
+
+A tensor excluded from adaptation (``trust_ratio=False``: biases, normalization
+parameters) gets ratio 1 and no weight decay, in both rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["lars_step", "lamb_step", "lamb_grad_divisor", "global_norm", "trust_ratio"]
+
+
+def _f64(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [np.asarray(x, dtype=np.float64) for x in xs]
+
+
+def global_norm(tensors: Sequence[np.ndarray]) -> float:
+    """The L2 norm of all tensors taken together."""
+    return float(np.sqrt(sum(float(np.sum(np.square(x))) for x in _f64(tensors))))
+
+
+def trust_ratio(numerator: float, denominator: float, w_norm: float, other_norm: float) -> float:
+    """``numerator / denominator``, or 1 where ``w_norm`` or ``other_norm`` is zero."""
+    if w_norm == 0.0 or other_norm == 0.0:
+        return 1.0
+    return numerator / denominator
+
+
+def lars_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray],
+    momentum_buffers: Sequence[np.ndarray],
+    *,
+    lr: float,
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
+    nesterov: bool = False,
+    trust_clip: bool = False,
+    trust_ratio_enabled: bool = True,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
+    new_params, new_bufs = [], []
+    wd = weight_decay if trust_ratio_enabled else 0.0
+    for w, g, v in zip(_f64(params), _f64(grads), _f64(momentum_buffers)):
+        if trust_ratio_enabled:
+            w_norm = float(np.linalg.norm(w))
+            g_norm = float(np.linalg.norm(g))
+            ratio = trust_ratio(
+                trust_coefficient * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm
+            )
+            if trust_clip:
+                ratio = min(ratio / lr, 1.0)
+        else:
+            ratio = 1.0
+        d = g + wd * w
+        v = momentum * v + lr * ratio * d
+        step = momentum * v + lr * ratio * d if nesterov else v
+        new_params.append(w - step)
+        new_bufs.append(v)
+    return new_params, new_bufs
+
+
+def lamb_step(
+    params: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray],
+    exp_avgs: Sequence[np.ndarray],
+    exp_avg_sqs: Sequence[np.ndarray],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    trust_ratio_enabled: bool = True,
+    grad_divisor: float = 1.0,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.
+
+    ``step`` is the step number t >= 1 after this update. ``grad_divisor`` is the
+    global clipping divisor ``max(1, global_norm / max_grad_norm)``, computed over every
+    group (see :func:`lamb_grad_divisor`).
+    """
+    b1, b2 = betas
+    bc1 = 1.0 - b1**step if bias_correction else 1.0
+    bc2 = 1.0 - b2**step if bias_correction else 1.0
+    wd = weight_decay if trust_ratio_enabled else 0.0
+    new_params, new_m, new_v = [], [], []
+    for w, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
+        g = g / grad_divisor
+        m = b1 * m + (1.0 - b1) * g
+        v = b2 * v + (1.0 - b2) * g * g
+        u = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * w
+        if trust_ratio_enabled:
+            w_norm = float(np.linalg.norm(w))
+            u_norm = float(np.linalg.norm(u))
+            ratio = trust_ratio(w_norm, u_norm, w_norm, u_norm)
+        else:
+            ratio = 1.0
+        new_params.append(w - lr * ratio * u)
+        new_m.append(m)
+        new_v.append(v)
+    return new_params, new_m, new_v
+
+
+def lamb_grad_divisor(grads: Sequence[np.ndarray], max_grad_norm: float | None) -> float:
+    """``max(1, ||all grads|| / max_grad_norm)``, or 1 when ``max_grad_norm`` is None."""
+    if max_grad_norm is None:
+        return 1.0
+    return max(1.0, global_norm(grads) / max_grad_norm)
+

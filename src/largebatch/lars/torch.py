@@ -1,0 +1,753 @@
+"""LARS and LAMB as ``torch.optim.Optimizer`` subclasses: single-tensor, foreach and fused paths.
+
+Layout follows ``torch.optim``: the class validates and holds groups and state; the
+functional entries :func:`lars` and :func:`lamb` dispatch to ``_single_tensor_*`` (the
+readable loop), ``_foreach_*`` (``torch._foreach_*`` ops, the default) or the fused
+Triton kernels, all with one keyword-only signature. The math is
+``largebatch.lars.reference`` (DESIGN §2); every path is tested against it.
+
+Mixed precision: with ``master_weights=True``, fp16/bf16 params get an fp32 master copy
+in the optimizer state (saved by ``state_dict``); the update runs on the master and the
+model's param is rewritten from it. The optimizers follow the ``torch.amp.GradScaler``
+contract (``_step_supports_amp_scaling``): gradients are unscaled inside the step
+(``p.grad`` is never written) and a step with ``found_inf`` set changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["LARS", "LAMB", "lars", "lamb", "param_groups", "default_exclude"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- param groups
+
+
+def default_exclude(name: str, param: Tensor) -> bool:
+    """Biases and every param with ndim <= 1 (normalization scales and shifts)."""
+    return param.ndim <= 1 or name.endswith(".bias")
+
+
+def param_groups(
+    model: torch.nn.Module,
+    weight_decay: float,
+    exclude: Callable[[str, Tensor], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Split ``model``'s trainable params into the two groups large-batch recipes use.
+
+    Returns ``[{"params": adapted, "weight_decay": weight_decay},
+    {"params": excluded, "weight_decay": 0.0, "trust_ratio": False}]``. A param is excluded
+    when ``exclude(name, param)`` is true; the default excludes biases and params with
+    ``ndim <= 1`` (BatchNorm/LayerNorm), as the MLPerf ResNet-50 reference does. Excluded
+    params get trust ratio 1 and no weight decay. Either group may be empty.
+    """
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    exclude = default_exclude if exclude is None else exclude
+    adapted, excluded = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (excluded if exclude(name, param) else adapted).append(param)
+    return [
+        {"params": adapted, "weight_decay": weight_decay},
+        {"params": excluded, "weight_decay": 0.0, "trust_ratio": False},
+    ]
+
+
+# --------------------------------------------------------------------------- shared base
+
+
+def _check_range(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and (low < value if low_open else low <= value) and value < high
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low}, {high})"
+        raise ValueError(f"Invalid {name}: {value!r} (must be in {bounds})")
+
+
+def _check_lr(lr: Any) -> None:
+    value = lr.item() if isinstance(lr, Tensor) else lr
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Invalid lr: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+    _check_range("learning rate value", value, 0.0, math.inf)
+
+
+def _stacked_norms(tensors: list[Tensor]) -> Tensor:
+    """Per-tensor L2 norms, accumulated in fp32 (fp64 for fp64 tensors), as one vector."""
+    if not tensors:
+        return torch.zeros(0)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def _norm(tensor: Tensor) -> Tensor:
+    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(tensor, 2, dtype=dtype)
+
+
+def _safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_norm: Tensor) -> Tensor:
+    """``numerator / denominator``, or 1 where either norm is zero (no host sync)."""
+    ok = (w_norm > 0) & (other_norm > 0)
+    return torch.where(ok, numerator / torch.where(ok, denominator, 1.0), 1.0)
+
+
+class _LayerwiseOptimizer(Optimizer):
+    """What LARS and LAMB share: validation, master weights, the GradScaler contract."""
+
+    _step_supports_amp_scaling = True
+    _state_keys: tuple[str, ...] = ()
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        if defaults["fused"] and defaults["foreach"]:
+            raise ValueError("foreach=True and fused=True cannot both be set")
+        super().__init__(params, defaults)
+
+    # Validation runs on every group, including those added later, before it is stored.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._validate(merged)
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:
+            if isinstance(p, Tensor) and p.dtype not in _SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"{type(self).__name__} supports float64/32/16 and bfloat16 params, "
+                    f"got a {p.dtype} param of shape {tuple(p.shape)}"
+                )
+        super().add_param_group(param_group)
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        _check_lr(group["lr"])
+        _check_range("weight_decay value", group["weight_decay"], 0.0, math.inf)
+        _check_range("eps value", group["eps"], 0.0, math.inf)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @property
+    def num_steps(self) -> int:
+        """Steps applied so far (skipped overflow steps do not count): the first updated
+        param's step count, 0 before the first step. ``ScheduleLR(..., follow_optimizer=True)``
+        reads it."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                step = self.state.get(p, {}).get("step")
+                if step is not None:
+                    return int(step)
+        return 0
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim casts every state tensor to its param's dtype, which would turn fp32
+        # master weights and moments of fp16/bf16 params into fp16: keep the saved dtypes.
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        by_id = dict(zip(saved_ids, (p for g in self.param_groups for p in g["params"])))
+        for pid, entry in state_dict["state"].items():
+            param = by_id[pid]
+            for key, value in entry.items():
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[param][key] = value.to(device=param.device, copy=True)
+
+    def _gather(self, group: dict[str, Any]) -> dict[str, list]:
+        """The params of ``group`` that have grads, their state (created lazily), checked."""
+        out: dict[str, list] = {"params": [], "grads": [], "masters": [], "steps": []}
+        out.update({key: [] for key in self._state_keys})
+        use_masters = group["master_weights"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            master = state.get("master_param")
+            if not state:
+                if use_masters and p.dtype in _LOW_PRECISION:
+                    master = p.detach().float().clone(memory_format=torch.preserve_format)
+                    state["master_param"] = master
+                like = p if master is None else master
+                step_device = p.device if group["fused"] else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                for key in self._state_keys:
+                    state[key] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            out["params"].append(p)
+            out["grads"].append(p.grad)
+            out["masters"].append(master)
+            out["steps"].append(state["step"])
+            for key in self._state_keys:
+                out[key].append(state[key])
+        return out
+
+    def _amp_inputs(self) -> tuple[Tensor | None, Tensor | None]:
+        """``(grad_scale, found_inf)`` as ``torch.amp.GradScaler.step`` sets them, or Nones.
+
+        After ``scaler.unscale_(opt)`` the scaler passes ``grad_scale=None`` (the grads are
+        already unscaled) and still passes ``found_inf``."""
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads()
+        grad_scale, found_inf = self._amp_inputs()
+        fused = {group["fused"] for group in self.param_groups}
+        if len(fused) > 1:
+            raise ValueError("fused must be the same in every param group")
+        if not fused.pop():
+            # The single-tensor and foreach paths decide the skip on the host, before any
+            # state is created or changed.
+            if found_inf is not None and bool(found_inf.item()):
+                return loss
+            self._step_groups([self._gather(g) for g in self.param_groups], grad_scale=grad_scale)
+        else:
+            # The fused kernels decide it on the device (found_inf or a non-finite grad).
+            gathered = [self._gather(g) for g in self.param_groups]
+            self._fused_step(gathered, grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+    def _check_grads(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                if p.grad is not None and p.grad.is_complex():
+                    raise ValueError(
+                        f"{type(self).__name__} does not support complex gradients "
+                        f"(got {p.grad.dtype} for a param of shape {tuple(p.shape)})"
+                    )
+
+    def _step_groups(self, gathered: list[dict[str, list]], *, grad_scale: Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _fused_step(self, gathered, *, grad_scale, found_inf) -> None:  # noqa: ANN001
+        raise NotImplementedError
+
+
+def _use_foreach(foreach: bool | None) -> bool:
+    return True if foreach is None else foreach
+
+
+def _unscaled(grad: Tensor, like: Tensor, divisor: Tensor | None) -> Tensor:
+    """``grad`` in ``like``'s dtype, divided by ``divisor``; a new tensor, or ``grad`` itself
+    when nothing changes (the caller never writes to it)."""
+    g = grad if grad.dtype == like.dtype else grad.to(like.dtype)
+    return g if divisor is None else g / divisor
+
+
+def _write_back(params: list[Tensor], masters: list[Tensor | None]) -> None:
+    pairs = [(p, m) for p, m in zip(params, masters) if m is not None]
+    if pairs:
+        torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+
+# --------------------------------------------------------------------------- LARS
+
+
+class LARS(_LayerwiseOptimizer):
+    r"""LARS: SGD with momentum and a layer-wise trust ratio (You, Gitman, Ginsburg 2017).
+
+    For each tensor ``w`` with gradient ``g`` (unscaled) and learning rate ``lr_t``::
+
+        ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)   (ratio = 1 if ||w|| == 0 or ||g|| == 0)
+        ratio = min(ratio / lr_t, 1)                       (trust_clip=True: LARC)
+        d     = g + wd * w
+        v     = momentum * v + lr_t * ratio * d            (v starts at 0)
+        w     = w - v             nesterov: w = w - (momentum * v + lr_t * ratio * d)
+
+    The variant, stated because peer libraries differ on each point:
+
+    - **lr inside the momentum buffer**, as the MLPerf ResNet-50 reference and
+      ``optax.lars`` keep it: when ``lr_t`` changes (warmup, decay) the buffer keeps the
+      rates at which past gradients were taken. timm's ``Lars`` keeps lr outside
+      (``w -= lr_t * v``); the two agree at constant lr.
+    - **Denominator** ``||g|| + wd * ||w|| + eps``, as in the paper and timm; ``optax.lars``
+      uses ``||g + wd * w||`` (equal when ``wd = 0``).
+    - **Zero-norm rule**: ratio 1 when either norm is zero (fresh zero-initialized layers).
+    - **trust_clip** gives LARC's clipping (apex ``LARC``, timm ``trust_clip``): the local
+      rate ``lr_t * ratio`` never exceeds the global one.
+    - **Exclusion**: a group with ``trust_ratio=False`` (biases, BatchNorm; see
+      :func:`param_groups`) gets ratio 1 and no weight decay, plain momentum SGD.
+
+    Args:
+      params: params or param groups. Group keys: ``lr``, ``weight_decay``,
+        ``trust_ratio`` and every keyword below but ``foreach``/``fused``.
+      lr: the global learning rate (a float, or a 0-dim Tensor for the fused path).
+      momentum: in [0, 1). trust_coefficient: tc > 0 (0.001 in the paper).
+      eps: >= 0, added to the denominator. weight_decay: >= 0.
+      nesterov: Nesterov momentum. trust_clip: LARC clipping.
+      master_weights: keep fp32 master copies of fp16/bf16 params in the state.
+      foreach: ``None`` or ``True``: ``torch._foreach_*`` ops; ``False``: a per-tensor loop.
+      fused: ``None``: the Triton kernels when every param is on CUDA and triton imports;
+        ``True``: always (CPU tensors need ``TRITON_INTERPRET=1``).
+
+    Example:
+      >>> from largebatch.torch import LARS, param_groups
+      >>> model = torch.nn.Linear(4, 2)
+      >>> opt = LARS(param_groups(model, weight_decay=5e-5), lr=1.0)
+      >>> model(torch.randn(8, 4)).square().mean().backward()
+      >>> opt.step()
+
+    References:
+      You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks",
+      https://arxiv.org/abs/1708.03888.
+    """
+
+    _state_keys = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1.0,
+        *,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 0.0,
+        nesterov: bool = False,
+        trust_clip: bool = False,
+        trust_ratio: bool = True,
+        master_weights: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        params = list(params)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            trust_ratio=trust_ratio,
+            master_weights=master_weights,
+            foreach=foreach,
+            fused=_resolve_fused(fused, params),
+        )
+        super().__init__(params, defaults)
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        super()._validate(group)
+        _check_range("momentum value", group["momentum"], 0.0, 1.0)
+        _check_range("trust_coefficient value", group["trust_coefficient"], 0.0, math.inf, low_open=True)
+        if group["nesterov"] and group["momentum"] == 0:
+            raise ValueError("Nesterov momentum requires momentum > 0")
+
+    def _step_groups(self, gathered, *, grad_scale):  # noqa: ANN001
+        for group, g in zip(self.param_groups, gathered):
+            lars(
+                g["params"], g["grads"], g["momentum_buffer"], g["masters"], g["steps"],
+                **_lars_kwargs(group), grad_scale=grad_scale, foreach=group["foreach"],
+            )
+
+    def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
+        from largebatch.lars import triton_kernels
+
+        groups = _fused_groups(self.param_groups, gathered, ("momentum_buffer",), _lars_hyper)
+        triton_kernels.fused_lars_step_(groups, grad_scale=grad_scale, found_inf=found_inf)
+
+
+def _lars_kwargs(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: group[k] for k in (
+        "lr", "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip",
+        "trust_ratio",
+    )}
+
+
+def lars(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    masters: list[Tensor | None],
+    state_steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+    trust_clip: bool,
+    trust_ratio: bool,
+    grad_scale: Tensor | None = None,
+    foreach: bool | None = None,
+) -> None:
+    """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
+
+    ``masters[i]`` is the fp32 master of ``params[i]`` or None; ``grad_scale`` divides the
+    grads (the GradScaler scale). The grads are never written.
+    """
+    fn = _foreach_lars if _use_foreach(foreach) else _single_tensor_lars
+    fn(
+        params, grads, momentum_buffers, masters, state_steps,
+        lr=lr, momentum=momentum, weight_decay=weight_decay,
+        trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+        trust_clip=trust_clip, trust_ratio=trust_ratio, grad_scale=grad_scale,
+    )
+
+
+def _lars_ratio(w_norm, g_norm, *, lr, weight_decay, trust_coefficient, eps, trust_clip):  # noqa: ANN001, ANN202
+    ratio = _safe_ratio(
+        trust_coefficient * w_norm, g_norm + weight_decay * w_norm + eps, w_norm, g_norm
+    )
+    return torch.clamp(ratio / lr, max=1.0) if trust_clip else ratio
+
+
+def _single_tensor_lars(
+    params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+    lr, momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
+    grad_scale,  # noqa: ANN001
+) -> None:
+    wd = weight_decay if trust_ratio else 0.0
+    for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
+        w = p if master is None else master
+        g = _unscaled(grad, w, grad_scale)
+        d = g.add(w, alpha=wd) if wd != 0 else g
+        if trust_ratio:
+            ratio = _lars_ratio(
+                _norm(w), _norm(g), lr=lr, weight_decay=wd,
+                trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
+            )
+            scaled = d * (lr * ratio)
+        else:
+            scaled = d * lr
+        buf.mul_(momentum).add_(scaled)
+        if nesterov:
+            w.sub_(scaled.add_(buf, alpha=momentum))
+        else:
+            w.sub_(buf)
+        if master is not None:
+            p.copy_(master)
+        step.add_(1)
+
+
+def _foreach_lars(
+    params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+    lr, momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
+    grad_scale,  # noqa: ANN001
+) -> None:
+    if not params:
+        return
+    wd = weight_decay if trust_ratio else 0.0
+    ws = [p if m is None else m for p, m in zip(params, masters)]
+    gs = [_unscaled(g, w, None) for g, w in zip(grads, ws)]
+    if grad_scale is not None:
+        gs = torch._foreach_div(gs, grad_scale)
+    ds = torch._foreach_add(gs, ws, alpha=wd) if wd != 0 else gs
+    if trust_ratio:
+        ratios = _lars_ratio(
+            _stacked_norms(ws), _stacked_norms(gs), lr=lr, weight_decay=wd,
+            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
+        )
+        scaled = torch._foreach_mul(ds, (ratios * lr).unbind())
+    else:
+        scaled = torch._foreach_mul(ds, lr)
+    torch._foreach_mul_(momentum_buffers, momentum)
+    torch._foreach_add_(momentum_buffers, scaled)
+    if nesterov:
+        torch._foreach_add_(scaled, momentum_buffers, alpha=momentum)
+        torch._foreach_sub_(ws, scaled)
+    else:
+        torch._foreach_sub_(ws, momentum_buffers)
+    _write_back(params, masters)
+    torch._foreach_add_(state_steps, 1)
+
+
+# --------------------------------------------------------------------------- LAMB
+
+
+class LAMB(_LayerwiseOptimizer):
+    r"""LAMB: Adam moments with a layer-wise trust ratio (You et al. 2019, Algorithm 2).
+
+    For each tensor ``w`` with gradient ``g`` (unscaled) at step ``t`` = 1, 2, ...::
+
+        g = g / max(1, ||all grads|| / max_grad_norm)      (only when max_grad_norm is set)
+        m = b1 * m + (1 - b1) * g          v = b2 * v + (1 - b2) * g^2
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (bias_correction=False: no 1 - b^t)
+        u = r + wd * w
+        ratio = ||w|| / ||u||              (ratio = 1 if ||w|| == 0 or ||u|| == 0)
+        w = w - lr_t * ratio * u
+
+    The variant: phi is the identity, no trust-ratio bounds, eps outside the square
+    root, weight decay inside the trust-ratio numerator's update. With the defaults it
+    equals ``optax.lamb``. timm's ``Lamb`` is the same rule but clips gradients by default
+    (``max_grad_norm=1.0``) and adapts only groups with weight decay; NVIDIA apex's
+    ``FusedLAMB`` also clips at a hidden ``max_grad_norm=1.0``. Here clipping is off unless
+    asked for, and the global norm spans every group. A group with ``trust_ratio=False``
+    gets ratio 1 and no weight decay (Adam with bias correction).
+
+    Args:
+      params: params or param groups. Group keys: ``lr``, ``weight_decay``, ``betas``,
+        ``eps``, ``bias_correction``, ``trust_ratio``, ``master_weights``.
+      lr: the global learning rate. betas: each in [0, 1). eps: >= 0. weight_decay: >= 0.
+      bias_correction: divide the moments by 1 - b^t.
+      max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
+      master_weights, foreach, fused: as in :class:`LARS`.
+
+    References:
+      You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+      minutes", https://arxiv.org/abs/1904.00962.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        trust_ratio: bool = True,
+        max_grad_norm: float | None = None,
+        master_weights: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+    ) -> None:
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, numbers.Real) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
+        ):
+            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r} (must be > 0 or None)")
+        params = list(params)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            trust_ratio=trust_ratio,
+            master_weights=master_weights,
+            foreach=foreach,
+            fused=_resolve_fused(fused, params),
+        )
+        self.max_grad_norm = max_grad_norm
+        super().__init__(params, defaults)
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        super()._validate(group)
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"Invalid betas: {betas!r} (must be a pair)")
+        for i, beta in enumerate(betas):
+            _check_range(f"beta parameter at index {i}", beta, 0.0, 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["max_grad_norm"] = self.max_grad_norm
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.max_grad_norm = state_dict.pop("max_grad_norm", self.max_grad_norm)
+        super().load_state_dict(state_dict)
+
+    def _grad_divisor(self, gathered, grad_scale):  # noqa: ANN001, ANN202
+        """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
+        grads = [g for entry in gathered for g in entry["grads"]]
+        if self.max_grad_norm is None or not grads:
+            return None
+        total = torch.linalg.vector_norm(_stacked_norms(grads))
+        if grad_scale is not None:
+            total = total / grad_scale.to(total.device)
+        return torch.clamp(total / self.max_grad_norm, min=1.0)
+
+    def _step_groups(self, gathered, *, grad_scale):  # noqa: ANN001
+        divisor = self._grad_divisor(gathered, grad_scale)
+        if grad_scale is not None:
+            divisor = grad_scale if divisor is None else divisor * grad_scale
+        for group, g in zip(self.param_groups, gathered):
+            lamb(
+                g["params"], g["grads"], g["exp_avg"], g["exp_avg_sq"], g["masters"], g["steps"],
+                **_lamb_kwargs(group), grad_divisor=divisor, foreach=group["foreach"],
+            )
+
+    def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
+        from largebatch.lars import triton_kernels
+
+        groups = _fused_groups(self.param_groups, gathered, ("exp_avg", "exp_avg_sq"), _lamb_hyper)
+        triton_kernels.fused_lamb_step_(
+            groups, max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf
+        )
+
+
+def _lamb_kwargs(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "trust_ratio")}
+
+
+def lamb(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    masters: list[Tensor | None],
+    state_steps: list[Tensor],
+    *,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    trust_ratio: bool,
+    grad_divisor: Tensor | None = None,
+    foreach: bool | None = None,
+) -> None:
+    """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
+
+    ``grad_divisor`` divides every grad first: the GradScaler scale times the global
+    clipping divisor, or None. The grads are never written.
+    """
+    fn = _foreach_lamb if _use_foreach(foreach) else _single_tensor_lamb
+    fn(
+        params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        bias_correction=bias_correction, trust_ratio=trust_ratio, grad_divisor=grad_divisor,
+    )
+
+
+def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool) -> tuple[float, float]:
+    if not bias_correction:
+        return 1.0, 1.0
+    t = float(step)
+    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
+
+
+def _single_tensor_lamb(
+    params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+    lr, betas, eps, weight_decay, bias_correction, trust_ratio, grad_divisor,  # noqa: ANN001
+) -> None:
+    b1, b2 = betas
+    wd = weight_decay if trust_ratio else 0.0
+    for p, grad, m, v, master, step in zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps):
+        w = p if master is None else master
+        g = _unscaled(grad, w, grad_divisor)
+        step.add_(1)
+        bc1, bc2 = _bias_corrections(step, betas, bias_correction)
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+        if wd != 0:
+            u.add_(w, alpha=wd)
+        if trust_ratio:
+            w_norm, u_norm = _norm(w), _norm(u)
+            ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
+        else:
+            ratio = 1.0
+        w.sub_(u.mul_(lr * ratio))
+        if master is not None:
+            p.copy_(master)
+
+
+def _foreach_lamb(
+    params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+    lr, betas, eps, weight_decay, bias_correction, trust_ratio, grad_divisor,  # noqa: ANN001
+) -> None:
+    if not params:
+        return
+    b1, b2 = betas
+    wd = weight_decay if trust_ratio else 0.0
+    ws = [p if m is None else m for p, m in zip(params, masters)]
+    gs = [_unscaled(g, w, None) for g, w in zip(grads, ws)]
+    if grad_divisor is not None:
+        gs = torch._foreach_div(gs, grad_divisor)
+    torch._foreach_add_(state_steps, 1)
+    torch._foreach_mul_(exp_avgs, b1)
+    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1.0 - b2)
+    # Every param of a group has taken the same number of steps (state is created together).
+    bc1, bc2 = _bias_corrections(state_steps[0], betas, bias_correction)
+    denom = torch._foreach_div(exp_avg_sqs, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    us = torch._foreach_div(exp_avgs, bc1)
+    torch._foreach_div_(us, denom)
+    if wd != 0:
+        torch._foreach_add_(us, ws, alpha=wd)
+    if trust_ratio:
+        w_norms, u_norms = _stacked_norms(ws), _stacked_norms(us)
+        coefs = (_safe_ratio(w_norms, u_norms, w_norms, u_norms) * lr).unbind()
+        torch._foreach_mul_(us, coefs)
+    else:
+        torch._foreach_mul_(us, lr)
+    torch._foreach_sub_(ws, us)
+    _write_back(params, masters)
+
+
+# --------------------------------------------------------------------------- fused dispatch
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_fused(fused: bool | None, params: list[Any]) -> bool:
+    """``fused=None``: fused when every param is on CUDA and triton imports."""
+    tensors = [p for entry in params for p in (entry["params"] if isinstance(entry, dict) else [entry])]
+    tensors = [t for t in tensors if isinstance(t, Tensor)]
+    if fused is None:
+        return bool(tensors) and all(t.is_cuda for t in tensors) and _triton_available()
+    if fused:
+        import os
+
+        if not _triton_available():
+            raise RuntimeError("fused=True needs triton: pip install triton")
+        on_cpu = [t for t in tensors if not t.is_cuda]
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"fused=True needs CUDA params ({len(on_cpu)} are on {on_cpu[0].device}); on the "
+                "CPU the Triton kernels run only under TRITON_INTERPRET=1 (set before import)"
+            )
+    return bool(fused)
+
+
+def _lars_hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: group[k] for k in (
+        "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip", "trust_ratio"
+    )}
+
+
+def _lamb_hyper(group: dict[str, Any]) -> dict[str, Any]:
+    b1, b2 = group["betas"]
+    return {"beta1": b1, "beta2": b2, **{k: group[k] for k in (
+        "eps", "weight_decay", "bias_correction", "trust_ratio"
+    )}}
+
+
+def _fused_groups(param_groups, gathered, state_keys, hyper):  # noqa: ANN001, ANN202
+    from largebatch.lars import triton_kernels
+
+    groups = []
+    for group, g in zip(param_groups, gathered):
+        if not g["params"]:
+            continue
+        device = g["params"][0].device
+        lr = group["lr"]
+        lr = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else torch.tensor(
+            float(lr), dtype=torch.float32, device=device
+        )
+        masters = g["masters"] if any(m is not None for m in g["masters"]) else None
+        groups.append(triton_kernels.FusedGroup(
+            params=g["params"], grads=g["grads"], masters=masters,
+            state={k: g[k] for k in state_keys}, step=g["steps"][0], lr=lr, hyper=hyper(group),
+        ))
+    return groups

@@ -1,0 +1,40 @@
+"""Half-precision models for PyTorch: cast a model, keep normalization in fp32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["to_half", "NORM_LAYERS"]
+
+NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def _to_float32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _back_to_input_dtype(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.to(module._largebatch_io_dtype)
+
+
+def to_half(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
+    """Cast ``model`` to ``dtype`` (fp16 or bf16) in place, keeping normalization layers fp32.
+
+    BatchNorm, LayerNorm and GroupNorm keep fp32 params and running statistics (their
+    variance overflows or loses precision in fp16); their input is cast to fp32 and their
+    output back to ``dtype``, so the rest of the model runs in half precision. Train with
+    ``LARS(..., master_weights=True)`` (or LAMB) so the half params get fp32 masters.
+    Returns ``model``.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"Invalid dtype: {dtype} (must be torch.float16 or torch.bfloat16)")
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, NORM_LAYERS) and not getattr(module, "_largebatch_fp32", False):
+            module.float()
+            module._largebatch_io_dtype = dtype
+            module._largebatch_fp32 = True
+            module.register_forward_pre_hook(_to_float32)
+            module.register_forward_hook(_back_to_input_dtype)
+    return model

@@ -1,0 +1,72 @@
+"""``ScheduleLR``: drive torch param groups from a :class:`largebatch.schedules.Schedule`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["ScheduleLR"]
+
+
+class ScheduleLR(LRScheduler):
+    """Sets every param group's lr to ``schedule(step)``.
+
+    The constructor applies step 0; each ``.step()`` advances one, after
+    ``optimizer.step()``, as with every torch scheduler. ``schedule`` is one callable
+    for all groups, or a sequence with one per group.
+
+    ``follow_optimizer=True`` reads the step from the optimizer instead of counting calls:
+    ``optimizer.num_steps`` (LARS and LAMB count only the steps they applied), so a step
+    skipped by ``torch.amp.GradScaler`` on overflow does not advance the schedule.
+
+    Example:
+      >>> sched = ScheduleLR(opt, make_schedule("poly", peak_lr=3.2, total_steps=T, warmup_steps=W))
+      >>> for batch in data:
+      ...     loss_fn(batch).backward(); opt.step(); opt.zero_grad(); sched.step()
+
+    A group whose ``lr`` is a Tensor (the fused, graph-capturable path) is updated in
+    place.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        schedule: Callable[[int], float] | Sequence[Callable[[int], float]],
+        *,
+        follow_optimizer: bool = False,
+        last_epoch: int = -1,
+    ) -> None:
+        n_groups = len(optimizer.param_groups)
+        schedules = list(schedule) if isinstance(schedule, (list, tuple)) else [schedule] * n_groups
+        if len(schedules) != n_groups:
+            raise ValueError(
+                f"Expected one schedule per param group ({n_groups}), got {len(schedules)}"
+            )
+        for i, s in enumerate(schedules):
+            if not callable(s):
+                raise ValueError(f"Schedule {i} is not callable: {s!r}")
+        if follow_optimizer and not hasattr(optimizer, "num_steps"):
+            raise ValueError(
+                f"follow_optimizer=True needs an optimizer with a num_steps count "
+                f"(largebatch LARS/LAMB), not {type(optimizer).__name__}"
+            )
+        self.schedules = schedules
+        self.follow_optimizer = follow_optimizer
+        super().__init__(optimizer, last_epoch)
+
+    def _schedule_step(self) -> int:
+        return self.optimizer.num_steps if self.follow_optimizer else self.last_epoch
+
+    def get_lr(self) -> list[float]:
+        step = self._schedule_step()
+        return [float(s(step)) for s in self.schedules]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's counters; the schedules themselves are configuration, not state."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedules")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "schedules"})

@@ -1,0 +1,23 @@
+"""Everything a PyTorch user imports from largebatch.
+
+>>> from largebatch.torch import LARS, LAMB, make_schedule, ScheduleLR, param_groups
+"""
+
+from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups
+from largebatch.mixed_precision.torch import to_half
+from largebatch.schedules import Schedule, linear_scaling, make_schedule
+from largebatch.schedules.torch import ScheduleLR
+
+__all__ = [
+    "LARS",
+    "LAMB",
+    "lars",
+    "lamb",
+    "param_groups",
+    "default_exclude",
+    "Schedule",
+    "make_schedule",
+    "linear_scaling",
+    "ScheduleLR",
+    "to_half",
+]

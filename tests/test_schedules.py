@@ -1,0 +1,177 @@
+"""The schedule factory (DESIGN §4) and its torch adapter ScheduleLR."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from largebatch.schedules import SCHEDULES, linear_scaling, make_schedule
+from largebatch.torch import LARS, ScheduleLR
+
+
+def formula(name, t, *, peak, total, warmup, init=0.0, end=0.0, power=2.0, milestones=(), gamma=0.1):
+    """DESIGN §4 written out independently, branch by branch."""
+    if t < warmup:
+        return init + (peak - init) * t / warmup
+    if t >= total:
+        return peak * gamma ** len(milestones) if name == "step" else end
+    s = (t - warmup) / (total - warmup)
+    if name == "constant":
+        return peak
+    if name == "poly":
+        return end + (peak - end) * (1 - s) ** power
+    if name == "cosine":
+        return end + (peak - end) * (1 + math.cos(math.pi * s)) / 2
+    return peak * gamma ** sum(m <= t for m in milestones)
+
+
+CASES = [
+    ("constant", dict(peak=1.0, total=50, warmup=10, init=0.1)),
+    ("poly", dict(peak=3.2, total=100, warmup=5, end=1e-4, power=2.0)),
+    ("poly", dict(peak=2.0, total=40, warmup=0, power=1.0)),
+    ("cosine", dict(peak=0.4, total=60, warmup=6, end=0.01)),
+    ("step", dict(peak=3.2, total=90, warmup=5, milestones=(30, 60, 80), gamma=0.1)),
+    ("cosine", dict(peak=1.0, total=10, warmup=10, init=0.5)),  # warmup fills the run
+]
+
+
+@pytest.mark.parametrize("name,kw", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_schedule_matches_formula_at_every_step(name, kw):
+    sched = make_schedule(
+        name, peak_lr=kw["peak"], total_steps=kw["total"], warmup_steps=kw["warmup"],
+        init_lr=kw.get("init", 0.0), end_lr=kw.get("end", 0.0), power=kw.get("power", 2.0),
+        milestones=kw.get("milestones", ()), gamma=kw.get("gamma", 0.1),
+    )
+    for t in range(kw["total"] + 5):
+        assert sched(t) == pytest.approx(formula(name, t, **kw), rel=1e-12, abs=1e-15), t
+
+
+def test_goyal_warmup_and_step_example():
+    # Goyal et al. 2017 at 8K: lr = 0.1 * 8192 / 256 = 3.2, 5-epoch warmup from 0.1.
+    peak = linear_scaling(0.1, 8192)
+    assert peak == pytest.approx(3.2)
+    epoch = 156
+    sched = make_schedule("step", peak_lr=peak, total_steps=90 * epoch, warmup_steps=5 * epoch,
+                          init_lr=0.1, milestones=(30 * epoch, 60 * epoch, 80 * epoch))
+    assert sched(0) == pytest.approx(0.1)
+    assert sched(5 * epoch) == pytest.approx(3.2)
+    assert sched(30 * epoch) == pytest.approx(0.32)
+    assert sched(90 * epoch + 7) == pytest.approx(0.0032)
+
+
+@given(
+    name=st.sampled_from(SCHEDULES),
+    total=st.integers(1, 500),
+    frac=st.floats(0, 1),
+    peak=st.floats(0, 10),
+    t=st.integers(0, 600),
+)
+def test_schedule_is_bounded_and_continuous_at_warmup_end(name, total, frac, peak, t):
+    warmup = int(frac * total)
+    sched = make_schedule(name, peak_lr=peak, total_steps=total, warmup_steps=warmup)
+    assert 0.0 <= sched(t) <= peak * (1 + 1e-12)
+    if 0 < warmup < total:
+        assert sched(warmup) == pytest.approx(peak)
+
+
+ERRORS = [
+    (dict(name="linear"), "known schedules: constant, poly, cosine, step"),
+    (dict(total_steps=0), "total_steps: 0"),
+    (dict(total_steps=-5), "total_steps: -5"),
+    (dict(warmup_steps=11), "warmup_steps: 11"),
+    (dict(warmup_steps=-1), "warmup_steps: -1"),
+    (dict(peak_lr=-0.1), "peak_lr: -0.1"),
+    (dict(end_lr=-1.0), "end_lr: -1.0"),
+    (dict(init_lr=float("nan")), "init_lr: nan"),
+    (dict(power=0.0), "power: 0.0"),
+    (dict(name="poly", milestones=(3,)), "only apply to the 'step' schedule"),
+    (dict(name="step", milestones=(5, 3)), "milestone 3"),
+    (dict(name="step", milestones=(10,)), "milestone 10"),
+    (dict(name="step", gamma=0.0), "gamma: 0.0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", ERRORS, ids=[m for _, m in ERRORS])
+def test_bad_schedule_raises_naming_the_value(kwargs, message):
+    args = dict(name="poly", peak_lr=1.0, total_steps=10, warmup_steps=2)
+    args.update(kwargs)
+    name = args.pop("name")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_schedule(name, **args)
+
+
+@pytest.mark.parametrize("args", [(-0.1, 256), (0.1, 0), (0.1, 256, 0), (0.1, 2.5)])
+def test_linear_scaling_errors(args):
+    with pytest.raises(ValueError):
+        linear_scaling(*args)
+
+
+def test_negative_step_raises():
+    with pytest.raises(ValueError, match="step: -1"):
+        make_schedule("constant", peak_lr=1.0, total_steps=3)(-1)
+
+
+# --------------------------------------------------------------------------- ScheduleLR
+
+
+def _opt(n_groups=2):
+    return LARS([{"params": [torch.nn.Parameter(torch.randn(3))]} for _ in range(n_groups)], lr=9.0)
+
+
+def test_schedule_lr_applies_step_zero_then_advances():
+    opt = _opt()
+    sched_fn = make_schedule("poly", peak_lr=1.0, total_steps=10, warmup_steps=4, init_lr=0.2)
+    sched = ScheduleLR(opt, sched_fn)
+    seen = []
+    for _ in range(12):
+        seen.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    assert seen == [[sched_fn(t)] * 2 for t in range(12)]
+
+
+def test_schedule_lr_one_schedule_per_group_and_mismatch():
+    opt = _opt(2)
+    a = make_schedule("constant", peak_lr=1.0, total_steps=5)
+    b = make_schedule("constant", peak_lr=0.1, total_steps=5)
+    ScheduleLR(opt, [a, b])
+    assert [g["lr"] for g in opt.param_groups] == [1.0, 0.1]
+    with pytest.raises(ValueError, match="one schedule per param group \\(2\\), got 3"):
+        ScheduleLR(_opt(2), [a, b, a])
+    with pytest.raises(ValueError, match="not callable"):
+        ScheduleLR(_opt(1), [3.0])
+
+
+def test_schedule_lr_state_dict_round_trip():
+    fn = make_schedule("cosine", peak_lr=1.0, total_steps=20, warmup_steps=5)
+    opt = _opt(1)
+    sched = ScheduleLR(opt, fn)
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    assert "schedules" not in state
+    opt2 = _opt(1)
+    sched2 = ScheduleLR(opt2, fn)
+    sched2.load_state_dict(state)
+    opt.step(), opt2.step()
+    sched.step(), sched2.step()
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"] == fn(8)
+
+
+def test_tensor_lr_is_updated_in_place():
+    p = torch.nn.Parameter(torch.randn(3))
+    lr = torch.tensor(0.5)
+    opt = LARS([p], lr=lr)
+    ScheduleLR(opt, make_schedule("constant", peak_lr=0.25, total_steps=3))
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.25
+
+
+def test_follow_optimizer_needs_a_step_count():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)
+    with pytest.raises(ValueError, match="num_steps"):
+        ScheduleLR(opt, make_schedule("constant", peak_lr=1.0, total_steps=3), follow_optimizer=True)

@@ -1,0 +1,373 @@
+"""LARS and LAMB (torch): every path equals the float64 spec; errors; state; peers."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups
+from torch_cases import (
+    AWKWARD_SHAPES,
+    assert_close,
+    make_problem,
+    run_reference_lamb,
+    run_reference_lars,
+    run_torch,
+)
+
+PATHS = {"single": dict(foreach=False), "foreach": dict(foreach=True)}
+DTYPES = [torch.float64, torch.float32]
+STEPS = 4
+CHANGING_LRS = [0.5, 1.0, 2.0, 0.25]  # a warmup-then-decay shape
+
+# One table: (id, optimizer kwargs, group options of the two groups).
+LARS_CASES = [
+    ("defaults", {}, [{}, {}]),
+    ("wd_excluded", {"weight_decay": 1e-3}, [{}, {"weight_decay": 0.0, "trust_ratio": False}]),
+    ("nesterov", {"nesterov": True, "weight_decay": 1e-4}, [{}, {"trust_ratio": False}]),
+    ("trust_clip", {"trust_clip": True, "weight_decay": 1e-4}, [{}, {"trust_ratio": False}]),
+    ("eps_tc_mom", {"eps": 1e-3, "trust_coefficient": 0.02, "momentum": 0.5}, [{}, {"momentum": 0.0}]),
+]
+LAMB_CASES = [
+    ("defaults", {}, [{}, {}]),
+    ("wd_excluded", {"weight_decay": 0.01}, [{}, {"weight_decay": 0.0, "trust_ratio": False}]),
+    ("no_bias_correction", {"bias_correction": False, "weight_decay": 0.01}, [{}, {"betas": (0.8, 0.99)}]),
+    ("max_grad_norm", {"max_grad_norm": 0.5, "weight_decay": 0.01}, [{}, {"trust_ratio": False}]),
+    ("eps", {"eps": 1e-3}, [{}, {"eps": 0.0}]),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LARS_CASES, ids=lambda c: c[0])
+def test_lars_matches_reference(case, dtype, path):
+    _, kwargs, group_opts = case
+    params, grads = make_problem(AWKWARD_SHAPES, STEPS)
+    sizes = [5, 2]
+    ours, opt = run_torch(
+        LARS, params, grads, dtype=dtype, group_opts=group_opts, sizes=sizes, lrs=CHANGING_LRS,
+        **kwargs, **PATHS[path],
+    )
+    ref_params, ref_bufs = run_reference_lars(
+        params, grads, group_opts=group_opts, sizes=sizes, lrs=CHANGING_LRS, **kwargs
+    )
+    assert_close(ours, ref_params, dtype)
+    assert_close([opt.state[p]["momentum_buffer"] for p in ours], ref_bufs, dtype, "momentum")
+    assert opt.num_steps == STEPS
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LAMB_CASES, ids=lambda c: c[0])
+def test_lamb_matches_reference(case, dtype, path):
+    _, kwargs, group_opts = case
+    params, grads = make_problem(AWKWARD_SHAPES, STEPS)
+    sizes = [5, 2]
+    ours, opt = run_torch(
+        LAMB, params, grads, dtype=dtype, group_opts=group_opts, sizes=sizes, lrs=CHANGING_LRS,
+        **kwargs, **PATHS[path],
+    )
+    ref_params, ref_m, ref_v = run_reference_lamb(
+        params, grads, group_opts=group_opts, sizes=sizes, lrs=CHANGING_LRS, **kwargs
+    )
+    assert_close(ours, ref_params, dtype)
+    assert_close([opt.state[p]["exp_avg"] for p in ours], ref_m, dtype, "exp_avg")
+    assert_close([opt.state[p]["exp_avg_sq"] for p in ours], ref_v, dtype, "exp_avg_sq")
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_many_tensors_foreach_equals_single(cls):
+    """161 tensors (ResNet-50's count) of mixed sizes: foreach == the per-tensor loop."""
+    rng = np.random.default_rng(1)
+    shapes = [(int(rng.integers(1, 300)),) for _ in range(161)]
+    params, grads = make_problem(shapes, 3, seed=2)
+    kw = dict(dtype=torch.float32, group_opts=[{"weight_decay": 1e-3}, {"trust_ratio": False}],
+              sizes=[100, 61], lrs=[0.1, 0.2, 0.3])
+    single, _ = run_torch(cls, params, grads, foreach=False, **kw)
+    multi, _ = run_torch(cls, params, grads, foreach=True, **kw)
+    for a, b in zip(single, multi):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_spec_differs_from_a_wrong_setting():
+    """The comparison can fail: a different trust coefficient gives different params."""
+    params, grads = make_problem(AWKWARD_SHAPES, 2)
+    ours, _ = run_torch(LARS, params, grads, dtype=torch.float64, group_opts=[{}, {}],
+                        sizes=[5, 2], lrs=[1.0, 1.0], trust_coefficient=0.002)
+    ref, _ = run_reference_lars(params, grads, group_opts=[{}, {}], sizes=[5, 2], lrs=[1.0, 1.0])
+    with pytest.raises(AssertionError):
+        assert_close(ours, ref, torch.float64)
+
+
+# --------------------------------------------------------------------------- behaviour
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("path", PATHS)
+def test_params_without_grad_are_skipped(cls, path):
+    a, b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(4))
+    before = b.detach().clone()
+    opt = cls([a, b], lr=0.1, **PATHS[path])
+    a.grad = torch.randn(3, 3)
+    opt.step()
+    assert torch.equal(b, before) and b not in opt.state
+    assert not torch.equal(a, a.detach().clone().zero_())
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_closure_is_called_and_its_loss_returned(cls):
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = cls([w], lr=0.1)
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * torch.arange(3.0)).sum()
+        loss.backward()
+        calls.append(1)
+        return loss
+
+    loss = opt.step(closure)
+    assert calls == [1] and loss.item() == pytest.approx(3.0)
+    assert w[0].item() == 1.0 and w[2].item() < 1.0
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_bfloat16_params_update_in_bfloat16(cls):
+    w = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    before = w.detach().clone()
+    opt = cls([w], lr=0.5)
+    w.grad = torch.randn(64, dtype=torch.bfloat16)
+    opt.step()
+    assert w.dtype == torch.bfloat16 and not torch.equal(w, before)
+    key = "momentum_buffer" if cls is LARS else "exp_avg"
+    assert opt.state[w][key].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_group_is_fine(cls, path):
+    model = torch.nn.Linear(4, 3, bias=False)  # no bias: the excluded group is empty
+    groups = param_groups(model, weight_decay=1e-4)
+    assert groups[1]["params"] == []
+    opt = cls(groups, lr=0.1, **PATHS[path])
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    assert opt.num_steps == 1
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("path", PATHS)
+def test_resume_gives_the_identical_trajectory(cls, path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    data = [torch.randn(16, 6) for _ in range(6)]
+
+    def train(model, opt, sched, batches):
+        for x in batches:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            sched.step()
+
+    def build(model):
+        opt = cls(param_groups(model, 1e-4), lr=1.0, **PATHS[path])
+        sched = ScheduleLR(opt, make_schedule("poly", peak_lr=1.0, total_steps=6, warmup_steps=2))
+        return opt, sched
+
+    straight = copy.deepcopy(model)
+    opt, sched = build(straight)
+    train(straight, opt, sched, data)
+
+    opt, sched = build(model)
+    train(model, opt, sched, data[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buffer)
+    buffer.seek(0)
+    ckpt = torch.load(buffer)
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(ckpt["model"])
+    opt, sched = build(resumed)
+    opt.load_state_dict(ckpt["opt"])
+    sched.load_state_dict(ckpt["sched"])
+    train(resumed, opt, sched, data[3:])
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_state_dicts_are_interchangeable_between_paths():
+    w = torch.nn.Parameter(torch.randn(10))
+    single = LAMB([w], lr=0.1, foreach=False)
+    w.grad = torch.randn(10)
+    single.step()
+    w2 = torch.nn.Parameter(w.detach().clone())
+    multi = LAMB([w2], lr=0.1, foreach=True)
+    multi.load_state_dict(single.state_dict())
+    g = torch.randn(10)
+    w.grad, w2.grad = g, g.clone()
+    single.step()
+    multi.step()
+    torch.testing.assert_close(w, w2)
+
+
+def test_grads_are_never_written():
+    w = torch.nn.Parameter(torch.randn(5, 5))
+    g = torch.randn(5, 5)
+    for cls in (LARS, LAMB):
+        for foreach in (False, True):
+            w.grad = g.clone()
+            cls([w], lr=0.1, weight_decay=0.1, foreach=foreach).step()
+            assert torch.equal(w.grad, g)
+
+
+def test_param_groups_split():
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 2)
+    )
+    adapted, excluded = param_groups(model, weight_decay=5e-5)
+    assert adapted["weight_decay"] == 5e-5 and "trust_ratio" not in adapted
+    assert excluded["weight_decay"] == 0.0 and excluded["trust_ratio"] is False
+    assert [p.ndim for p in adapted["params"]] == [4, 2]
+    assert len(excluded["params"]) == 4  # conv bias, bn weight and bias, linear bias
+    only_linear = param_groups(model, 0.0, exclude=lambda name, p: not name.startswith("3."))
+    assert len(only_linear[0]["params"]) == 2
+
+
+def test_changing_lr_stays_inside_momentum():
+    """lr inside the buffer: halving lr does not rescale what the buffer already holds."""
+    w = torch.nn.Parameter(torch.ones(1))
+    opt = LARS([w], lr=1.0, momentum=0.5, trust_ratio=False)
+    w.grad = torch.ones(1)
+    opt.step()  # v = 1
+    opt.param_groups[0]["lr"] = 0.5
+    opt.step()  # v = 0.5 * 1 + 0.5 * 1 = 1.0 (lr outside momentum would give 0.5 * 1.5 = 0.75)
+    assert opt.state[w]["momentum_buffer"].item() == pytest.approx(1.0)
+    assert w.item() == pytest.approx(1.0 - 1.0 - 1.0)
+
+
+# --------------------------------------------------------------------------- errors
+
+ERROR_CASES = [
+    (LARS, dict(lr=-0.1), "learning rate value: -0.1"),
+    (LARS, dict(momentum=1.0), "momentum value: 1.0"),
+    (LARS, dict(momentum=-0.1), "momentum value: -0.1"),
+    (LARS, dict(trust_coefficient=0.0), "trust_coefficient value: 0.0"),
+    (LARS, dict(eps=-1e-8), "eps value: -1e-08"),
+    (LARS, dict(weight_decay=-1e-4), "weight_decay value: -0.0001"),
+    (LARS, dict(nesterov=True, momentum=0.0), "Nesterov"),
+    (LARS, dict(foreach=True, fused=True), "cannot both"),
+    (LAMB, dict(lr=-1.0), "learning rate value: -1.0"),
+    (LAMB, dict(betas=(1.0, 0.999)), "beta parameter at index 0: 1.0"),
+    (LAMB, dict(betas=(0.9, -0.1)), "beta parameter at index 1: -0.1"),
+    (LAMB, dict(eps=-1.0), "eps value: -1.0"),
+    (LAMB, dict(weight_decay=-0.01), "weight_decay value: -0.01"),
+    (LAMB, dict(max_grad_norm=0.0), "max_grad_norm value: 0.0"),
+    (LAMB, dict(max_grad_norm=-1.0), "max_grad_norm value: -1.0"),
+]
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,message", ERROR_CASES, ids=[f"{c.__name__}-{k}" for c, k, _ in ERROR_CASES]
+)
+def test_bad_arguments_raise_naming_the_value(cls, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls([torch.nn.Parameter(torch.randn(2))], **kwargs)
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_bad_group_value_raises_before_the_group_is_added(cls):
+    opt = cls([torch.nn.Parameter(torch.randn(2))], lr=0.1)
+    with pytest.raises(ValueError, match="weight_decay value: -1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "weight_decay": -1})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_sparse_and_complex_grads_raise_before_any_change(cls):
+    w = torch.nn.Parameter(torch.randn(4))
+    v = torch.nn.Parameter(torch.randn(4))
+    before = (w.detach().clone(), v.detach().clone())
+    opt = cls([v, w], lr=0.1)
+    v.grad = torch.randn(4)
+    w.grad = torch.randn(4).to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    assert torch.equal(v, before[1]) and not opt.state
+    w.grad = None
+    with pytest.raises(ValueError, match="complex"):
+        cls([torch.nn.Parameter(torch.randn(2, dtype=torch.complex64))], lr=0.1)
+    assert torch.equal(w, before[0])
+
+
+def test_integer_params_are_rejected():
+    with pytest.raises(ValueError, match="torch.int64"):
+        LARS([torch.zeros(3, dtype=torch.int64)], lr=0.1)
+
+
+def test_fused_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        LARS([torch.nn.Parameter(torch.randn(2))], lr=0.1, fused=True)
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def _twin_params(seed=0):
+    torch.manual_seed(seed)
+    shapes = [(16, 8), (8,), (32, 16), (16,), (10, 32)]
+    base = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    base[2].zero_()  # a zero-norm layer
+    return [[torch.nn.Parameter(b.clone()) for b in base] for _ in range(2)]
+
+
+def _step_both(ours, theirs, p_ours, p_theirs, steps=5):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for a, b in zip(p_ours, p_theirs):
+            g = torch.randn(a.shape, generator=gen, dtype=torch.float64)
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for a, b in zip(p_ours, p_theirs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("nesterov,trust_clip", [(False, False), (True, False), (False, True)])
+def test_lars_equals_timm_at_constant_lr(nesterov, trust_clip):
+    """timm's Lars keeps lr outside momentum, so the two agree only at constant lr; timm
+    adapts a group only when its weight decay is nonzero (our trust_ratio flag), and its
+    eps defaults to 1e-8 (ours: 0), so eps is passed to both."""
+    from timm.optim import Lars
+
+    p_ours, p_timm = _twin_params()
+    kw = dict(momentum=0.9, nesterov=nesterov, trust_clip=trust_clip, eps=1e-8)
+    ours = LARS([{"params": p_ours[::2], "weight_decay": 1e-3},
+                 {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False}],
+                lr=0.5, trust_coefficient=0.01, **kw)
+    theirs = Lars([{"params": p_timm[::2], "weight_decay": 1e-3},
+                   {"params": p_timm[1::2], "weight_decay": 0.0}],
+                  lr=0.5, trust_coeff=0.01, **kw)
+    _step_both(ours, theirs, p_ours, p_timm)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_lamb_equals_timm(max_grad_norm):
+    """timm's Lamb clips at max_grad_norm=1.0 by default (pass it explicitly) and adapts a
+    group only when its weight decay is nonzero; sqrt(v)/sqrt(bc2) vs sqrt(v/bc2) differ
+    only in rounding."""
+    from timm.optim import Lamb
+
+    p_ours, p_timm = _twin_params()
+    ours = LAMB([{"params": p_ours[::2], "weight_decay": 0.01},
+                 {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False}],
+                lr=0.01, max_grad_norm=max_grad_norm)
+    theirs = Lamb([{"params": p_timm[::2], "weight_decay": 0.01},
+                   {"params": p_timm[1::2], "weight_decay": 0.0}],
+                  lr=0.01, max_grad_norm=max_grad_norm)
+    _step_both(ours, theirs, p_ours, p_timm)
