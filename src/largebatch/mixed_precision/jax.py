@@ -1,0 +1,463 @@
+"""Mixed precision for JAX: loss scaling as a pytree, finiteness checks, step skipping
+and a precision policy.
+
+Training in float16 keeps float32 *master* parameters, runs the forward and backward
+pass in half precision and multiplies the loss by a scale ``S`` so that small
+gradients do not flush to zero in float16 (Micikevicius et al. 2018)::
+
+    grads = unscale(grad(S * loss)(params))       unscale(g) = g * (1 / S), in float32
+    finite = all_finite(grads)
+    S, opt_state, params updated only from finite gradients (skip_if_nonfinite)
+    S = adjust(S, finite)
+
+:class:`DynamicLossScale` follows ``torch.amp.GradScaler``'s rule and defaults: start
+at ``2**16``, halve on every step whose gradients hold an inf or a NaN, double after
+``2000`` finite steps in a row. Every object here is a pytree or a pure function, so
+the whole step, the scale's update included, lives inside one ``jax.jit`` with no
+host synchronisation. bfloat16 has float32's exponent range and normally trains
+without loss scaling (:class:`NoOpLossScale`; Kalamkar et al. 2019).
+
+References:
+  Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018.
+  Kalamkar et al., `A Study of BFLOAT16 for Deep Learning Training
+  <https://arxiv.org/abs/1905.12322>`_, 2019.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "MAX_LOSS_SCALE",
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "all_finite",
+    "select_tree",
+    "skip_if_nonfinite",
+    "SkipIfNonfiniteState",
+    "Policy",
+    "get_policy",
+]
+
+#: The largest loss scale :class:`DynamicLossScale` grows to. ``1 / MAX_LOSS_SCALE``
+#: is float32's smallest normal number, so unscaling never multiplies by a reciprocal
+#: that XLA flushes to zero, and the scale never overflows to inf (``2.0**128`` does).
+MAX_LOSS_SCALE = 2.0**126
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array, or None when it is traced (its value is not known)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """True (a scalar ``bool`` array) when no floating leaf of ``tree`` holds inf or NaN.
+
+    Non-floating leaves are ignored; an empty tree is finite. Works under ``jit``:
+    the answer stays on the device.
+    """
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack(leaves))
+
+
+def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
+
+    For state outside the optimizer (batch-norm statistics, an EMA of the weights) that
+    must also stay put on a skipped step. Both trees need the same structure and dtypes.
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != ():
+        raise ValueError(f"pred must be a scalar, got shape {pred.shape}")
+    return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
+
+
+def _scale_tree(tree: Any, factor: jax.Array) -> Any:
+    """Multiply every floating leaf by ``factor`` in float32; keep each leaf's dtype."""
+
+    def one(x):
+        if not _is_float(x):
+            return x
+        return (x.astype(jnp.float32) * factor).astype(x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+class _LossScaleMethods:
+    """``scale`` / ``unscale`` shared by the loss scales that hold a ``loss_scale``."""
+
+    loss_scale: jax.Array
+
+    def scale(self, tree: Any) -> Any:
+        """``tree * S`` for every floating leaf, computed in float32, cast back.
+
+        Scale a float32 loss: the scaled value must be representable in the leaf's
+        dtype (a float16 leaf above 65504 becomes inf).
+        """
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: Any) -> Any:
+        """``tree * (1 / S)`` for every floating leaf, computed in float32, cast back."""
+        return _scale_tree(tree, 1.0 / self.loss_scale)
+
+
+def _check_number(name: str, value: Any, ok, rule: str, kind: type = numbers.Real) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
+        raise ValueError(f"Invalid {name}: {value} (need {rule})")
+
+
+def _check_loss_scale(loss_scale: Any) -> None:
+    value = _concrete(loss_scale)
+    if value is None:
+        return
+    if not (np.all(np.isfinite(value)) and np.all(value > 0) and np.all(value <= MAX_LOSS_SCALE)):
+        raise ValueError(f"Invalid loss_scale: {loss_scale} (need 0 < loss_scale <= 2**126)")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale(_LossScaleMethods):
+    r"""A loss scale that adapts to overflow, as a pytree (``jit``/``pmap``/shard it).
+
+    With scale :math:`S`, step counter :math:`c`, period :math:`P`, factor :math:`f`
+    and floor :math:`S_{min}`, :meth:`adjust` applies
+
+    .. math::
+
+        \text{finite grads:}\quad & c \leftarrow c + 1;\ \text{if } c = P:\
+            S \leftarrow \min(f S, 2^{126}),\ c \leftarrow 0 \\
+        \text{inf or NaN:}\quad & S \leftarrow \max(S / f, S_{min}),\ c \leftarrow 0
+
+    the rule of ``torch.amp.GradScaler`` (``growth_interval=P``, ``growth_factor=f``,
+    ``backoff_factor=1/f``) with a floor, and with growth capped at
+    :data:`MAX_LOSS_SCALE` so that the scale stays finite and its float32 reciprocal
+    normal (GradScaler instead skips a growth that would give inf).
+
+    ``loss_scale`` (float32) and ``counter`` (int32) are the pytree's leaves;
+    ``period``, ``factor`` and ``min_loss_scale`` are static: they survive
+    flattening, ``jit`` and ``tree_util`` round trips, and changing them recompiles.
+
+    Args:
+      loss_scale: initial scale :math:`S`; ``2**16`` matches GradScaler.
+      counter: finite steps since the last change of scale.
+      period: finite steps between two growths (:math:`P \ge 1`).
+      factor: growth and backoff factor (:math:`f > 1`).
+      min_loss_scale: the scale never drops below this (:math:`0 < S_{min} \le S`).
+
+    Example::
+
+      ls = DynamicLossScale(jnp.float32(2**16))
+      grads = ls.unscale(jax.grad(lambda p: ls.scale(loss_fn(p)))(params))
+      ls = ls.adjust(all_finite(grads))
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array = 0
+    period: int = 2000
+    factor: float = 2.0
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        _check_number("period", self.period, lambda v: v >= 1, "an integer >= 1", numbers.Integral)
+        _check_number("factor", self.factor, lambda v: 1 < v < np.inf, "a finite number > 1")
+        in_range = lambda v: 0 < v <= MAX_LOSS_SCALE  # noqa: E731
+        _check_number("min_loss_scale", self.min_loss_scale, in_range, "0 < it <= 2**126")
+        _check_loss_scale(self.loss_scale)
+        scale = _concrete(self.loss_scale)
+        if scale is not None and np.any(scale < self.min_loss_scale):
+            raise ValueError(
+                f"Invalid min_loss_scale: {self.min_loss_scale} > loss_scale {self.loss_scale}"
+            )
+        counter = _concrete(self.counter)
+        if counter is not None and np.any(counter < 0):
+            raise ValueError(f"Invalid counter: {self.counter} (need >= 0)")
+        object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
+        object.__setattr__(self, "counter", jnp.asarray(self.counter, jnp.int32))
+        object.__setattr__(self, "period", int(self.period))
+        object.__setattr__(self, "factor", float(self.factor))
+        object.__setattr__(self, "min_loss_scale", float(self.min_loss_scale))
+
+    def _static(self) -> tuple[tuple[str, Any], ...]:
+        return tuple((name, getattr(self, name)) for name in ("period", "factor", "min_loss_scale"))
+
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """The next loss scale, given whether this step's gradients were all finite.
+
+        Pure and branch-free (``jnp.where``): ``grads_finite`` may be traced.
+        """
+        finite = jnp.asarray(grads_finite, jnp.bool_)
+        counter = self.counter + 1
+        grow = counter >= self.period
+        grown = jnp.minimum(self.loss_scale * self.factor, MAX_LOSS_SCALE)
+        shrunk = jnp.maximum(self.loss_scale / self.factor, self.min_loss_scale)
+        loss_scale = jnp.where(finite, jnp.where(grow, grown, self.loss_scale), shrunk)
+        counter = jnp.where(finite & ~grow, counter, 0)
+        leaves = (loss_scale.astype(jnp.float32), counter.astype(jnp.int32))
+        return _dynamic_unflatten(self._static(), leaves)
+
+
+def _dynamic_flatten_with_keys(ls: DynamicLossScale):
+    keys = jax.tree_util.GetAttrKey
+    children = ((keys("loss_scale"), ls.loss_scale), (keys("counter"), ls.counter))
+    return children, ls._static()
+
+
+def _dynamic_unflatten(static: tuple[tuple[str, Any], ...], children) -> DynamicLossScale:
+    # Skips __post_init__: the leaves may be traced (or placeholders), the static fields
+    # were checked when the first object was built.
+    new = object.__new__(DynamicLossScale)
+    for name, value in (("loss_scale", children[0]), ("counter", children[1]), *static):
+        object.__setattr__(new, name, value)
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    DynamicLossScale,
+    _dynamic_flatten_with_keys,
+    _dynamic_unflatten,
+    lambda ls: ((ls.loss_scale, ls.counter), ls._static()),
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale(_LossScaleMethods):
+    """A fixed loss scale ``S``: :meth:`adjust` returns it unchanged. A pytree."""
+
+    loss_scale: jax.Array
+
+    def __post_init__(self):
+        _check_loss_scale(self.loss_scale)
+        object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
+
+    def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """``self``: a static scale does not react to overflow."""
+        del grads_finite
+        return self
+
+
+def _static_unflatten(_, children) -> StaticLossScale:
+    new = object.__new__(StaticLossScale)
+    object.__setattr__(new, "loss_scale", children[0])
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    StaticLossScale,
+    lambda ls: (((jax.tree_util.GetAttrKey("loss_scale"), ls.loss_scale),), None),
+    _static_unflatten,
+    lambda ls: ((ls.loss_scale,), None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """No loss scaling (float32 or bfloat16 training): ``scale`` and ``unscale`` return
+    their input untouched, :meth:`adjust` returns ``self``. A pytree with no leaves."""
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, tree: Any) -> Any:
+        return tree
+
+    def unscale(self, tree: Any) -> Any:
+        return tree
+
+    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        del grads_finite
+        return self
+
+
+jax.tree_util.register_pytree_node(
+    NoOpLossScale, lambda ls: ((), None), lambda aux, children: NoOpLossScale()
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Skipping non-finite steps.
+
+
+class SkipIfNonfiniteState(NamedTuple):
+    """State of :func:`skip_if_nonfinite`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state, as of the last finite step.
+      skipped: how many steps were skipped since ``init`` (int32).
+      last_finite: whether the last step's gradients were all finite.
+    """
+
+    inner_state: Any
+    skipped: jax.Array
+    last_finite: jax.Array
+
+
+def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    r"""Wrap ``inner`` so that a step whose gradients hold an inf or a NaN does nothing.
+
+    .. math::
+
+        (u, s') = \begin{cases} \text{inner.update}(g, s, w) & \text{all of } g \text{ finite} \\
+                                (-0, s) & \text{otherwise} \end{cases}
+
+    On a skipped step the updates are negative zeros (``w + (-0) == w`` bitwise for
+    every ``w``, ``-0.0`` included, which ``+0`` would flip) and the inner state is
+    returned as it was: momentum, moments and step counts (LAMB's bias correction
+    included) do not move, so ``optax.apply_updates`` leaves the parameters
+    bit-for-bit unchanged. The choice is made with ``jax.lax.cond`` on the device,
+    with no host synchronisation; the inner update is not computed on a skipped step.
+
+    Unlike ``optax.apply_if_finite`` it never gives up and applies a non-finite
+    update: with :class:`DynamicLossScale` an overflow is resolved by lowering the
+    scale, so every bad step is skipped.
+
+    Args:
+      inner: the transformation to protect, e.g. ``largebatch.jax.lamb(...)``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`SkipIfNonfiniteState`.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipIfNonfiniteState(
+            inner_state=inner.init(params),
+            skipped=jnp.zeros((), jnp.int32),
+            last_finite=jnp.array(True),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        finite = all_finite(updates)
+
+        def apply(_):
+            return inner.update(updates, state.inner_state, params, **extra_args)
+
+        new_updates_shape, _ = jax.eval_shape(apply, None)
+
+        def skip(_):
+            zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), new_updates_shape)
+            return zeros, state.inner_state
+
+        new_updates, inner_state = jax.lax.cond(finite, apply, skip, None)
+        skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+        return new_updates, SkipIfNonfiniteState(inner_state, skipped, finite)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------------------
+# Precision policy.
+
+_DTYPE_NAMES = {
+    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
+    "single": jnp.float32, "full": jnp.float32,
+    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+}  # fmt: skip
+_POLICY_KEYS = {
+    "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
+    "compute": "compute_dtype", "c": "compute_dtype",
+    "output": "output_dtype", "o": "output_dtype",
+}  # fmt: skip
+
+
+def _as_float_dtype(dtype: Any, field: str) -> np.dtype:
+    if isinstance(dtype, str):
+        if dtype.strip().lower() not in _DTYPE_NAMES:
+            raise ValueError(f"Unknown {field} name: {dtype!r} (known: {sorted(_DTYPE_NAMES)})")
+        dtype = _DTYPE_NAMES[dtype.strip().lower()]
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"Invalid {field}: {dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"Invalid {field}: {dtype} is not a floating dtype")
+    return dtype
+
+
+def _cast_floats(tree: Any, dtype: np.dtype) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in, computed in, and returned in.
+
+    Only floating leaves that carry a dtype (arrays) are cast: integer leaves, keys and
+    Python scalars pass through. The usual float16 policy is
+    ``Policy(float32, float16, float32)``: float32 master parameters (the optimizer,
+    LARS/LAMB norms included, runs in float32), a float16 forward and backward, and a
+    float32 output so that the loss is scaled in float32. ``str(policy)`` gives the
+    string :func:`get_policy` reads back.
+
+    Args:
+      param_dtype: dtype of the stored (master) parameters and of the optimizer.
+      compute_dtype: dtype of the forward and backward pass.
+      output_dtype: dtype of the model's output (the loss).
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, _as_float_dtype(getattr(self, field), field))
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Floating leaves to ``param_dtype``."""
+        return _cast_floats(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Floating leaves to ``compute_dtype``."""
+        return _cast_floats(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Floating leaves to ``output_dtype``."""
+        return _cast_floats(tree, self.output_dtype)
+
+    def __str__(self) -> str:
+        names = (self.param_dtype.name, self.compute_dtype.name, self.output_dtype.name)
+        return "params={},compute={},output={}".format(*names)
+
+
+def get_policy(spec: str) -> Policy:
+    """Read a :class:`Policy` from ``"params=float32,compute=bfloat16,output=float32"``.
+
+    Keys: ``params``/``param``/``p``, ``compute``/``c``, ``output``/``o``; a key left
+    out is float32. Dtypes: ``float32`` (``f32``, ``fp32``, ``single``, ``full``),
+    ``float16`` (``f16``, ``fp16``, ``half``), ``bfloat16`` (``bf16``). Unknown or
+    repeated keys and unknown dtypes raise ``ValueError``.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"Invalid policy: {spec!r} (need a string like 'compute=float16')")
+    fields: dict[str, Any] = {}
+    for item in spec.split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in _POLICY_KEYS:
+            raise ValueError(
+                f"Invalid policy item: {item.strip()!r} in {spec!r} (keys: params, compute, output)"
+            )
+        field = _POLICY_KEYS[key]
+        if field in fields:
+            raise ValueError(f"Repeated policy key: {key!r} in {spec!r}")
+        fields[field] = _as_float_dtype(value, field)
+    return Policy(**fields)
