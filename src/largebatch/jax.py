@@ -1,0 +1,72 @@
+"""largebatch for JAX: everything a JAX user imports.
+
+    >>> from largebatch.jax import lamb, lars, exclusion_mask, make_schedule, linear_scaling
+    >>> sched = make_schedule("poly", peak_lr=linear_scaling(0.1, 8192), total_steps=1000,
+    ...                       warmup_steps=100)
+    >>> opt = lars(sched, weight_decay=5e-4, trust_ratio_mask=exclusion_mask)
+
+The optimizers are ``optax.GradientTransformation``\\ s and the schedules optax
+schedules; the transformations they are built from are public too, to be chained
+differently. See ``docs/jax.md``.
+"""
+
+from largebatch.lars.jax import (
+    LarsTrustRatioState,
+    divide_by_global_norm,
+    exclusion_mask,
+    lamb,
+    lars,
+    scale_by_lamb_trust_ratio,
+    scale_by_lars_trust_ratio,
+    scale_by_uncorrected_adam,
+)
+from largebatch.schedules import SCHEDULES, Schedule
+from largebatch.schedules.jax import OptaxSchedule, as_optax_schedule, linear_scaling, make_schedule
+
+__all__ = [
+    # optimizers (largebatch.lars.jax)
+    "lamb",
+    "lars",
+    "exclusion_mask",
+    # their transformations
+    "LarsTrustRatioState",
+    "divide_by_global_norm",
+    "scale_by_lamb_trust_ratio",
+    "scale_by_lars_trust_ratio",
+    "scale_by_uncorrected_adam",
+    # schedules (largebatch.schedules.jax)
+    "SCHEDULES",
+    "OptaxSchedule",
+    "Schedule",
+    "as_optax_schedule",
+    "linear_scaling",
+    "make_schedule",
+]
+
+# ---- mixed precision (largebatch.mixed_precision.jax) -------------------------------
+# Its imports go here, and its names are appended to __all__ below them.
+from largebatch.mixed_precision.jax import (  # noqa: E402
+    MAX_LOSS_SCALE,
+    DynamicLossScale,
+    NoOpLossScale,
+    Policy,
+    SkipIfNonfiniteState,
+    StaticLossScale,
+    all_finite,
+    get_policy,
+    select_tree,
+    skip_if_nonfinite,
+)
+
+__all__ += [
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoOpLossScale",
+    "MAX_LOSS_SCALE",
+    "all_finite",
+    "select_tree",
+    "skip_if_nonfinite",
+    "SkipIfNonfiniteState",
+    "Policy",
+    "get_policy",
+]

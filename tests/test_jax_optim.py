@@ -1,0 +1,464 @@
+"""largebatch.jax.lars / lamb against the float64 reference, optax, and the torch optimizers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+from largebatch.jax import (  # noqa: E402
+    as_optax_schedule,
+    exclusion_mask,
+    lamb,
+    lars,
+    make_schedule,
+)
+from largebatch.lars import reference  # noqa: E402
+from largebatch.schedules import make_schedule as py_make_schedule  # noqa: E402
+
+STEPS = 3
+# Relative to each element, and to the tensor's largest element for elements that come
+# out of a cancellation (w - v with both of order max|w|).
+RTOL = {np.float64: 1e-10, np.float32: 2e-5}
+
+# Awkward leaves: a zero tensor, a zero gradient, odd sizes, an empty tensor, vectors
+# (excluded by exclusion_mask) and a scalar; gradient scales far apart, so LARC's clip
+# and LAMB's clipping bind on some leaves and not on others.
+SHAPES = {
+    "conv": (3, 3, 4, 8),
+    "dense": (1025, 3),
+    "one": (1, 1),
+    "zero_w": (7, 5),
+    "zero_g": (6, 2),
+    "empty": (2, 0),
+    "bias": (1025,),
+    "scale": (1,),
+    "scalar": (),
+}
+GRAD_SCALE = {"conv": 1e-3, "dense": 1.0, "one": 1e2, "bias": 10.0, "scale": 1e-2}
+
+
+def make_problem(dtype, seed=0, shapes=SHAPES):
+    """Params and STEPS gradient trees (numpy, ``dtype``), fixed by ``seed``."""
+    rng = np.random.default_rng(seed)
+    params = {k: np.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
+    if "zero_w" in params:
+        params["zero_w"][...] = 0
+    grads = []
+    for _ in range(STEPS):
+        g = {
+            k: np.asarray(GRAD_SCALE.get(k, 0.1) * rng.standard_normal(s), dtype)
+            for k, s in shapes.items()
+        }
+        if "zero_g" in g:
+            g["zero_g"][...] = 0
+        grads.append(g)
+    return params, grads
+
+
+def run_jax(opt, params, grads, jit=False):
+    """Apply ``opt`` to each gradient tree in turn; returns the params.
+
+    Eager by default: on the CPU, compiling each case's chain costs more than running it
+    (the jitted paths have their own tests below).
+    """
+    params = jax.tree.map(jnp.asarray, params)
+    state = opt.init(params)
+    update = jax.jit(opt.update) if jit else opt.update
+    for g in grads:
+        updates, state = update(jax.tree.map(jnp.asarray, g), state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def leaf_flags(mask, params):
+    """A mask (None, dict or callable) as a dict of bools."""
+    if mask is None:
+        return {k: True for k in params}
+    return dict(mask(params) if callable(mask) else mask)
+
+
+def run_reference_lars(
+    params, grads, *, lr, trust_ratio_mask=None, weight_decay_mask=None, weight_decay=0.0, **kw
+):
+    """``STEPS`` steps of ``reference.lars_step``, leaf by leaf, with the masks as groups."""
+    adapt = leaf_flags(trust_ratio_mask, params)
+    decay = leaf_flags(weight_decay_mask, params)
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    for t, g in enumerate(grads):
+        rate = lr(t) if callable(lr) else lr
+        for k in w:
+            (w[k],), (v[k],) = reference.lars_step(
+                [w[k]], [g[k]], [v[k]], lr=rate, trust_ratio_enabled=adapt[k],
+                weight_decay=weight_decay if decay[k] else 0.0, **kw,
+            )
+    return w
+
+
+def run_reference_lamb(
+    params, grads, *, lr, trust_ratio_mask=None, weight_decay_mask=None, weight_decay=0.0,
+    max_grad_norm=None, b1=0.9, b2=0.999, **kw,
+):
+    """``STEPS`` steps of ``reference.lamb_step``; the clipping divisor spans all leaves."""
+    adapt = leaf_flags(trust_ratio_mask, params)
+    decay = leaf_flags(weight_decay_mask, params)
+    w = {k: np.asarray(x, np.float64) for k, x in params.items()}
+    m = {k: np.zeros_like(x) for k, x in w.items()}
+    v = {k: np.zeros_like(x) for k, x in w.items()}
+    for t, g in enumerate(grads):
+        rate = lr(t) if callable(lr) else lr
+        divisor = reference.lamb_grad_divisor(list(g.values()), max_grad_norm)
+        for k in w:
+            (w[k],), (m[k],), (v[k],) = reference.lamb_step(
+                [w[k]], [g[k]], [m[k]], [v[k]], step=t + 1, lr=rate, betas=(b1, b2),
+                trust_ratio_enabled=adapt[k], weight_decay=weight_decay if decay[k] else 0.0,
+                grad_divisor=divisor, **kw,
+            )
+    return w
+
+
+def assert_trees_close(actual, expected, rtol, dtype=None):
+    """Leaf by leaf, at ``rtol`` of the element or of the leaf's largest element."""
+    for k in expected:
+        a, e = np.asarray(actual[k]), np.asarray(expected[k], np.float64)
+        assert dtype is None or a.dtype == dtype, (k, a.dtype)
+        atol = rtol * np.max(np.abs(e), initial=0.0)
+        np.testing.assert_allclose(a.astype(np.float64), e, rtol=rtol, atol=atol, err_msg=k)
+
+
+SCHED = py_make_schedule("poly", peak_lr=0.4, total_steps=STEPS, warmup_steps=2, init_lr=0.05)
+WD_MASK = {k: k not in ("dense",) for k in SHAPES}  # pytree mask: no decay on "dense"
+
+LARS_CASES = {
+    "defaults": dict(lr=0.1),
+    "wd_eps_tc": dict(lr=0.1, weight_decay=0.01, eps=1e-3, trust_coefficient=0.02),
+    "nesterov": dict(lr=0.1, momentum=0.8, weight_decay=0.01, nesterov=True),
+    "trust_clip": dict(lr=0.5, trust_coefficient=0.5, weight_decay=0.001, trust_clip=True),
+    "no_momentum": dict(lr=0.1, momentum=0.0, weight_decay=0.01),
+    "exclusion": dict(lr=0.1, weight_decay=0.01, trust_ratio_mask=exclusion_mask),
+    "both_masks": dict(
+        lr=0.1, weight_decay=0.01, trust_ratio_mask=exclusion_mask, weight_decay_mask=WD_MASK
+    ),
+    "schedule_clip": dict(lr=SCHED, trust_coefficient=0.5, weight_decay=0.01, trust_clip=True,
+                          trust_ratio_mask=exclusion_mask),
+}
+LAMB_CASES = {
+    "defaults": dict(lr=0.01),
+    "wd": dict(lr=0.01, weight_decay=0.01),
+    "betas_eps": dict(lr=0.01, b1=0.5, b2=0.9, eps=1e-3, weight_decay=0.1),
+    "no_bias_correction": dict(lr=0.01, weight_decay=0.01, bias_correction=False),
+    "max_grad_norm": dict(lr=0.01, weight_decay=0.01, max_grad_norm=1.0),
+    "max_grad_norm_unused": dict(lr=0.01, weight_decay=0.01, max_grad_norm=1e3),
+    "exclusion": dict(lr=0.01, weight_decay=0.01, trust_ratio_mask=exclusion_mask),
+    "both_masks": dict(
+        lr=0.01, weight_decay=0.01, trust_ratio_mask=exclusion_mask, weight_decay_mask=WD_MASK
+    ),
+    "schedule": dict(
+        lr=SCHED, weight_decay=0.01, max_grad_norm=5.0, trust_ratio_mask=exclusion_mask
+    ),
+}
+
+
+def jax_lr(lr, dtype):
+    """A Python schedule as the JAX one of the test's precision."""
+    return as_optax_schedule(lr, dtype) if callable(lr) else lr
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", LARS_CASES)
+def test_lars_matches_reference(case, dtype):
+    kw = dict(LARS_CASES[case])
+    params, grads = make_problem(dtype)
+    expected = run_reference_lars(params, grads, **kw)
+    lr = kw.pop("lr")
+    with jax.enable_x64(dtype == np.float64):
+        actual = run_jax(lars(jax_lr(lr, dtype), **kw), params, grads)
+        assert_trees_close(actual, expected, RTOL[dtype], dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("case", LAMB_CASES)
+def test_lamb_matches_reference(case, dtype):
+    kw = dict(LAMB_CASES[case])
+    params, grads = make_problem(dtype)
+    expected = run_reference_lamb(params, grads, **kw)
+    lr = kw.pop("lr")
+    with jax.enable_x64(dtype == np.float64):
+        actual = run_jax(lamb(jax_lr(lr, dtype), **kw), params, grads)
+        assert_trees_close(actual, expected, RTOL[dtype], dtype)
+
+
+def test_cases_exercise_the_clips():
+    """The trust-clip and max_grad_norm cases bind on some leaves and steps, not all."""
+    params, grads = make_problem(np.float64)
+    kw = LARS_CASES["trust_clip"]
+    clipped = []
+    for k in ("conv", "dense", "one"):
+        w, g = np.linalg.norm(params[k]), np.linalg.norm(grads[0][k])
+        clipped.append(kw["trust_coefficient"] * w / (g + kw["weight_decay"] * w) / kw["lr"] < 1.0)
+    assert any(clipped) and not all(clipped)
+    divisors = [reference.lamb_grad_divisor(list(g.values()), m) for g in grads for m in (1.0, 1e3)]
+    assert all(d > 1.0 for d in divisors[0::2]) and divisors[1::2] == [1.0] * STEPS
+
+
+def test_many_tensors_float32():
+    """161 tensors (ResNet-50's count): conv kernels, vectors, odd sizes."""
+    kinds = [(3, 3, 4, 8), (8,), (1, 1), (1025,), (5, 7)]
+    shapes = {f"p{i:03d}": kinds[i % len(kinds)] for i in range(161)}
+    params, grads = make_problem(np.float32, seed=2, shapes=shapes)
+    kw = dict(weight_decay=1e-3, trust_ratio_mask=exclusion_mask)
+    expected = run_reference_lars(params, grads, lr=0.1, **kw)
+    actual = run_jax(lars(0.1, **kw), params, grads)
+    assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
+    expected = run_reference_lamb(params, grads, lr=0.01, weight_decay=1e-2, max_grad_norm=1.0)
+    actual = run_jax(lamb(0.01, weight_decay=1e-2, max_grad_norm=1.0), params, grads)
+    assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
+
+
+def test_python_schedule_is_accepted():
+    """A largebatch.schedules.Schedule works as learning_rate, also under jit."""
+    params, grads = make_problem(np.float32)
+    kw = dict(peak_lr=0.4, total_steps=3)
+    expected = run_jax(lars(make_schedule("cosine", **kw), trust_clip=True), params, grads)
+    opt = lars(py_make_schedule("cosine", **kw), trust_clip=True)
+    actual = run_jax(opt, params, grads, jit=True)
+    assert_trees_close(actual, expected, RTOL[np.float32])
+
+
+def test_trust_clip_at_a_zero_rate():
+    """Warmup from 0: LARC's min(ratio / 0, 1) is 1, so the first step moves nothing."""
+    params, grads = make_problem(np.float32)
+    sched = make_schedule("poly", peak_lr=0.4, total_steps=STEPS, warmup_steps=2)
+    opt = lars(sched, trust_clip=True, weight_decay=0.01)
+    assert_trees_close(run_jax(opt, params, grads[:1]), params, 0.0)
+    expected = run_reference_lars(
+        params, grads[1:], lr=lambda t: sched.schedule(t + 1), trust_clip=True, weight_decay=0.01
+    )
+    state = opt.init(jax.tree.map(jnp.asarray, params))
+    for g in grads:
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    assert_trees_close(params, expected, RTOL[np.float32])
+
+
+@pytest.mark.parametrize("make", [lars, lamb])
+def test_prefix_and_callable_masks_match_full_masks(make):
+    """Masks as optax takes them: a prefix pytree or a callable give the full mask's numbers."""
+    params, grads = make_problem(np.float32, shapes={"a": (3, 4), "b": (4,), "c": (5, 2)})
+    nest = lambda t: {"x": {"a": t["a"], "b": t["b"]}, "y": t["c"]}  # noqa: E731
+    params, grads = nest(params), [nest(g) for g in grads]
+    full = dict(
+        trust_ratio_mask={"x": {"a": True, "b": False}, "y": True},
+        weight_decay_mask={"x": {"a": False, "b": True}, "y": True},
+    )
+    # "x/b" differs in weight_decay_mask, which cannot matter: it is excluded.
+    prefix = dict(
+        trust_ratio_mask=lambda p: {"x": {"a": True, "b": False}, "y": True},
+        weight_decay_mask={"x": False, "y": True},
+    )
+    a = run_jax(make(0.1, weight_decay=0.1, **full), params, grads)
+    b = run_jax(make(0.1, weight_decay=0.1, **prefix), params, grads)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    # "x/a" adapted but not decayed, "x/b" excluded, "y" adapted and decayed.
+    ref = run_reference_lars if make is lars else run_reference_lamb
+    flat = lambda t: {"a": t["x"]["a"], "b": t["x"]["b"], "c": t["y"]}  # noqa: E731
+    expected = ref(
+        flat(params), [flat(g) for g in grads], lr=0.1, weight_decay=0.1,
+        trust_ratio_mask={"a": True, "b": False, "c": True},
+        weight_decay_mask={"a": False, "b": True, "c": True},
+    )
+    assert_trees_close(flat(a), expected, RTOL[np.float32])
+
+
+# ------------------------------------------------------------------------------ optax
+
+
+def test_lamb_equals_optax_lamb():
+    params, grads = make_problem(np.float32)
+    for ours, theirs in [
+        (lamb(0.01), optax.lamb(0.01)),
+        (lamb(0.01, weight_decay=0.1, weight_decay_mask=exclusion_mask),
+         optax.lamb(0.01, weight_decay=0.1, mask=exclusion_mask)),
+    ]:
+        assert_trees_close(run_jax(ours, params, grads), run_jax(theirs, params, grads), 1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_equals_optax_lars_without_weight_decay(nesterov):
+    """Both keep the rate inside the trace and divide by ||g|| + eps when wd = 0."""
+    params, grads = make_problem(np.float32)
+    sched = make_schedule("poly", peak_lr=0.3, total_steps=STEPS, warmup_steps=1)
+    for kw in (dict(eps=0.0), dict(eps=1e-2, trust_coefficient=0.1)):
+        ours = lars(sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw)
+        theirs = optax.lars(
+            sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw
+        )
+        assert_trees_close(run_jax(ours, params, grads), run_jax(theirs, params, grads), 1e-6)
+
+
+def test_lars_differs_from_optax_lars_with_weight_decay():
+    """optax divides by ||g + wd * w|| and decays excluded leaves; DESIGN §2 does neither."""
+    params, grads = make_problem(np.float32)
+    kw = dict(weight_decay=0.5, trust_ratio_mask=exclusion_mask)
+    ours = run_jax(lars(0.1, **kw), params, grads[:1])
+    theirs = run_jax(optax.lars(0.1, **kw), params, grads[:1])
+    for k in ("dense", "bias"):  # an adapted leaf and an excluded one
+        assert not np.allclose(ours[k], theirs[k], rtol=1e-4), k
+
+
+# -------------------------------------------------------------------- jit and dtypes
+
+
+def _cached_update(opt, params):
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for i in range(3):
+        updates, new_state = update(jax.tree.map(lambda g: g * (i + 1), grads), state, params)
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+        for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+            assert (old.dtype, old.shape, old.weak_type) == (new.dtype, new.shape, new.weak_type)
+        state, params = new_state, optax.apply_updates(params, updates)
+    return update
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: lars(
+            s, weight_decay=1e-4, nesterov=True, trust_clip=True, trust_ratio_mask=exclusion_mask,
+            weight_decay_mask={"w": True, "b": False, "s": False},
+        ),
+        lambda s: lamb(s, weight_decay=1e-2, max_grad_norm=1.0, trust_ratio_mask=exclusion_mask),
+        lambda s: lamb(0.1, bias_correction=False),
+    ],
+    ids=["lars", "lamb", "lamb_uncorrected"],
+)
+def test_jit_does_not_recompile(make):
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "s": jnp.ones((2, 2))}
+    sched = make_schedule("cosine", peak_lr=0.1, total_steps=10, warmup_steps=2)
+    update = _cached_update(make(sched), params)
+    assert update._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [lars(0.1, weight_decay=1e-3), lamb(0.01, weight_decay=1e-2, max_grad_norm=1.0)],
+    ids=["lars", "lamb"],
+)
+def test_bfloat16_params_stay_bfloat16(opt):
+    """bf16 params give bf16 updates and state, within bf16 rounding of the float32 updates."""
+    params32 = {"w": jnp.ones((64, 64)), "v": jnp.linspace(-1.0, 1.0, 4096).reshape(64, 64)}
+    grads32 = {"w": jnp.full((64, 64), 0.5), "v": jnp.ones((64, 64))}
+    to_bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)  # noqa: E731
+    params16, grads16 = to_bf16(params32), to_bf16(grads32)
+    state = opt.init(params16)
+    updates, state = jax.jit(opt.update)(grads16, state, params16)
+    for leaf in jax.tree.leaves((updates, state)):
+        assert leaf.dtype in (jnp.bfloat16, jnp.int32), leaf.dtype
+    expected, _ = opt.update(grads32, opt.init(params32), params32)
+    for k in expected:
+        np.testing.assert_allclose(
+            np.asarray(updates[k], np.float32), expected[k], rtol=2e-2, atol=1e-6, err_msg=k
+        )
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "build, value",
+    [
+        (lambda: lars(-0.1), "-0.1"),
+        (lambda: lars(0.1, momentum=1.0), "1.0"),
+        (lambda: lars(0.1, momentum=-0.5), "-0.5"),
+        (lambda: lars(0.1, trust_coefficient=0.0), "0.0"),
+        (lambda: lars(0.1, eps=-1e-8), "-1e-08"),
+        (lambda: lars(0.1, weight_decay=-1e-4), "-0.0001"),
+        (lambda: lars(float("nan")), "nan"),
+        (lambda: lamb(-1.0), "-1.0"),
+        (lambda: lamb(0.1, b1=1.0), "1.0"),
+        (lambda: lamb(0.1, b2=-0.1), "-0.1"),
+        (lambda: lamb(0.1, eps=-1.0), "-1.0"),
+        (lambda: lamb(0.1, weight_decay=-0.01), "-0.01"),
+        (lambda: lamb(0.1, max_grad_norm=0.0), "0.0"),
+    ],
+)
+def test_bad_hyperparameters_raise_on_build(build, value):
+    with pytest.raises(ValueError, match=value.replace(".", r"\.").replace("+", r"\+")):
+        build()
+
+
+def test_update_needs_params():
+    params = {"w": jnp.ones((2, 2))}
+    for opt in (lars(0.1), lamb(0.1)):
+        with pytest.raises(ValueError, match="(?i)params"):
+            opt.update(params, opt.init(params))
+    assert lars(jnp.float32(0.1)) and lamb(np.float32(0.1))  # array scalars are rates too
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def _torch_groups(torch, params, adapt):
+    tensors = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    groups = [
+        {"params": [tensors[k] for k in params if adapt[k]], "trust_ratio": True},
+        {"params": [tensors[k] for k in params if not adapt[k]], "trust_ratio": False},
+    ]
+    return tensors, groups
+
+
+@pytest.mark.parametrize(
+    "name, jax_kw, torch_kw",
+    [
+        ("LARS", dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01),
+         dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01)),
+        ("LARS", dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3),
+         dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3)),
+        ("LAMB", dict(b1=0.8, b2=0.99, weight_decay=1e-2, max_grad_norm=1.0),
+         dict(betas=(0.8, 0.99), weight_decay=1e-2, max_grad_norm=1.0)),
+        ("LAMB", dict(weight_decay=1e-2, bias_correction=False),
+         dict(weight_decay=1e-2, bias_correction=False)),
+    ],
+)
+def test_torch_and_jax_agree(name, jax_kw, torch_kw):
+    """Same float32 inputs, same param split: the same params after several steps."""
+    torch = pytest.importorskip("torch")
+    from largebatch.torch import LAMB, LARS
+
+    params, grads = make_problem(np.float32)
+    adapt = exclusion_mask(params)
+    tensors, groups = _torch_groups(torch, params, adapt)
+    lr = 0.1 if name == "LARS" else 0.01
+    opt = (LARS if name == "LARS" else LAMB)(groups, lr, **torch_kw)
+    for g in grads:
+        for k, t in tensors.items():
+            t.grad = torch.tensor(g[k])
+        opt.step()
+    make = lars if name == "LARS" else lamb
+    actual = run_jax(make(lr, trust_ratio_mask=exclusion_mask, **jax_kw), params, grads)
+    expected = {k: t.detach().numpy() for k, t in tensors.items()}
+    assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
+
+
+# ---------------------------------------------------------------------------- facade
+
+
+def test_facade_exports_and_imports_no_torch():
+    """Every name in largebatch.jax.__all__ exists, and importing it loads no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, largebatch.jax as m\n"
+        "missing = [n for n in m.__all__ if not hasattr(m, n)]\n"
+        "assert not missing, missing\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
