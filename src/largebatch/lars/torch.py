@@ -158,7 +158,11 @@ class _LayerwiseOptimizer(Optimizer):
         for pid, entry in state_dict["state"].items():
             param = by_id[pid]
             for key, value in entry.items():
-                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                if key == "step":
+                    # torch keeps the given step tensor itself: copy it, so the two
+                    # optimizers do not share one counter.
+                    self.state[param][key] = self.state[param][key].clone()
+                elif isinstance(value, Tensor) and value.is_floating_point():
                     self.state[param][key] = value.to(device=param.device, copy=True)
 
     def _gather(self, group: dict[str, Any]) -> dict[str, list]:
@@ -355,10 +359,10 @@ class LARS(_LayerwiseOptimizer):
             )
 
     def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
-        from largebatch.lars import triton_kernels
+        from largebatch.lars.triton_kernels import fused_lars_step_
 
-        groups = _fused_groups(self.param_groups, gathered, ("momentum_buffer",), _lars_hyper)
-        triton_kernels.fused_lars_step_(groups, grad_scale=grad_scale, found_inf=found_inf)
+        _run_fused(self, gathered, self._state_keys, _lars_hyper, fused_lars_step_,
+                    grad_scale=grad_scale, found_inf=found_inf)
 
 
 def _lars_kwargs(group: dict[str, Any]) -> dict[str, Any]:
@@ -578,12 +582,10 @@ class LAMB(_LayerwiseOptimizer):
             )
 
     def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
-        from largebatch.lars import triton_kernels
+        from largebatch.lars.triton_kernels import fused_lamb_step_
 
-        groups = _fused_groups(self.param_groups, gathered, ("exp_avg", "exp_avg_sq"), _lamb_hyper)
-        triton_kernels.fused_lamb_step_(
-            groups, max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf
-        )
+        _run_fused(self, gathered, self._state_keys, _lamb_hyper, fused_lamb_step_,
+                    max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
 
 
 def _lamb_kwargs(group: dict[str, Any]) -> dict[str, Any]:
@@ -733,21 +735,36 @@ def _lamb_hyper(group: dict[str, Any]) -> dict[str, Any]:
     )}}
 
 
-def _fused_groups(param_groups, gathered, state_keys, hyper):  # noqa: ANN001, ANN202
+def _run_fused(opt, gathered, state_keys, hyper, kernel, **kwargs):  # noqa: ANN001, ANN202
+    """Build the kernels' groups, take the step, then copy each group's step count (which
+    the kernels advance on the device unless the step is skipped) to its other params."""
     from largebatch.lars import triton_kernels
 
-    groups = []
-    for group, g in zip(param_groups, gathered):
+    groups, counts = [], []
+    for group, g in zip(opt.param_groups, gathered):
         if not g["params"]:
             continue
-        device = g["params"][0].device
-        lr = group["lr"]
-        lr = lr.to(device=device, dtype=torch.float32) if isinstance(lr, Tensor) else torch.tensor(
-            float(lr), dtype=torch.float32, device=device
-        )
-        masters = g["masters"] if any(m is not None for m in g["masters"]) else None
         groups.append(triton_kernels.FusedGroup(
-            params=g["params"], grads=g["grads"], masters=masters,
-            state={k: g[k] for k in state_keys}, step=g["steps"][0], lr=lr, hyper=hyper(group),
+            params=g["params"], grads=g["grads"], masters=g["masters"],
+            state={k: g[k] for k in state_keys}, step=g["steps"][0],
+            lr=_device_lr(opt, group, g["params"][0].device), hyper=hyper(group),
         ))
-    return groups
+        counts.append(g["steps"])
+    kernel(groups, **kwargs)
+    rest = [s for steps in counts for s in steps[1:]]
+    if rest:
+        torch._foreach_copy_(rest, [steps[0] for steps in counts for _ in steps[1:]])
+
+
+def _device_lr(opt, group, device) -> Tensor:  # noqa: ANN001
+    """The group's lr as an fp32 0-dim tensor on ``device``: the group's own tensor when it
+    holds one (the CUDA-graph-friendly way), else one kept per group and refilled, so the
+    kernels' address tables stay valid from step to step."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and lr.device == device and lr.dtype == torch.float32:
+        return lr
+    cache = opt.__dict__.setdefault("_fused_lr", {})
+    buf = cache.get(id(group))
+    if buf is None or buf.device != device:
+        buf = cache[id(group)] = torch.zeros((), dtype=torch.float32, device=device)
+    return buf.fill_(lr) if not isinstance(lr, Tensor) else buf.copy_(lr)
