@@ -1,0 +1,404 @@
+"""Time one optimizer step on a real model's parameter shapes, provider against provider.
+
+    python benchmarks/optimizer_step.py                      # ResNet-50, CPU (make bench)
+    python benchmarks/optimizer_step.py --model bert-large --device cuda --json out.json
+    python benchmarks/optimizer_step.py --providers ours,timm
+
+Every provider updates the same tensors (fp32 weights with random gradients, fixed seed)
+in one process: our LARS and LAMB (per-tensor loop and ``torch._foreach_*``), timm's
+``Lars``/``Lamb``, torch-optimizer's ``Lamb``, optax's ``lars``/``lamb`` under
+``jax.jit``, and plain foreach momentum SGD as a floor. Each runs warmup steps, then the
+median of ``--steps`` timed steps is reported as ms/step and as effective bandwidth: the
+fewest bytes a step must move per parameter (fp32, each tensor read or written once),
+
+    SGD-momentum, LARS: read w, g, v; write w, v     = 20 B
+    LAMB:               read w, g, m, v; write w, m, v = 28 B
+
+divided by the time, next to the copy bandwidth measured here (``dst.copy_(src)`` on a
+large tensor, bytes read + written). ``vs ours`` is ms/step over our foreach step of the
+same family (SGD against LARS); below 1 is faster than ours.
+
+A provider is one row of :data:`PROVIDERS`; adding one is adding a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+Shapes = list[tuple[int, ...]]
+Step = Callable[[], None]
+
+BYTES_PER_PARAM = {"sgd": 20, "lars": 20, "lamb": 28}
+BASELINE = {"sgd": "ours LARS foreach", "lars": "ours LARS foreach", "lamb": "ours LAMB foreach"}
+# The same hyperparameters for every provider of a family (weight decay on, so that every
+# provider takes its full path; timm's Lars adapts only when weight_decay != 0).
+LR, MOMENTUM, LARS_WD, LAMB_WD = 1.0, 0.9, 1e-4, 0.01
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def resnet50_shapes() -> Shapes:
+    """The 161 parameter shapes of torchvision's ResNet-50 (25.6M params)."""
+    import torchvision
+
+    return [tuple(p.shape) for p in torchvision.models.resnet50().parameters()]
+
+
+def bert_large_shapes() -> Shapes:
+    """BERT-large's encoder (24 layers, hidden 1024, intermediate 4096), embeddings, pooler.
+
+    Vocabulary 30,522, 512 positions, 2 token types: 391 tensors, 335M params.
+    """
+    hidden, inter, layers = 1024, 4096, 24
+    vector = (hidden,)
+    embeddings = [(30522, hidden), (512, hidden), (2, hidden), vector, vector]  # + LayerNorm
+    layer = (
+        [(hidden, hidden), vector] * 4  # query, key, value, attention output: weight, bias
+        + [vector, vector]  # attention LayerNorm
+        + [(inter, hidden), (inter,), (hidden, inter), vector]  # feed-forward
+        + [vector, vector]  # output LayerNorm
+    )
+    return embeddings + layer * layers + [(hidden, hidden), vector]  # pooler
+
+
+MODELS: dict[str, Callable[[], Shapes]] = {
+    "resnet50": resnet50_shapes,
+    "bert-large": bert_large_shapes,
+}
+
+
+# --------------------------------------------------------------------------- providers
+
+
+def _random_arrays(shapes: Shapes, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal(s, dtype=np.float32) * 0.05 for s in shapes]
+    grads = [rng.standard_normal(s, dtype=np.float32) * 1e-3 for s in shapes]
+    return weights, grads
+
+
+def torch_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):  # noqa: ANN201
+    """A provider's ``make`` for a torch.optim.Optimizer built by ``factory(params)``."""
+
+    def make(shapes: Shapes, device: str, seed: int) -> Step:
+        weights, grads = _random_arrays(shapes, seed)
+        params = []
+        for w, g in zip(weights, grads):
+            p = torch.nn.Parameter(torch.from_numpy(w).to(device))
+            p.grad = torch.from_numpy(g).to(device)
+            params.append(p)
+        return factory(params).step
+
+    return make
+
+
+def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int) -> Step:
+    """The floor: momentum SGD as three ``torch._foreach_*`` calls, no norms."""
+    weights, grads = _random_arrays(shapes, seed)
+    ws = [torch.from_numpy(w).to(device) for w in weights]
+    gs = [torch.from_numpy(g).to(device) for g in grads]
+    vs = [torch.zeros_like(w) for w in ws]
+
+    def step() -> None:
+        torch._foreach_mul_(vs, MOMENTUM)
+        torch._foreach_add_(vs, gs)
+        torch._foreach_add_(ws, vs, alpha=-LR)
+
+    return step
+
+
+def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
+    """A provider's ``make`` for an optax transformation, jitted with donated params and state."""
+
+    def make(shapes: Shapes, device: str, seed: int) -> Step:
+        import jax
+        import optax
+
+        platform_name = "gpu" if device.startswith("cuda") else "cpu"
+        target = jax.devices(platform_name)[0]
+        weights, grads = _random_arrays(shapes, seed)
+        params = [jax.device_put(w, target) for w in weights]
+        gs = [jax.device_put(g, target) for g in grads]
+        tx = factory()
+
+        def update(params, state, grads):  # noqa: ANN001, ANN202
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        jitted = jax.jit(update, donate_argnums=(0, 1))
+        carry = [params, tx.init(params)]
+
+        def step() -> None:
+            carry[0], carry[1] = jitted(carry[0], carry[1], gs)
+            jax.block_until_ready(carry[0])
+
+        return step
+
+    return make
+
+
+def _ours(name: str, **kwargs):  # noqa: ANN001, ANN202
+    def factory(params):  # noqa: ANN001, ANN202
+        from largebatch import torch as lb
+
+        return getattr(lb, name)(params, fused=False, **kwargs)
+
+    return torch_optimizer(factory)
+
+
+def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
+    def factory(params):  # noqa: ANN001, ANN202
+        import timm.optim
+
+        return getattr(timm.optim, name)(params, **kwargs)
+
+    return torch_optimizer(factory)
+
+
+def _torch_optimizer_lamb(params):  # noqa: ANN001, ANN202
+    import torch_optimizer
+
+    return torch_optimizer.Lamb(params, lr=LR, weight_decay=LAMB_WD)
+
+
+def _optax(name: str, **kwargs):  # noqa: ANN001, ANN202
+    def factory():  # noqa: ANN202
+        import optax
+
+        return getattr(optax, name)(learning_rate=LR, **kwargs)
+
+    return optax_jit(factory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    family: str  # "sgd", "lars" or "lamb": bytes per param and the baseline of "vs ours"
+    make: Callable[[Shapes, str, int], Step]  # builds tensors and state, returns one step
+    needs: str = "torch"  # the module it imports; a provider whose module is missing is skipped
+
+
+_LARS = dict(lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD)
+_LAMB = dict(lr=LR, weight_decay=LAMB_WD)
+PROVIDERS: list[Provider] = [
+    Provider("ours LARS loop", "lars", _ours("LARS", **_LARS, foreach=False)),
+    Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, foreach=True)),
+    Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
+    Provider("optax lars (jit)", "lars",
+             _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
+    Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, foreach=False)),
+    Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, foreach=True)),
+    Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
+    Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
+             needs="torch_optimizer"),
+    Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    Provider("foreach SGD-momentum (floor)", "sgd", foreach_sgd_momentum),
+]
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Step, device: str, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def copy_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` on a ``nbytes`` fp32 tensor."""
+    src = torch.rand(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = statistics.median(time_steps(lambda: dst.copy_(src), device, warmup=2, steps=repeats))
+    return 2 * nbytes / seconds
+
+
+def _available(module: str) -> str | None:
+    try:
+        __import__(module)
+    except Exception as err:  # noqa: BLE001 - any import failure means "skip this provider"
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _jax_has(device: str) -> str | None:
+    import jax
+
+    platform_name = "gpu" if device.startswith("cuda") else "cpu"
+    try:
+        jax.devices(platform_name)
+    except RuntimeError:
+        return f"jax has no {platform_name} backend"
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(names)
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for dist in ("torch", "timm", "torch-optimizer", "jax", "optax"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def run(
+    model: str, device: str, steps: int, warmup: int, names: list[str] | None,
+    rounds: int = 1, seed: int = 0,
+) -> dict:
+    """Time every selected provider; return the results as a JSON-ready dict.
+
+    With ``rounds > 1`` the whole sweep repeats (each provider rebuilt and warmed up
+    again) and each median is over all rounds' steps, so that a burst of load from
+    other processes is shared among the providers instead of landing on one.
+    """
+    shapes = MODELS[model]()
+    n_params = sum(int(np.prod(s)) for s in shapes)
+    wanted = [n.lower() for n in names or []]
+    selected = [p for p in PROVIDERS if not wanted or any(n in p.name.lower() for n in wanted)]
+    if not selected:
+        known = ", ".join(p.name for p in PROVIDERS)
+        raise SystemExit(f"--providers {','.join(names)} matches none of: {known}")
+    skipped = {}
+    for provider in selected:
+        why = _available(provider.needs)
+        if why is None and provider.needs == "optax":
+            why = _jax_has(device)
+        if why is not None:
+            skipped[provider.name] = why
+    runnable = [p for p in selected if p.name not in skipped]
+    times: dict[str, list[float]] = {p.name: [] for p in runnable}
+    copy_bws = []
+    for r in range(rounds):
+        copy_bws.append(copy_bandwidth(device))
+        for provider in runnable:
+            step = provider.make(shapes, device, seed)
+            times[provider.name] += time_steps(step, device, warmup, steps)
+            del step
+            gc.collect()
+            ms = statistics.median(times[provider.name][-steps:]) * 1e3
+            print(f"  round {r + 1}/{rounds} {provider.name}: {ms:.2f} ms",
+                  file=sys.stderr, flush=True)
+    copy_bw = statistics.median(copy_bws)
+    rows = []
+    for provider in runnable:
+        seconds = statistics.median(times[provider.name])
+        gb_s = BYTES_PER_PARAM[provider.family] * n_params / seconds / 1e9
+        rows.append(dict(provider=provider.name, family=provider.family, ms=seconds * 1e3,
+                         gb_s=gb_s, copy_fraction=gb_s * 1e9 / copy_bw))
+    ms = {r["provider"]: r["ms"] for r in rows}
+    for r in rows:
+        base = ms.get(BASELINE[r["family"]])
+        r["vs_ours"] = r["ms"] / base if base else None
+    return dict(
+        model=model, tensors=len(shapes), params=n_params, device=device,
+        device_name=(
+            torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
+        ),
+        torch_threads=torch.get_num_threads(), steps=steps, warmup=warmup, rounds=rounds,
+        copy_gb_s=copy_bw / 1e9, versions=_versions(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        rows=rows, skipped=skipped,
+    )
+
+
+def format_table(res: dict) -> str:
+    """The results as a header line and a Markdown table."""
+    lines = [
+        f"{res['model']}: {res['tensors']} tensors, {res['params'] / 1e6:.1f}M fp32 params, "
+        f"{res['device']} ({res['device_name']}), {res['torch_threads']} torch threads; "
+        f"median of {res['rounds']} x {res['steps']} steps (each round after "
+        f"{res['warmup']} warmup steps); copy bandwidth {res['copy_gb_s']:.1f} GB/s",
+        "",
+        f"| {'provider':<30} | {'B/param':>7} | {'ms/step':>8} | {'GB/s':>6} | {'of copy':>7} "
+        f"| {'vs ours':>7} |",
+        f"|{'-' * 32}|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 8}:|{'-' * 8}:|",
+    ]
+    for r in res["rows"]:
+        ratio = f"{r['vs_ours']:.2f}x" if r["vs_ours"] is not None else "-"
+        lines.append(
+            f"| {r['provider']:<30} | {BYTES_PER_PARAM[r['family']]:>7} | {r['ms']:>8.2f} | "
+            f"{r['gb_s']:>6.2f} | {r['copy_fraction']:>7.0%} | {ratio:>7} |"
+        )
+    for name, why in res["skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps per provider (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the sweep; medians over all rounds (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
+    parser.add_argument("--providers", default=None,
+                        help="comma-separated substrings of provider names to run (default: all)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch and XLA (default: torch's default, all cores)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the results to OUT")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error(f"--steps and --rounds must be >= 1 and --warmup >= 0 "
+                     f"(got {args.steps}, {args.rounds}, {args.warmup})")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available to torch here")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1 (got {args.threads})")
+        torch.set_num_threads(args.threads)
+        if args.threads == 1:  # read when jax is first imported, which happens later
+            os.environ["XLA_FLAGS"] = (
+                os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+            ).strip()
+    names = [n for n in args.providers.split(",") if n] if args.providers else None
+    result = run(args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

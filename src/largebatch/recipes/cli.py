@@ -1,0 +1,51 @@
+"""The ``largebatch`` command line: one subcommand per recipe module.
+
+Each command is a row of :data:`COMMANDS`: a module with ``add_arguments(parser)`` and
+``main(args) -> int``. Only the chosen command's module is imported, so ``largebatch
+--help`` loads no framework. Adding a command is adding a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+import largebatch
+
+__all__ = ["COMMANDS", "main"]
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "largebatch.recipes.demo",
+        "LARS vs momentum SGD at a 32K-equivalent batch on Fashion-MNIST (a few minutes on a CPU)",
+    ),
+}
+
+
+def _load(name: str):  # noqa: ANN202
+    module = COMMANDS[name][0]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise SystemExit(
+            f"largebatch {name} needs {err.name!r}: pip install 'largebatch[recipes]'"
+        ) from err
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="largebatch", description="Large-minibatch training: LARS, LAMB, warmup schedules."
+    )
+    parser.add_argument("--version", action="version", version=f"largebatch {largebatch.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if argv[:1] == [name]:  # only the chosen command's module is imported
+            _load(name).add_arguments(sub)
+    args = parser.parse_args(argv)
+    return _load(args.command).main(args)

@@ -1,0 +1,89 @@
+"""The demo end to end through the CLI, the framework-free package root, and the data loader."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from largebatch.recipes.data import FASHION_MNIST_FILES, fashion_mnist_dir, load_fashion_mnist
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.mark.slow
+def test_demo_cli_trains_both_optimizers_above_chance():
+    proc = _run("-m", "largebatch", "demo", "--subset", "4096", "--batch-size", "128",
+                "--epochs", "2", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "ImageNet-equivalent" in out and "2 epochs x 32 steps = 64 steps" in out, out
+    accuracies = dict(re.findall(r"^(LARS|SGD\+momentum)\s+\S+\s+([\d.]+)%\s+[\d.]+s$", out, re.M))
+    assert set(accuracies) == {"LARS", "SGD+momentum"}, out
+    for name, acc in accuracies.items():
+        # 10 classes: chance is 10%; 64 steps reach about 50-60%.
+        assert float(acc) > 35.0, f"{name} test accuracy {acc}% is near chance:\n{out}"
+
+
+def test_demo_rejects_a_subset_smaller_than_the_batch():
+    proc = _run("-m", "largebatch", "demo", "--subset", "100", "--batch-size", "256")
+    assert proc.returncode != 0
+    assert "Invalid subset: 100" in proc.stderr
+
+
+def test_cli_help_lists_demo():
+    proc = _run("-m", "largebatch", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "demo" in proc.stdout
+
+
+def test_import_largebatch_loads_no_framework():
+    code = (
+        "import sys, largebatch, largebatch.recipes.cli; "
+        "loaded = [m for m in ('torch', 'jax') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("split, n", [("train", 60_000), ("test", 10_000)])
+def test_load_fashion_mnist_shapes_and_labels(split, n):
+    images, labels = load_fashion_mnist(split)
+    assert images.shape == (n, 28, 28) and images.dtype == np.uint8
+    assert labels.shape == (n,) and labels.dtype == np.int64
+    # Fashion-MNIST is balanced: every one of the 10 classes holds a tenth of each split.
+    np.testing.assert_array_equal(np.bincount(labels), np.full(10, n // 10))
+    assert 0 < images.mean() < 255
+
+
+def test_load_fashion_mnist_rejects_unknown_split():
+    with pytest.raises(ValueError, match="Unknown split 'val'"):
+        load_fashion_mnist("val")
+
+
+def test_missing_data_says_how_to_install(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"apt-get install dataset-fashion-mnist") as err:
+        load_fashion_mnist("train", root=tmp_path / "absent")
+    assert str(tmp_path / "absent") in str(err.value)
+
+
+def test_corrupted_file_fails_its_checksum(tmp_path):
+    source = fashion_mnist_dir()
+    for name in FASHION_MNIST_FILES:
+        shutil.copy(source / name, tmp_path / name)
+    target = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    target.write_bytes(bytes(raw))
+    load_fashion_mnist("train", root=tmp_path)  # the untouched split still loads
+    with pytest.raises(ValueError, match="Checksum mismatch"):
+        load_fashion_mnist("test", root=tmp_path)
