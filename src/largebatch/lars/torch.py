@@ -15,6 +15,7 @@ contract (``_step_supports_amp_scaling``): gradients are unscaled inside the ste
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Iterable
@@ -241,6 +242,23 @@ class _LayerwiseOptimizer(Optimizer):
         raise NotImplementedError
 
 
+@functools.cache
+def _compiled_body(body: Callable[..., None]) -> Callable[..., None]:
+    """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
+    (norms, then the fused elementwise update) serves every tensor of a given dtype and
+    hyperparameter set, whatever its size."""
+    return torch.compile(body, dynamic=True, fullgraph=True)
+
+
+def _pick_body(body, compiled_body, tensors):  # noqa: ANN001, ANN202
+    """The compiled body on flat views of contiguous tensors of 2+ elements, else the
+    eager one (sizes 0 and 1 would each cost a compile of their own)."""
+    present = [t for t in tensors if t is not None]
+    if compiled_body is None or present[0].numel() < 2 or not all(t.is_contiguous() for t in present):
+        return body, tensors
+    return compiled_body, tuple(None if t is None else t.view(-1) for t in tensors)
+
+
 def _use_foreach(foreach: bool | None) -> bool:
     return True if foreach is None else foreach
 
@@ -297,6 +315,9 @@ class LARS(_LayerwiseOptimizer):
       foreach: ``None`` or ``True``: ``torch._foreach_*`` ops; ``False``: a per-tensor loop.
       fused: ``None``: the Triton kernels when every param is on CUDA and triton imports;
         ``True``: always (CPU tensors need ``TRITON_INTERPRET=1``).
+      compiled: the per-tensor update through ``torch.compile`` (a norm kernel and one
+        fused elementwise kernel per tensor: the fast CPU path). ``None``: for CPU models
+        of ``COMPILE_MIN_NUMEL`` (2**20) elements or more; the first step compiles.
 
     Example:
       >>> from largebatch.torch import LARS, param_groups
@@ -327,6 +348,7 @@ class LARS(_LayerwiseOptimizer):
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         params = list(params)
         defaults = dict(
@@ -340,7 +362,8 @@ class LARS(_LayerwiseOptimizer):
             trust_ratio=trust_ratio,
             master_weights=master_weights,
             foreach=foreach,
-            fused=_resolve_fused(fused, params),
+            fused=(fused := _resolve_fused(fused, params)),
+            compiled=_resolve_compiled(compiled, params, fused),
         )
         super().__init__(params, defaults)
 
@@ -356,6 +379,7 @@ class LARS(_LayerwiseOptimizer):
             lars(
                 g["params"], g["grads"], g["momentum_buffer"], g["masters"], g["steps"],
                 **_lars_kwargs(group), grad_scale=grad_scale, foreach=group["foreach"],
+                compiled=group["compiled"],
             )
 
     def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
@@ -389,18 +413,20 @@ def lars(
     trust_ratio: bool,
     grad_scale: Tensor | None = None,
     foreach: bool | None = None,
+    compiled: bool = False,
 ) -> None:
     """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
 
     ``masters[i]`` is the fp32 master of ``params[i]`` or None; ``grad_scale`` divides the
     grads (the GradScaler scale). The grads are never written.
     """
-    fn = _foreach_lars if _use_foreach(foreach) else _single_tensor_lars
+    kwargs = {"compiled": True} if compiled else {}
+    fn = _single_tensor_lars if compiled or not _use_foreach(foreach) else _foreach_lars
     fn(
         params, grads, momentum_buffers, masters, state_steps,
         lr=lr, momentum=momentum, weight_decay=weight_decay,
         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-        trust_clip=trust_clip, trust_ratio=trust_ratio, grad_scale=grad_scale,
+        trust_clip=trust_clip, trust_ratio=trust_ratio, grad_scale=grad_scale, **kwargs,
     )
 
 
@@ -411,31 +437,44 @@ def _lars_ratio(w_norm, g_norm, *, lr, weight_decay, trust_coefficient, eps, tru
     return torch.clamp(ratio / lr, max=1.0) if trust_clip else ratio
 
 
+def _lars_one(
+    p, grad, buf, master, lr, grad_scale, *,  # noqa: ANN001
+    momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
+) -> None:
+    """LARS on one tensor (``weight_decay`` already 0 for excluded groups). ``lr`` is a
+    float, or a 0-dim tensor when this body runs compiled."""
+    w = p if master is None else master
+    g = _unscaled(grad, w, grad_scale)
+    d = g.add(w, alpha=weight_decay) if weight_decay != 0 else g
+    if trust_ratio:
+        ratio = _lars_ratio(
+            _norm(w), _norm(g), lr=lr, weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
+        )
+        scaled = d * (lr * ratio)
+    else:
+        scaled = d * lr
+    buf.mul_(momentum).add_(scaled)
+    if nesterov:
+        w.sub_(scaled.add_(buf, alpha=momentum))
+    else:
+        w.sub_(buf)
+    if master is not None:
+        p.copy_(master)
+
+
 def _single_tensor_lars(
     params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
-    lr, momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
-    grad_scale,  # noqa: ANN001
+    lr, weight_decay, trust_ratio, grad_scale, compiled=False, **hyper,  # noqa: ANN001
 ) -> None:
     wd = weight_decay if trust_ratio else 0.0
+    compiled_body = _compiled_body(_lars_one) if compiled else None
+    if compiled:
+        lr = torch.as_tensor(lr, dtype=torch.float64)  # a tensor: no recompile when lr moves
     for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
-        w = p if master is None else master
-        g = _unscaled(grad, w, grad_scale)
-        d = g.add(w, alpha=wd) if wd != 0 else g
-        if trust_ratio:
-            ratio = _lars_ratio(
-                _norm(w), _norm(g), lr=lr, weight_decay=wd,
-                trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
-            )
-            scaled = d * (lr * ratio)
-        else:
-            scaled = d * lr
-        buf.mul_(momentum).add_(scaled)
-        if nesterov:
-            w.sub_(scaled.add_(buf, alpha=momentum))
-        else:
-            w.sub_(buf)
-        if master is not None:
-            p.copy_(master)
+        tensors = (p, grad, buf, master)
+        body, tensors = _pick_body(_lars_one, compiled_body, tensors)
+        body(*tensors, lr, grad_scale, weight_decay=wd, trust_ratio=trust_ratio, **hyper)
         step.add_(1)
 
 
@@ -500,7 +539,7 @@ class LAMB(_LayerwiseOptimizer):
       lr: the global learning rate. betas: each in [0, 1). eps: >= 0. weight_decay: >= 0.
       bias_correction: divide the moments by 1 - b^t.
       max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
-      master_weights, foreach, fused: as in :class:`LARS`.
+      master_weights, foreach, fused, compiled: as in :class:`LARS`.
 
     References:
       You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
@@ -523,6 +562,7 @@ class LAMB(_LayerwiseOptimizer):
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        compiled: bool | None = None,
     ) -> None:
         if max_grad_norm is not None and not (
             isinstance(max_grad_norm, numbers.Real) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
@@ -538,7 +578,8 @@ class LAMB(_LayerwiseOptimizer):
             trust_ratio=trust_ratio,
             master_weights=master_weights,
             foreach=foreach,
-            fused=_resolve_fused(fused, params),
+            fused=(fused := _resolve_fused(fused, params)),
+            compiled=_resolve_compiled(compiled, params, fused),
         )
         self.max_grad_norm = max_grad_norm
         super().__init__(params, defaults)
@@ -579,6 +620,7 @@ class LAMB(_LayerwiseOptimizer):
             lamb(
                 g["params"], g["grads"], g["exp_avg"], g["exp_avg_sq"], g["masters"], g["steps"],
                 **_lamb_kwargs(group), grad_divisor=divisor, foreach=group["foreach"],
+                compiled=group["compiled"],
             )
 
     def _fused_step(self, gathered, *, grad_scale, found_inf):  # noqa: ANN001
@@ -608,17 +650,20 @@ def lamb(
     trust_ratio: bool,
     grad_divisor: Tensor | None = None,
     foreach: bool | None = None,
+    compiled: bool = False,
 ) -> None:
     """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
 
     ``grad_divisor`` divides every grad first: the GradScaler scale times the global
     clipping divisor, or None. The grads are never written.
     """
-    fn = _foreach_lamb if _use_foreach(foreach) else _single_tensor_lamb
+    kwargs = {"compiled": True} if compiled else {}
+    fn = _single_tensor_lamb if compiled or not _use_foreach(foreach) else _foreach_lamb
     fn(
         params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
         bias_correction=bias_correction, trust_ratio=trust_ratio, grad_divisor=grad_divisor,
+        **kwargs,
     )
 
 
@@ -629,30 +674,45 @@ def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction:
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
 
 
+def _lamb_one(
+    p, grad, m, v, master, lr, grad_divisor, bc1, bc2, *,  # noqa: ANN001
+    betas, eps, weight_decay, trust_ratio,  # noqa: ANN001
+) -> None:
+    """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
+    already 0 for excluded groups). ``lr``, ``bc1``, ``bc2`` are floats, or 0-dim
+    tensors when this body runs compiled."""
+    b1, b2 = betas
+    w = p if master is None else master
+    g = _unscaled(grad, w, grad_divisor)
+    m.mul_(b1).add_(g, alpha=1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    if weight_decay != 0:
+        u.add_(w, alpha=weight_decay)
+    if trust_ratio:
+        w_norm, u_norm = _norm(w), _norm(u)
+        ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
+    else:
+        ratio = 1.0
+    w.sub_(u.mul_(lr * ratio))
+    if master is not None:
+        p.copy_(master)
+
+
 def _single_tensor_lamb(
     params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
-    lr, betas, eps, weight_decay, bias_correction, trust_ratio, grad_divisor,  # noqa: ANN001
+    lr, betas, eps, weight_decay, bias_correction, trust_ratio, grad_divisor, compiled=False,  # noqa: ANN001
 ) -> None:
-    b1, b2 = betas
     wd = weight_decay if trust_ratio else 0.0
+    compiled_body = _compiled_body(_lamb_one) if compiled else None
+    as_arg = (lambda x: torch.as_tensor(x, dtype=torch.float64)) if compiled else (lambda x: x)
+    lr = as_arg(lr)
     for p, grad, m, v, master, step in zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps):
-        w = p if master is None else master
-        g = _unscaled(grad, w, grad_divisor)
         step.add_(1)
-        bc1, bc2 = _bias_corrections(step, betas, bias_correction)
-        m.mul_(b1).add_(g, alpha=1.0 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-        if wd != 0:
-            u.add_(w, alpha=wd)
-        if trust_ratio:
-            w_norm, u_norm = _norm(w), _norm(u)
-            ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
-        else:
-            ratio = 1.0
-        w.sub_(u.mul_(lr * ratio))
-        if master is not None:
-            p.copy_(master)
+        bc1, bc2 = (as_arg(bc) for bc in _bias_corrections(step, betas, bias_correction))
+        body, tensors = _pick_body(_lamb_one, compiled_body, (p, grad, m, v, master))
+        body(*tensors, lr, grad_divisor, bc1, bc2, betas=betas, eps=eps, weight_decay=wd,
+             trust_ratio=trust_ratio)
 
 
 def _foreach_lamb(
@@ -704,8 +764,7 @@ def _triton_available() -> bool:
 
 def _resolve_fused(fused: bool | None, params: list[Any]) -> bool:
     """``fused=None``: fused when every param is on CUDA and triton imports."""
-    tensors = [p for entry in params for p in (entry["params"] if isinstance(entry, dict) else [entry])]
-    tensors = [t for t in tensors if isinstance(t, Tensor)]
+    tensors = _tensors(params)
     if fused is None:
         return bool(tensors) and all(t.is_cuda for t in tensors) and _triton_available()
     if fused:
@@ -720,6 +779,28 @@ def _resolve_fused(fused: bool | None, params: list[Any]) -> bool:
                 "CPU the Triton kernels run only under TRITON_INTERPRET=1 (set before import)"
             )
     return bool(fused)
+
+
+# The compiled CPU path pays a one-time compile (seconds, cached on disk by Inductor): by
+# default it is chosen only for models large enough for the step's speed to matter.
+COMPILE_MIN_NUMEL = 1 << 20
+
+
+def _resolve_compiled(compiled: bool | None, params: list[Any], fused: bool) -> bool:
+    """``compiled=None``: the compiled path for CPU models of COMPILE_MIN_NUMEL+ elements."""
+    if fused and compiled:
+        raise ValueError("compiled=True and fused=True cannot both be set")
+    if compiled is not None:
+        return compiled
+    tensors = _tensors(params)
+    return (not fused and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+            and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL)
+
+
+def _tensors(params: list[Any]) -> list[Tensor]:
+    entries = (entry["params"] if isinstance(entry, dict) else [entry] for entry in params)
+    flat = (p for entry in entries for p in ([entry] if isinstance(entry, Tensor) else entry))
+    return [t for t in flat if isinstance(t, Tensor)]
 
 
 def _lars_hyper(group: dict[str, Any]) -> dict[str, Any]:

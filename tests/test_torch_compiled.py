@@ -1,0 +1,83 @@
+"""The compiled CPU path (torch.compile of the per-tensor update) against the float64 spec.
+
+Each structural variant (dtype, flags, master or not) compiles once, so the table is kept
+small: it covers every branch of the two bodies without paying for every combination.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from largebatch.lars.torch import COMPILE_MIN_NUMEL
+from largebatch.torch import LAMB, LARS
+from torch_cases import (
+    AWKWARD_SHAPES,
+    assert_close,
+    make_problem,
+    run_reference_lamb,
+    run_reference_lars,
+    run_torch,
+)
+
+LRS = [0.5, 1.0, 2.0, 0.25]
+EXCLUDED = [{}, {"weight_decay": 0.0, "trust_ratio": False}]
+CASES = [
+    (LARS, dict(weight_decay=1e-3, nesterov=True), EXCLUDED),
+    (LARS, dict(weight_decay=1e-3, trust_clip=True, eps=1e-3), [{}, {}]),
+    (LAMB, dict(weight_decay=1e-2, max_grad_norm=0.5), EXCLUDED),
+    (LAMB, dict(bias_correction=False), [{}, {}]),
+]
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("cls,kwargs,group_opts", CASES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(CASES)])
+def test_compiled_matches_reference(cls, kwargs, group_opts):
+    params, grads = make_problem(AWKWARD_SHAPES, len(LRS))
+    before = _graphs()
+    ours, opt = run_torch(cls, params, grads, dtype=torch.float32, group_opts=group_opts,
+                          sizes=[5, 2], lrs=LRS, compiled=True, **kwargs)
+    assert opt.param_groups[0]["compiled"] is True
+    run_ref = run_reference_lars if cls is LARS else run_reference_lamb
+    ref = run_ref(params, grads, group_opts=group_opts, sizes=[5, 2], lrs=LRS, **kwargs)[0]
+    assert_close(ours, ref, torch.float32)
+    assert opt.num_steps == len(LRS)
+    assert _graphs() > before or before > 0  # the compiled body ran (or was compiled earlier)
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls):
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).half()
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [cls(m.parameters(), lr=0.1, master_weights=True, compiled=c) for m, c in zip(models, (False, True))]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    x, y = torch.randn(64, 16).half(), torch.randint(0, 4, (64,))
+    for step in range(3):
+        for model, opt, scaler in zip(models, opts, scalers):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if step == 1:
+                model[0].weight.grad[0, 0] = float("inf")  # an overflow step: skipped by both
+            scaler.step(opt)
+            scaler.update()
+    assert opts[0].num_steps == opts[1].num_steps == 2
+    for a, b in zip(*(o.state_dict()["state"].values() for o in opts)):
+        torch.testing.assert_close(a["master_param"], b["master_param"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+
+
+def test_compiled_is_the_default_for_large_cpu_models_only():
+    small = [torch.nn.Parameter(torch.zeros(10))]
+    large = [torch.nn.Parameter(torch.zeros(COMPILE_MIN_NUMEL))]
+    assert LARS(small, lr=0.1).param_groups[0]["compiled"] is False
+    assert LARS(large, lr=0.1).param_groups[0]["compiled"] is True
+    assert LAMB(large, lr=0.1, compiled=False).param_groups[0]["compiled"] is False
+    with pytest.raises(ValueError, match="compiled=True and fused=True"):
+        LARS(small, lr=0.1, compiled=True, fused=True)
