@@ -43,7 +43,11 @@ Shapes = list[tuple[int, ...]]
 Step = Callable[[], None]
 
 BYTES_PER_PARAM = {"sgd": 20, "lars": 20, "lamb": 28}
-BASELINE = {"sgd": "ours LARS foreach", "lars": "ours LARS foreach", "lamb": "ours LAMB foreach"}
+# "vs ours" divides by our default path on the device: compiled on the CPU, fused on CUDA.
+BASELINE = {
+    "cpu": {"sgd": "ours LARS compiled", "lars": "ours LARS compiled", "lamb": "ours LAMB compiled"},
+    "cuda": {"sgd": "ours LARS fused", "lars": "ours LARS fused", "lamb": "ours LAMB fused"},
+}
 # The same hyperparameters for every provider of a family (weight decay on, so that every
 # provider takes its full path; timm's Lars adapts only when weight_decay != 0).
 LR, MOMENTUM, LARS_WD, LAMB_WD = 1.0, 0.9, 1e-4, 0.01
@@ -85,10 +89,18 @@ MODELS: dict[str, Callable[[], Shapes]] = {
 # --------------------------------------------------------------------------- providers
 
 
+# --precision: the dtype of the params (and grads) every provider updates. In fp16 our
+# optimizers keep fp32 master weights (master_weights=True); the peers have no such
+# option and update the fp16 params directly.
+PRECISION = {"fp32": np.float32, "fp16": np.float16}
+_precision = ["fp32"]
+
+
 def _random_arrays(shapes: Shapes, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
-    weights = [rng.standard_normal(s, dtype=np.float32) * 0.05 for s in shapes]
-    grads = [rng.standard_normal(s, dtype=np.float32) * 1e-3 for s in shapes]
+    dtype = PRECISION[_precision[0]]
+    weights = [(rng.standard_normal(s, dtype=np.float32) * 0.05).astype(dtype) for s in shapes]
+    grads = [(rng.standard_normal(s, dtype=np.float32) * 1e-3).astype(dtype) for s in shapes]
     return weights, grads
 
 
@@ -156,9 +168,16 @@ def _ours(name: str, **kwargs):  # noqa: ANN001, ANN202
     def factory(params):  # noqa: ANN001, ANN202
         from largebatch import torch as lb
 
-        return getattr(lb, name)(params, fused=False, **kwargs)
+        masters = _precision[0] != "fp32"
+        return getattr(lb, name)(params, master_weights=masters, **kwargs)
 
     return torch_optimizer(factory)
+
+
+_LOOP = dict(foreach=False, compiled=False, fused=False)
+_FOREACH = dict(foreach=True, compiled=False, fused=False)
+_COMPILED = dict(compiled=True, fused=False)
+_FUSED = dict(fused=True)
 
 
 def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
@@ -191,18 +210,23 @@ class Provider:
     family: str  # "sgd", "lars" or "lamb": bytes per param and the baseline of "vs ours"
     make: Callable[[Shapes, str, int], Step]  # builds tensors and state, returns one step
     needs: str = "torch"  # the module it imports; a provider whose module is missing is skipped
+    cuda_only: bool = False
 
 
 _LARS = dict(lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD)
 _LAMB = dict(lr=LR, weight_decay=LAMB_WD)
 PROVIDERS: list[Provider] = [
-    Provider("ours LARS loop", "lars", _ours("LARS", **_LARS, foreach=False)),
-    Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, foreach=True)),
+    Provider("ours LARS loop", "lars", _ours("LARS", **_LARS, **_LOOP)),
+    Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, **_FOREACH)),
+    Provider("ours LARS compiled", "lars", _ours("LARS", **_LARS, **_COMPILED)),
+    Provider("ours LARS fused", "lars", _ours("LARS", **_LARS, **_FUSED), needs="triton", cuda_only=True),
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
     Provider("optax lars (jit)", "lars",
              _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
-    Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, foreach=False)),
-    Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, foreach=True)),
+    Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
+    Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
+    Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
+    Provider("ours LAMB fused", "lamb", _ours("LAMB", **_LAMB, **_FUSED), needs="triton", cuda_only=True),
     Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
              needs="torch_optimizer"),
@@ -231,6 +255,25 @@ def time_steps(step: Step, device: str, warmup: int, steps: int) -> list[float]:
         _sync(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def launches_per_step(step: Step, device: str) -> int | None:
+    """Kernels launched by one step (torch profiler): CUDA kernels on a GPU; on the CPU,
+    operator calls (top-level ``aten::`` ops and compiled-graph calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    events = prof.events()
+    if device.startswith("cuda"):
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    ops = [e for e in events if e.name.startswith("aten::") or "Compiled" in e.name]
+    inside = {id(c) for e in ops for c in e.cpu_children}
+    return sum(1 for e in ops if id(e) not in inside) or None
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 10) -> float:
@@ -301,16 +344,23 @@ def run(
         why = _available(provider.needs)
         if why is None and provider.needs == "optax":
             why = _jax_has(device)
+        if why is None and provider.cuda_only and not device.startswith("cuda"):
+            why = "runs on CUDA only (the CPU runs its kernels only in Triton's interpreter)"
         if why is not None:
             skipped[provider.name] = why
     runnable = [p for p in selected if p.name not in skipped]
     times: dict[str, list[float]] = {p.name: [] for p in runnable}
+    launches: dict[str, int | None] = {}
     copy_bws = []
     for r in range(rounds):
         copy_bws.append(copy_bandwidth(device))
         for provider in runnable:
             step = provider.make(shapes, device, seed)
             times[provider.name] += time_steps(step, device, warmup, steps)
+            if r == 0:
+                launches[provider.name] = (
+                    launches_per_step(step, device) if provider.needs != "optax" else None
+                )
             del step
             gc.collect()
             ms = statistics.median(times[provider.name][-steps:]) * 1e3
@@ -322,13 +372,15 @@ def run(
         seconds = statistics.median(times[provider.name])
         gb_s = BYTES_PER_PARAM[provider.family] * n_params / seconds / 1e9
         rows.append(dict(provider=provider.name, family=provider.family, ms=seconds * 1e3,
-                         gb_s=gb_s, copy_fraction=gb_s * 1e9 / copy_bw))
+                         gb_s=gb_s, copy_fraction=gb_s * 1e9 / copy_bw,
+                         launches=launches.get(provider.name)))
     ms = {r["provider"]: r["ms"] for r in rows}
+    baseline = BASELINE["cuda" if device.startswith("cuda") else "cpu"]
     for r in rows:
-        base = ms.get(BASELINE[r["family"]])
+        base = ms.get(baseline[r["family"]])
         r["vs_ours"] = r["ms"] / base if base else None
     return dict(
-        model=model, tensors=len(shapes), params=n_params, device=device,
+        model=model, tensors=len(shapes), params=n_params, device=device, precision=_precision[0],
         device_name=(
             torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
         ),
@@ -342,20 +394,21 @@ def run(
 def format_table(res: dict) -> str:
     """The results as a header line and a Markdown table."""
     lines = [
-        f"{res['model']}: {res['tensors']} tensors, {res['params'] / 1e6:.1f}M fp32 params, "
+        f"{res['model']}: {res['tensors']} tensors, {res['params'] / 1e6:.1f}M {res['precision']} params, "
         f"{res['device']} ({res['device_name']}), {res['torch_threads']} torch threads; "
         f"median of {res['rounds']} x {res['steps']} steps (each round after "
         f"{res['warmup']} warmup steps); copy bandwidth {res['copy_gb_s']:.1f} GB/s",
         "",
         f"| {'provider':<30} | {'B/param':>7} | {'ms/step':>8} | {'GB/s':>6} | {'of copy':>7} "
-        f"| {'vs ours':>7} |",
-        f"|{'-' * 32}|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 8}:|{'-' * 8}:|",
+        f"| {'launches':>8} | {'vs ours':>7} |",
+        f"|{'-' * 32}|{'-' * 8}:|{'-' * 9}:|{'-' * 7}:|{'-' * 8}:|{'-' * 9}:|{'-' * 8}:|",
     ]
     for r in res["rows"]:
         ratio = f"{r['vs_ours']:.2f}x" if r["vs_ours"] is not None else "-"
+        launches = r["launches"] if r["launches"] is not None else "-"
         lines.append(
             f"| {r['provider']:<30} | {BYTES_PER_PARAM[r['family']]:>7} | {r['ms']:>8.2f} | "
-            f"{r['gb_s']:>6.2f} | {r['copy_fraction']:>7.0%} | {ratio:>7} |"
+            f"{r['gb_s']:>6.2f} | {r['copy_fraction']:>7.0%} | {launches:>8} | {ratio:>7} |"
         )
     for name, why in res["skipped"].items():
         lines.append(f"skipped {name}: {why}")
@@ -372,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
+    parser.add_argument("--precision", choices=sorted(PRECISION), default="fp32",
+                        help="param dtype; fp16 gives our optimizers fp32 masters (default %(default)s)")
     parser.add_argument("--providers", default=None,
                         help="comma-separated substrings of provider names to run (default: all)")
     parser.add_argument("--threads", type=int, default=None,
@@ -392,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
             ).strip()
     names = [n for n in args.providers.split(",") if n] if args.providers else None
+    _precision[0] = args.precision
     result = run(args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds)
     print(format_table(result))
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import largebatch.lars.torch as lars_torch
 from largebatch.lars.torch import COMPILE_MIN_NUMEL
 from largebatch.torch import LAMB, LARS
 from torch_cases import (
@@ -28,6 +29,13 @@ CASES = [
     (LAMB, dict(weight_decay=1e-2, max_grad_norm=0.5), EXCLUDED),
     (LAMB, dict(bias_correction=False), [{}, {}]),
 ]
+
+
+@pytest.fixture(autouse=True)
+def compile_small_tensors(monkeypatch):
+    """Send every tensor of 2+ elements to the compiled body (by default only tensors of
+    COMPILE_MIN_TENSOR+ elements go there, the rest through foreach)."""
+    monkeypatch.setattr(lars_torch, "COMPILE_MIN_TENSOR", 2)
 
 
 def _graphs() -> int:
@@ -71,6 +79,13 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls):
         torch.testing.assert_close(a["master_param"], b["master_param"], rtol=1e-5, atol=1e-6)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+
+
+def test_split_sends_small_and_strided_tensors_to_foreach(monkeypatch):
+    monkeypatch.setattr(lars_torch, "COMPILE_MIN_TENSOR", 100)
+    ps = [torch.zeros(100), torch.zeros(99), torch.zeros(10, 20).t(), torch.zeros(300)]
+    large, small = lars_torch._split_for_compile((ps, list(range(4))))
+    assert large[1] == [0, 3] and small[1] == [1, 2]
 
 
 def test_compiled_is_the_default_for_large_cpu_models_only():

@@ -250,6 +250,21 @@ def _compiled_body(body: Callable[..., None]) -> Callable[..., None]:
     return torch.compile(body, dynamic=True, fullgraph=True)
 
 
+# Each compiled call costs a fixed ~0.2 ms of dispatch on the host: tensors below this
+# size go through one foreach pass instead (in ResNet-50 they are 107 of 161 tensors
+# and 0.3% of the elements).
+COMPILE_MIN_TENSOR = 1 << 16
+
+
+def _split_for_compile(lists: tuple[list, ...]) -> tuple[tuple[list, ...], tuple[list, ...]]:
+    """``lists`` (params first) cut in two: the entries of contiguous params of
+    COMPILE_MIN_TENSOR+ elements, for the compiled body, and the rest, for foreach."""
+    large = [i for i, p in enumerate(lists[0]) if p.numel() >= COMPILE_MIN_TENSOR and p.is_contiguous()]
+    chosen = set(large)
+    small = [i for i in range(len(lists[0])) if i not in chosen]
+    return tuple([xs[i] for i in large] for xs in lists), tuple([xs[i] for i in small] for xs in lists)
+
+
 def _pick_body(body, compiled_body, tensors):  # noqa: ANN001, ANN202
     """The compiled body on flat views of contiguous tensors of 2+ elements, else the
     eager one (sizes 0 and 1 would each cost a compile of their own)."""
@@ -420,14 +435,18 @@ def lars(
     ``masters[i]`` is the fp32 master of ``params[i]`` or None; ``grad_scale`` divides the
     grads (the GradScaler scale). The grads are never written.
     """
-    kwargs = {"compiled": True} if compiled else {}
-    fn = _single_tensor_lars if compiled or not _use_foreach(foreach) else _foreach_lars
-    fn(
-        params, grads, momentum_buffers, masters, state_steps,
+    hyper = dict(
         lr=lr, momentum=momentum, weight_decay=weight_decay,
         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-        trust_clip=trust_clip, trust_ratio=trust_ratio, grad_scale=grad_scale, **kwargs,
+        trust_clip=trust_clip, trust_ratio=trust_ratio, grad_scale=grad_scale,
     )
+    lists = (params, grads, momentum_buffers, masters, state_steps)
+    if compiled:
+        large, small = _split_for_compile(lists)
+        _single_tensor_lars(*large, compiled=True, **hyper)
+        _foreach_lars(*small, **hyper)
+    else:
+        (_foreach_lars if _use_foreach(foreach) else _single_tensor_lars)(*lists, **hyper)
 
 
 def _lars_ratio(w_norm, g_norm, *, lr, weight_decay, trust_coefficient, eps, trust_clip):  # noqa: ANN001, ANN202
@@ -657,14 +676,17 @@ def lamb(
     ``grad_divisor`` divides every grad first: the GradScaler scale times the global
     clipping divisor, or None. The grads are never written.
     """
-    kwargs = {"compiled": True} if compiled else {}
-    fn = _single_tensor_lamb if compiled or not _use_foreach(foreach) else _foreach_lamb
-    fn(
-        params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
+    hyper = dict(
         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
         bias_correction=bias_correction, trust_ratio=trust_ratio, grad_divisor=grad_divisor,
-        **kwargs,
     )
+    lists = (params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
+    if compiled:
+        large, small = _split_for_compile(lists)
+        _single_tensor_lamb(*large, compiled=True, **hyper)
+        _foreach_lamb(*small, **hyper)
+    else:
+        (_foreach_lamb if _use_foreach(foreach) else _single_tensor_lamb)(*lists, **hyper)
 
 
 def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool) -> tuple[float, float]:
