@@ -2,21 +2,25 @@
 
     python benchmarks/optimizer_step.py                      # ResNet-50, CPU (make bench)
     python benchmarks/optimizer_step.py --model bert-large --device cuda --json out.json
-    python benchmarks/optimizer_step.py --providers ours,timm
+    python benchmarks/optimizer_step.py --precision fp16 --providers "ours,timm"
 
-Every provider updates the same tensors (fp32 weights with random gradients, fixed seed)
-in one process: our LARS and LAMB (per-tensor loop and ``torch._foreach_*``), timm's
-``Lars``/``Lamb``, torch-optimizer's ``Lamb``, optax's ``lars``/``lamb`` under
-``jax.jit``, and plain foreach momentum SGD as a floor. Each runs warmup steps, then the
-median of ``--steps`` timed steps is reported as ms/step and as effective bandwidth: the
-fewest bytes a step must move per parameter (fp32, each tensor read or written once),
+Every provider updates the same tensors (random weights and gradients, fixed seed) in
+one process: our LARS and LAMB on each path (per-tensor loop, ``torch._foreach_*``,
+the compiled CPU path, and the fused Triton kernels on CUDA), timm's ``Lars``/``Lamb``,
+torch-optimizer's ``Lamb``, optax's ``lars``/``lamb`` under ``jax.jit``, and plain
+foreach momentum SGD as a floor. Each runs warmup steps, then the median of ``--steps``
+timed steps is reported as ms/step and as effective bandwidth: the fewest bytes a step
+must move per parameter (each tensor read or written once),
 
-    SGD-momentum, LARS: read w, g, v; write w, v     = 20 B
-    LAMB:               read w, g, m, v; write w, m, v = 28 B
+    SGD-momentum, LARS: read w, g, v; write w, v     = 20 B  (fp32)
+    LAMB:               read w, g, m, v; write w, m, v = 28 B  (fp32)
 
-divided by the time, next to the copy bandwidth measured here (``dst.copy_(src)`` on a
-large tensor, bytes read + written). ``vs ours`` is ms/step over our foreach step of the
-same family (SGD against LARS); below 1 is faster than ours.
+(fp16 params with fp32 masters move the same 20 and 28 B: fp16 g and param, fp32
+master and state) divided by the time, next to the copy bandwidth measured here
+(``dst.copy_(src)`` on a large tensor, bytes read + written). ``launches`` counts what
+one step launches (torch profiler): CUDA kernels on a GPU, operator calls on the CPU.
+``vs ours`` is ms/step over our default path on the device (compiled on the CPU, fused
+on CUDA) of the same family (SGD against LARS); above 1 is slower than ours.
 
 A provider is one row of :data:`PROVIDERS`; adding one is adding a row.
 """
