@@ -404,11 +404,11 @@ class LARS(_LayerwiseOptimizer):
                     grad_scale=grad_scale, found_inf=found_inf)
 
 
+_LARS_HYPER = ("momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip", "trust_ratio")
+
+
 def _lars_kwargs(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: group[k] for k in (
-        "lr", "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip",
-        "trust_ratio",
-    )}
+    return {k: group[k] for k in ("lr", *_LARS_HYPER)}
 
 
 def lars(
@@ -649,8 +649,11 @@ class LAMB(_LayerwiseOptimizer):
                     max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
 
 
+_LAMB_HYPER = ("eps", "weight_decay", "bias_correction", "trust_ratio")
+
+
 def _lamb_kwargs(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "trust_ratio")}
+    return {k: group[k] for k in ("lr", "betas", *_LAMB_HYPER)}
 
 
 def lamb(
@@ -826,16 +829,13 @@ def _tensors(params: list[Any]) -> list[Tensor]:
 
 
 def _lars_hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: group[k] for k in (
-        "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip", "trust_ratio"
-    )}
+    """The fused kernels' hyperparameters of a LARS group."""
+    return {k: group[k] for k in _LARS_HYPER}
 
 
 def _lamb_hyper(group: dict[str, Any]) -> dict[str, Any]:
     b1, b2 = group["betas"]
-    return {"beta1": b1, "beta2": b2, **{k: group[k] for k in (
-        "eps", "weight_decay", "bias_correction", "trust_ratio"
-    )}}
+    return {"beta1": b1, "beta2": b2, **{k: group[k] for k in _LAMB_HYPER}}
 
 
 def _run_fused(opt, gathered, state_keys, hyper, kernel, **kwargs):  # noqa: ANN001, ANN202
