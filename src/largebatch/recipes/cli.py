@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "largebatch.recipes.demo",
         "LARS vs momentum SGD at a 32K-equivalent batch on Fashion-MNIST (a few minutes on a CPU)",
     ),
+    "train": ("largebatch.recipes.train", "train a named recipe (largebatch recipes lists them)"),
+    "recipes": ("largebatch.recipes.registry", "list the recipes: model, batch, optimizer, paper"),
 }
 
 

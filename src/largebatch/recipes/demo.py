@@ -28,12 +28,12 @@ from torch import Tensor, nn
 
 from largebatch.recipes.data import load_fashion_mnist
 from largebatch.recipes.models import small_cnn
+from largebatch.recipes.registry import imagenet_equivalent
 from largebatch.schedules import linear_scaling, make_schedule
 from largebatch.torch import LARS, ScheduleLR, param_groups
 
-__all__ = ["DemoConfig", "RunResult", "imagenet_equivalent", "run_demo", "add_arguments", "main"]
+__all__ = ["DemoConfig", "RunResult", "fashion_mnist_tensors", "run_demo", "add_arguments", "main"]
 
-IMAGENET_TRAIN_IMAGES = 1_281_167
 # Training-set statistics of Fashion-MNIST pixels scaled to [0, 1].
 _MEAN, _STD = 0.2860, 0.3530
 _EVAL_CHUNK = 2000
@@ -62,11 +62,6 @@ class DemoConfig:
     sgd_base_lr: float = 0.1  # at batch 256, scaled linearly
 
 
-def imagenet_equivalent(batch_size: int, train_images: int) -> int:
-    """The ImageNet batch taking the same fraction of an epoch per step: ``B * 1,281,167 / N``."""
-    return round(batch_size * IMAGENET_TRAIN_IMAGES / train_images)
-
-
 def _check_config(cfg: DemoConfig) -> None:
     for name, low in (("epochs", 1), ("batch_size", 1), ("seed", 0)):
         value = getattr(cfg, name)
@@ -83,7 +78,8 @@ def _check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"Invalid threads: {cfg.threads} (must be >= 1)")
 
 
-def _to_tensors(images, labels, limit: int | None) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+def fashion_mnist_tensors(images, labels, limit: int | None) -> tuple[Tensor, Tensor]:  # noqa: ANN001
+    """Normalized float images [N, 1, 28, 28] (channels-last) and int64 labels, first ``limit``."""
     images, labels = images[:limit], labels[:limit]
     x = torch.from_numpy(images.copy()).unsqueeze(1).float().div_(255.0)
     x = x.sub_(_MEAN).div_(_STD).contiguous(memory_format=torch.channels_last)
@@ -167,8 +163,8 @@ def run_demo(
     torch.set_num_threads(threads)
     train = load_fashion_mnist("train", cfg.data)
     test = load_fashion_mnist("test", cfg.data)
-    x_train, y_train = _to_tensors(*train, cfg.subset)
-    x_test, y_test = _to_tensors(*test, cfg.subset)
+    x_train, y_train = fashion_mnist_tensors(*train, cfg.subset)
+    x_test, y_test = fashion_mnist_tensors(*test, cfg.subset)
     data = (x_train, y_train, x_test, y_test)
 
     n = len(y_train)

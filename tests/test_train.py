@@ -1,0 +1,185 @@
+"""``largebatch train`` and ``largebatch recipes``: outputs, resume, torchrun, errors, the table."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from largebatch.recipes.cli import main as cli
+from largebatch.recipes.registry import RECIPES, Recipe, get_recipe, imagenet_equivalent
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# Small Fashion-MNIST runs: 2,048 images, batch 128 (16 steps an epoch), no warmup.
+TINY = ["train", "--recipe", "fmnist-sgd-128", "--subset", "2048"]
+
+
+def _params(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+
+
+def test_one_epoch_writes_every_output_and_beats_chance(tmp_path, capsys):
+    assert cli([*TINY, "--epochs", "1", "--out", str(tmp_path)]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1, metrics
+    row = metrics[0]
+    for key in ("train_loss", "test_accuracy", "lr", "images_per_second",
+                "trust_ratio_min", "trust_ratio_median", "trust_ratio_max"):
+        assert row[key] is not None, (key, row)
+    assert 0 < row["trust_ratio_min"] <= row["trust_ratio_median"] <= row["trust_ratio_max"], row
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # 10 classes: chance is 10%; 16 SGD steps reach about 35%.
+    assert summary["test_accuracy"] > 0.2, summary
+    assert summary["test_accuracy"] == row["test_accuracy"]
+    assert summary["imagenet_equivalent_batch"] == imagenet_equivalent(128, 60_000)
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["epoch"] == 1 and ckpt["optimizer"]["state"] and "last_epoch" in ckpt["scheduler"]
+
+
+def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path):
+    # LARS with warmup and poly decay: the optimizer, schedule and data order all matter.
+    args = ["train", "--subset", "1024", "--batch-size", "256", "--epochs", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    cli([*args, "--out", str(straight)])
+    cli([*args, "--out", str(split), "--stop-after", "1"])
+    first = _params(split)
+    cli([*args, "--out", str(split), "--resume"])
+    a, b = _params(straight), _params(split)
+    assert any(not torch.equal(first[k], b[k]) for k in b), "the resumed epoch changed nothing"
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+    lines = (split / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+
+
+def test_torchrun_two_processes_end_with_identical_params(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "largebatch", "train", "--subset", "1024", "--batch-size", "256",
+           "--micro-batch", "64", "--epochs", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = dict(re.findall(r"^rank (\d)/2: params sha256 ([0-9a-f]{64})$", proc.stdout, re.M))
+    assert set(digests) == {"0", "1"}, proc.stdout
+    assert digests["0"] == digests["1"], digests
+    assert "= 2 x 2 x 64" in proc.stdout, proc.stdout  # 2 processes x 2 micro-batches of 64
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["params_sha256"] == digests["0"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--recipe", "resnet50-nope"], "Unknown recipe 'resnet50-nope'; known recipes: "),
+        ([*TINY, "--data", "/no/such/dir"], "data directory not found: /no/such/dir"),
+        (["train", "--recipe", "resnet50-goyal-8k", "--data", "/no/such/imagenet"],
+         "data directory not found: /no/such/imagenet/train"),
+        ([*TINY, "--micro-batch", "48"], "micro-batch 48 must divide the per-process batch 128"),
+        ([*TINY, "--precision", "fp16"], "precision 'fp16' needs fp32 master weights"),
+    ],
+)
+def test_clear_errors(argv, message, tmp_path):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli([*argv, "--out", str(tmp_path)])
+
+
+def test_batch_not_divisible_by_world_size(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit, match="batch size 128 is not divisible by the world size 3"):
+        cli([*TINY, "--out", str(tmp_path)])
+
+
+def test_recipes_table_lists_every_recipe(capsys):
+    assert cli(["recipes"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == len(RECIPES) + 1
+    for name, recipe in RECIPES.items():
+        line = next((ln for ln in lines if ln.startswith(name + " ")), None)
+        assert line is not None, f"{name} missing:\n{out}"
+        assert f"{recipe.imagenet_batch:,}" in line and recipe.paper in line, line
+
+
+def test_registry_rows():
+    assert get_recipe("resnet50-goyal-8k").peak_lr == pytest.approx(3.2)  # 0.1 * 8192 / 256
+    assert get_recipe("fmnist-lars-1536").peak_lr == 10.0
+    assert get_recipe("fmnist-lars-1536").imagenet_batch == 32_798
+    with pytest.raises(ValueError, match="known recipes: resnet50-goyal-8k"):
+        get_recipe("nope")
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        Recipe("x", "small_cnn", "fashion-mnist", "adam", 128, 1, lr=0.1)
+    with pytest.raises(ValueError, match="exactly one of lr and base_lr"):
+        Recipe("x", "small_cnn", "fashion-mnist", "sgd", 128, 1)
+
+
+def test_lars_trust_ratios_are_the_ratios_the_optimizer_applies():
+    from largebatch.recipes.train import trust_ratios
+    from largebatch.torch import LARS
+
+    torch.manual_seed(0)
+    params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]
+    for p in params:
+        p.grad = 8.0 * torch.randn_like(p)  # as if scaled by a GradScaler at scale 8
+    lr, wd = 0.5, 1e-2
+    opt = LARS(params, lr=lr, momentum=0.0, weight_decay=wd, trust_coefficient=0.02)
+    ratios = trust_ratios(opt, grad_scale=8.0)
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad /= 8.0
+    opt.step()
+    for ratio, w, p in zip(ratios, before, params):
+        d = p.grad + wd * w  # with momentum 0: w_new = w - lr * ratio * d
+        applied = float((w - p.detach()).norm() / (lr * d.norm()))
+        assert ratio == pytest.approx(applied, rel=1e-5), (ratio, applied)
+
+
+def test_imagefolder_tree_and_alexnet_bn(tmp_path):
+    from PIL import Image
+
+    from largebatch.recipes.train import _load_data, alexnet_bn
+
+    rng = torch.Generator().manual_seed(0)
+    for split, n in (("train", 3), ("val", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=rng)
+                Image.fromarray(pixels.numpy()).save(tmp_path / split / cls / f"{i}.png")
+    data = _load_data(get_recipe("alexnet-bn-lars-8k"), str(tmp_path), subset=None)
+    assert (data.num_classes, data.n_train, len(data.test)) == (2, 6, 4)
+    x, y = data.train[0]
+    assert x.shape == (3, 224, 224) and y == 0
+
+    model = alexnet_bn(num_classes=2)
+    layers = list(model)
+    convs = [i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 5 and all(isinstance(layers[i + 1], torch.nn.BatchNorm2d) for i in convs)
+    assert sum(isinstance(m, torch.nn.BatchNorm1d) for m in layers) == 2
+    assert model(torch.stack([x, data.test[0][0]])).shape == (2, 2)
+
+
+def test_lamb_trust_ratios_are_the_ratios_the_optimizer_applies():
+    from largebatch.recipes.train import trust_ratios
+    from largebatch.torch import LAMB
+
+    torch.manual_seed(0)
+    params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]
+    lr, wd, (b1, b2) = 0.1, 0.01, (0.9, 0.999)
+    opt = LAMB(params, lr=lr, weight_decay=wd)
+    for _ in range(2):  # the second step starts from non-zero moments
+        for p in params:
+            p.grad = torch.randn_like(p)
+        ratios = trust_ratios(opt)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+    for ratio, w, p in zip(ratios, before, params):
+        state = opt.state[p]
+        m = state["exp_avg"] / (1 - b1**2)
+        v = state["exp_avg_sq"] / (1 - b2**2)
+        u = m / (v.sqrt() + 1e-6) + wd * w  # w_new = w - lr * ratio * u
+        torch.testing.assert_close(w - p.detach(), lr * ratio * u, rtol=1e-4, atol=1e-7)
