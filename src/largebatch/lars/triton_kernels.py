@@ -137,6 +137,15 @@ _LAMB_HYPER = tl.constexpr(len(LAMB_DEFAULTS))
 
 
 @triton.jit
+def _tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The typed pointer stored at ``row[col]`` of the meta table (16-byte aligned if ALIGNED)."""
+    ptr = tl.load(row + col).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
 def _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
     """This program's tensor index, its meta row, first element and element count.
 
@@ -226,11 +235,8 @@ def _grad_check_kernel(
 ):
     """Pass 1: sums of squares of the unscaled grads (and weights), and the inf/NaN check."""
     t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = tl.load(row + _W).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + _G).to(tl.pointer_type(P_DTYPE))
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     inv_scale = _unscale(grad_scale, HAS_SCALE)
     end = start + BLOCK * TILES
     if end <= numel:
@@ -289,15 +295,10 @@ def _lars_apply_kernel(
 ):
     """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov)."""
     t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = tl.load(row + _W).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + _G).to(tl.pointer_type(P_DTYPE))
-    p_ptr = tl.load(row + _P).to(tl.pointer_type(P_DTYPE))
-    v_ptr = tl.load(row + _S0).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
+    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
     h = hyper + group * _LARS_HYPER
     momentum = tl.load(h + 0).to(tl.float32)
@@ -399,15 +400,10 @@ def _lamb_moments_kernel(
 ):
     """Pass 2 of LAMB: m, v updated and stored; ||w||^2 and ||u||^2 per tensor."""
     t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = tl.load(row + _W).to(tl.pointer_type(W_DTYPE))
-    g_ptr = tl.load(row + _G).to(tl.pointer_type(P_DTYPE))
-    m_ptr = tl.load(row + _S0).to(tl.pointer_type(W_DTYPE))
-    v_ptr = tl.load(row + _S1).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
+    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     b1, b2, eps, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, gaddr, tl.load(row + _GROUP))
     g_mul = _unscale(grad_scale, HAS_SCALE)
     if CLIP:
@@ -468,15 +464,10 @@ def _lamb_apply_kernel(
 ):
     """Pass 3 of LAMB: w -= lr * ratio * u, with u recomputed from the new m and v."""
     t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = tl.load(row + _W).to(tl.pointer_type(W_DTYPE))
-    p_ptr = tl.load(row + _P).to(tl.pointer_type(P_DTYPE))
-    m_ptr = tl.load(row + _S0).to(tl.pointer_type(W_DTYPE))
-    v_ptr = tl.load(row + _S1).to(tl.pointer_type(W_DTYPE))
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
+    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
     _, _, eps, wd, inv_bc1, inv_bc2, adapt = _lamb_factors(hyper, gaddr, group)
     lr = tl.load(tl.load(gaddr + 2 * group).to(tl.pointer_type(tl.float32)))
