@@ -6,6 +6,7 @@ small: it covers every branch of the two bodies without paying for every combina
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,20 +33,30 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def compile_small_tensors(monkeypatch):
+def compiled_calls(monkeypatch):
     """Send every tensor of 2+ elements to the compiled body (by default only tensors of
-    COMPILE_MIN_TENSOR+ elements go there, the rest through foreach)."""
+    COMPILE_MIN_TENSOR+ elements go there, the rest through foreach), and count the
+    calls of the compiled bodies."""
     monkeypatch.setattr(lars_torch, "COMPILE_MIN_TENSOR", 2)
+    calls = []
+    real = lars_torch._compiled_body
 
+    def counting(body):
+        compiled = real(body)
 
-def _graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        def call(*args, **kwargs):
+            calls.append(body.__name__)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(lars_torch, "_compiled_body", counting)
+    return calls
 
 
 @pytest.mark.parametrize("cls,kwargs,group_opts", CASES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(CASES)])
-def test_compiled_matches_reference(cls, kwargs, group_opts):
+def test_compiled_matches_reference(cls, kwargs, group_opts, compiled_calls):
     params, grads = make_problem(AWKWARD_SHAPES, len(LRS))
-    before = _graphs()
     ours, opt = run_torch(cls, params, grads, dtype=torch.float32, group_opts=group_opts,
                           sizes=[5, 2], lrs=LRS, compiled=True, **kwargs)
     assert opt.param_groups[0]["compiled"] is True
@@ -53,11 +64,13 @@ def test_compiled_matches_reference(cls, kwargs, group_opts):
     ref = run_ref(params, grads, group_opts=group_opts, sizes=[5, 2], lrs=LRS, **kwargs)[0]
     assert_close(ours, ref, torch.float32)
     assert opt.num_steps == len(LRS)
-    assert _graphs() > before or before > 0  # the compiled body ran (or was compiled earlier)
+    # Every tensor of 2+ elements took the compiled body (the size-1 and size-0 ones did not).
+    n_compiled = sum(1 for s in AWKWARD_SHAPES if np.prod(s) >= 2)
+    assert compiled_calls == [f"_{cls.__name__.lower()}_one"] * (n_compiled * len(LRS))
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
-def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls):
+def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_calls):
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).half()
               for _ in range(2)]
@@ -75,6 +88,7 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls):
             scaler.step(opt)
             scaler.update()
     assert opts[0].num_steps == opts[1].num_steps == 2
+    assert len(compiled_calls) == 4 * 2  # 4 tensors, 2 applied steps (the skipped one makes none)
     for a, b in zip(*(o.state_dict()["state"].values() for o in opts)):
         torch.testing.assert_close(a["master_param"], b["master_param"], rtol=1e-5, atol=1e-6)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
