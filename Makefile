@@ -33,7 +33,7 @@ test: $(STAMP) data
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP) data
-	$(PY) -m largebatch demo
+	$(PY) -m largebatch study --quick
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py

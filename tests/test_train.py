@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from largebatch.recipes.cli import main as cli
-from largebatch.recipes.registry import RECIPES, Recipe, get_recipe, imagenet_equivalent
+from largebatch.recipes.registry import (
+    FASHION_SETTINGS, RECIPES, Recipe, get_recipe, imagenet_equivalent,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -33,8 +35,9 @@ def test_one_epoch_writes_every_output_and_beats_chance(tmp_path, capsys):
         assert row[key] is not None, (key, row)
     assert 0 < row["trust_ratio_min"] <= row["trust_ratio_median"] <= row["trust_ratio_max"], row
     summary = json.loads((tmp_path / "summary.json").read_text())
-    # 10 classes: chance is 10%; 16 SGD steps reach about 35%.
-    assert summary["test_accuracy"] > 0.2, summary
+    # 10 classes: chance is 10% +- 0.66 points on 2,048 test images; 16 SGD steps of the
+    # 6K-param CNN reach about 18%.
+    assert summary["test_accuracy"] > 0.14, summary
     assert summary["test_accuracy"] == row["test_accuracy"]
     assert summary["imagenet_equivalent_batch"] == imagenet_equivalent(128, 60_000)
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -107,7 +110,9 @@ def test_recipes_table_lists_every_recipe(capsys):
 
 def test_registry_rows():
     assert get_recipe("resnet50-goyal-8k").peak_lr == pytest.approx(3.2)  # 0.1 * 8192 / 256
-    assert get_recipe("fmnist-lars-1536").peak_lr == 10.0
+    lr, warmup = FASHION_SETTINGS["lars", 1536]
+    lars = get_recipe("fmnist-lars-1536")
+    assert (lars.peak_lr, lars.warmup_epochs, lars.lr_for(768)) == (lr, warmup, lr / 2)
     assert get_recipe("fmnist-lars-1536").imagenet_batch == 32_798
     with pytest.raises(ValueError, match="known recipes: resnet50-goyal-8k"):
         get_recipe("nope")

@@ -18,12 +18,12 @@ __all__ = ["COMMANDS", "main"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": (
-        "largebatch.recipes.demo",
-        "LARS vs momentum SGD at a 32K-equivalent batch on Fashion-MNIST (a few minutes on a CPU)",
-    ),
     "train": ("largebatch.recipes.train", "train a named recipe (largebatch recipes lists them)"),
     "recipes": ("largebatch.recipes.registry", "list the recipes: model, batch, optimizer, paper"),
+    "study": (
+        "largebatch.recipes.study",
+        "the batch-size sweep on Fashion-MNIST, every optimizer tuned alike (--quick: make demo)",
+    ),
 }
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FASHION_MNIST_DIR", "FASHION_MNIST_FILES", "fashion_mnist_dir", "load_fashion_mnist"]
+__all__ = [
+    "FASHION_MNIST_DIR", "FASHION_MNIST_FILES", "fashion_mnist_dir", "fashion_mnist_tensors",
+    "load_fashion_mnist",
+]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_FILES = {
@@ -28,6 +31,8 @@ FASHION_MNIST_FILES = {
     "t10k-labels-idx1-ubyte.gz": "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",
 }
 _SPLITS = {"train": "train", "test": "t10k"}
+# Training-set statistics of Fashion-MNIST pixels scaled to [0, 1].
+_MEAN, _STD = 0.2860, 0.3530
 
 
 def fashion_mnist_dir(root: str | os.PathLike | None = None) -> Path:
@@ -79,3 +84,14 @@ def load_fashion_mnist(
     if split not in _SPLITS:
         raise ValueError(f"Unknown split {split!r}; known splits: {', '.join(_SPLITS)}")
     return _load(fashion_mnist_dir(root), split, verify)
+
+
+def fashion_mnist_tensors(images: np.ndarray, labels: np.ndarray, limit: int | None = None):  # noqa: ANN201
+    """Torch tensors from :func:`load_fashion_mnist` arrays, first ``limit`` images:
+    normalized float32 images ``[N, 1, 28, 28]`` (channels-last) and int64 labels."""
+    import torch
+
+    images, labels = images[:limit], labels[:limit]
+    x = torch.from_numpy(images.copy()).unsqueeze(1).float().div_(255.0)
+    x = x.sub_(_MEAN).div_(_STD).contiguous(memory_format=torch.channels_last)
+    return x, torch.from_numpy(labels.copy())

@@ -20,7 +20,7 @@ def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
     ]
 
 
-def small_cnn(num_classes: int = 10, width: int = 16, in_channels: int = 1) -> nn.Sequential:
+def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1) -> nn.Sequential:
     """A 3-conv CNN with batch norm for 28x28 inputs (24K parameters at width 16).
 
     A stride-2 conv stem (28 -> 14), conv (14x14), max pool (14 -> 7), conv (7x7), global

@@ -16,8 +16,8 @@ import dataclasses
 from typing import Any
 
 __all__ = [
-    "DATA_SETS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe", "RECIPES",
-    "get_recipe", "imagenet_equivalent", "recipes_table",
+    "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
+    "RECIPES", "get_recipe", "imagenet_equivalent", "recipes_table",
 ]
 
 DATA_SETS = ("imagenet", "fashion-mnist")
@@ -113,7 +113,6 @@ JIA = "Jia et al. 2018, https://arxiv.org/abs/1807.11205"
 LAMB_PAPER = "You et al. 2019, https://arxiv.org/abs/1904.00962"
 MLPERF = "MLPerf Training ResNet-50 reference (TF, LARS), https://github.com/mlcommons/training"
 OURS = "largebatch (this project)"
-_PROVISIONAL = "provisional lr: scaled linearly, pending the batch-size study"
 
 _IMAGENET = [
     Recipe("resnet50-goyal-8k", "resnet50", "imagenet", "sgd", 8192, 90, base_lr=0.1,
@@ -147,28 +146,33 @@ _IMAGENET = [
 ]
 
 
-def _fashion(batch: int) -> list[Recipe]:
-    common = dict(data="fashion-mnist", model="small_cnn", batch_size=batch, epochs=5,
-                  schedule="poly", warmup_epochs=1, weight_decay=5e-4, paper=OURS)
-    return [
-        Recipe(f"fmnist-sgd-{batch}", optimizer="sgd", base_lr=0.1,
-               optimizer_kwargs={"momentum": 0.9}, note=_PROVISIONAL + "; Goyal warmup", **common),
-        Recipe(f"fmnist-nesterov-{batch}", optimizer="nesterov", base_lr=0.1,
-               optimizer_kwargs={"momentum": 0.9}, note=_PROVISIONAL, **common),
-        Recipe(f"fmnist-lars-{batch}", optimizer="lars", base_lr=10.0, base_batch=1536,
-               optimizer_kwargs={"momentum": 0.9, "trust_coefficient": 0.001},
-               note="the demo's settings (tuned at 1536; other batches scaled linearly)", **common),
-        Recipe(f"fmnist-lamb-{batch}", optimizer="lamb", **{**common, "weight_decay": 0.01},
-               base_lr=0.0025, note=_PROVISIONAL),
-    ]
+# Fashion-MNIST: (peak lr, warmup epochs) for each (optimizer, batch) of the study.
+FASHION_SETTINGS: dict[tuple[str, int], tuple[float, float]] = {
+    ("sgd", 128): (0.05, 0.0),
+    ("sgd", 384): (0.15, 1.0), ("nesterov", 384): (0.15, 1.0),
+    ("lars", 384): (5.0, 1.0), ("lamb", 384): (0.008, 1.0),
+    ("sgd", 1536): (0.6, 1.0), ("nesterov", 1536): (0.6, 1.0),
+    ("lars", 1536): (10.0, 1.0), ("lamb", 1536): (0.016, 1.0),
+    ("sgd", 3072): (1.2, 1.0), ("nesterov", 3072): (1.2, 1.0),
+    ("lars", 3072): (16.0, 1.0), ("lamb", 3072): (0.024, 1.0),
+}
+_FASHION_KWARGS = {
+    "sgd": {"momentum": 0.9}, "nesterov": {"momentum": 0.9},
+    "lars": {"momentum": 0.9, "trust_coefficient": 0.001}, "lamb": {},
+}
 
 
-_FASHION = [
-    Recipe("fmnist-sgd-128", "small_cnn", "fashion-mnist", "sgd", 128, 5, base_lr=0.1,
-           optimizer_kwargs={"momentum": 0.9}, schedule="poly", weight_decay=5e-4, paper=OURS,
-           note="small-batch baseline; " + _PROVISIONAL),
-    *(r for batch in (384, 1536, 3072) for r in _fashion(batch)),
-]
+def _fashion(optimizer: str, batch: int) -> Recipe:
+    lr, warmup = FASHION_SETTINGS[optimizer, batch]
+    role = "small-batch baseline; " if batch == 128 else ""
+    return Recipe(
+        f"fmnist-{optimizer}-{batch}", "small_cnn", "fashion-mnist", optimizer, batch, 10, lr=lr,
+        optimizer_kwargs=_FASHION_KWARGS[optimizer], schedule="poly", warmup_epochs=warmup,
+        weight_decay=0.01 if optimizer == "lamb" else 5e-4, paper=OURS,
+        note=role + "peak lr and warmup: provisional, pending the batch-size study")
+
+
+_FASHION = [_fashion(optimizer, batch) for optimizer, batch in FASHION_SETTINGS]
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (*_IMAGENET, *_FASHION)}
 DEFAULT_RECIPE = "fmnist-lars-1536"

@@ -164,8 +164,7 @@ class _Data:
 
 def _load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> _Data:
     if recipe.data == "fashion-mnist":
-        from largebatch.recipes.data import load_fashion_mnist
-        from largebatch.recipes.demo import fashion_mnist_tensors
+        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
 
         if data_dir is not None and not Path(data_dir).is_dir():
             raise _fail(f"data directory not found: {data_dir}")

@@ -1,0 +1,200 @@
+"""``largebatch study``: the tuning plan, the report, and tiny end-to-end sweeps."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from largebatch.recipes import study
+from largebatch.recipes.registry import RECIPES, get_recipe, imagenet_equivalent
+from largebatch.recipes.study import RunSpec, StudyConfig, plan, summarize
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _result(spec: RunSpec, accuracy: float, curve_acc: list[float] | None = None) -> dict:
+    curve_acc = curve_acc or [accuracy] * spec.epochs
+    return {"spec": vars(spec) | {}, "accuracy": curve_acc[-1], "diverged": False,
+            "steps_per_epoch": 10, "seconds": 0.0,
+            "curve": [{"epoch": e + 1, "step": 10 * (e + 1), "train_loss": 1.0, "accuracy": a}
+                      for e, a in enumerate(curve_acc)]}
+
+
+def _finish(specs, score) -> dict:
+    return {s.key: _result(s, score(s)) for s in specs}
+
+
+LARS_3072 = StudyConfig(batches=(3072,), optimizers=("lars",))
+
+
+def test_every_study_pair_has_a_recipe():
+    cfg = StudyConfig()
+    assert len(cfg.pairs()) == 1 + 3 * 4
+    for batch, optimizer in cfg.pairs():
+        recipe = get_recipe(f"fmnist-{optimizer}-{batch}")
+        assert recipe.data == "fashion-mnist" and recipe.batch_size == batch
+    assert all(name in RECIPES for name in ("fmnist-sgd-128", "fmnist-lamb-3072"))
+
+
+def test_first_plan_is_the_lr_grid_times_the_warmups():
+    center = get_recipe("fmnist-lars-3072").peak_lr
+    specs = plan(LARS_3072, {})
+    assert {(s.lr, s.warmup_epochs) for s in specs} == {
+        (study._lr(center * f), w) for f in (0.5, 1, 2) for w in (1.0, 3.0)}
+    assert {s.phase for s in specs} == {"tune"} and {s.seed for s in specs} == {0}
+    # The baseline batch tunes over its own warmups.
+    base = plan(StudyConfig(batches=(128,), optimizers=("sgd",)), {})
+    assert {s.warmup_epochs for s in base} == {0.0, 1.0}
+
+
+def test_an_interior_best_goes_straight_to_three_final_seeds():
+    center = study._lr(get_recipe("fmnist-lars-3072").peak_lr)
+    grid = plan(LARS_3072, {})
+    results = _finish(grid, lambda s: 0.9 if (s.lr, s.warmup_epochs) == (center, 3.0) else 0.5)
+    finals = plan(LARS_3072, results)
+    assert [(s.phase, s.lr, s.warmup_epochs, s.seed) for s in finals] == [
+        ("final", center, 3.0, seed) for seed in range(3)]
+    results |= _finish(finals, lambda s: 0.9)
+    assert plan(LARS_3072, results) == []
+    (row,) = summarize(LARS_3072, results)["rows"]
+    assert not row["lr_on_grid_edge"] and row["lr"] == center
+
+
+def test_a_best_on_the_edge_grows_the_grid_once_on_that_side():
+    center = get_recipe("fmnist-lars-3072").peak_lr
+    grid = plan(LARS_3072, {})
+    results = _finish(grid, lambda s: s.lr)  # larger lr, better: the top edge wins
+    grown = plan(LARS_3072, results)
+    assert {(s.lr, s.warmup_epochs) for s in grown} == {(study._lr(4 * center), 1.0),
+                                                        (study._lr(4 * center), 3.0)}
+    results |= _finish(grown, lambda s: s.lr)
+    finals = plan(LARS_3072, results)  # still on the edge, but extend=1 is spent
+    assert {(s.phase, s.lr) for s in finals} == {("final", study._lr(4 * center))}
+    results |= _finish(finals, lambda s: 0.9)
+    (row,) = summarize(LARS_3072, results)["rows"]
+    assert row["lr_on_grid_edge"] and row["seeds"] == 3
+    assert f"| {4 * center:g} (edge) |" in study.study_markdown(summarize(LARS_3072, results))
+    # With extend=0 the first grid is final; with extend=2 it grows again.
+    assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 0}),
+                               _finish(grid, lambda s: s.lr))} == {study._lr(2 * center)}
+    assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 2}), results)} == {
+        study._lr(8 * center)}
+
+
+def test_a_bottom_edge_best_grows_downwards():
+    center = get_recipe("fmnist-sgd-1536").peak_lr
+    cfg = StudyConfig(batches=(1536,), optimizers=("sgd",))
+    results = _finish(plan(cfg, {}), lambda s: -s.lr)
+    assert {s.lr for s in plan(cfg, results)} == {study._lr(center / 4)}
+
+
+def test_quick_plan_runs_the_recipes_settings_without_tuning():
+    cfg = StudyConfig(quick=True, batches=(128, 1536), optimizers=("sgd", "lars"), seeds=1)
+    specs = plan(cfg, {})
+    expected = [(128, "sgd"), (1536, "sgd"), (1536, "lars")]
+    assert [(s.batch, s.optimizer) for s in specs] == expected
+    for s in specs:
+        recipe = get_recipe(f"fmnist-{s.optimizer}-{s.batch}")
+        assert (s.phase, s.lr, s.warmup_epochs, s.epochs) == (
+            "final", recipe.peak_lr, recipe.warmup_epochs, recipe.epochs)
+
+
+def test_summary_reports_mean_std_delta_and_steps_to_target():
+    cfg = StudyConfig(quick=True, batches=(128, 3072), optimizers=("sgd", "lars"), seeds=2,
+                      epochs=3)
+    specs = plan(cfg, {})
+    curves = {(128, "sgd", 0): [0.80, 0.88, 0.90], (128, "sgd", 1): [0.81, 0.89, 0.92],
+              (3072, "sgd", 0): [0.5, 0.7, 0.85], (3072, "sgd", 1): [0.5, 0.7, 0.86],
+              (3072, "lars", 0): [0.7, 0.895, 0.905], (3072, "lars", 1): [0.7, 0.88, 0.90]}
+    results = {s.key: _result(s, 0, curves[s.batch, s.optimizer, s.seed]) for s in specs}
+    summary = summarize(cfg, results)
+    assert summary["target"] == pytest.approx(0.90)  # baseline mean 0.91 minus one point
+    rows = {(r["batch"], r["optimizer"]): r for r in summary["rows"]}
+    assert rows[128, "sgd"]["accuracy_mean"] == pytest.approx(0.91)
+    assert rows[128, "sgd"]["accuracy_std"] == pytest.approx(math.sqrt(2) * 0.01)
+    assert rows[3072, "lars"]["delta_vs_baseline"] == pytest.approx(-0.0075)
+    assert rows[128, "sgd"]["steps_to_target"] == [30, 30]
+    assert rows[3072, "lars"]["steps_to_target"] == [30, 30]
+    assert rows[3072, "sgd"]["steps_to_target"] == [None, None]
+    text = study.study_markdown(summary)
+    assert "| 3,072 | 65,596 | lars | 3 | 30 |" in text
+    assert "90.25 ± 0.35 (2) | -0.75 | 30 |" in text
+    assert "not reached" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "128,1000"], "Invalid batch 1000"),
+    (["--optimizers", "adam"], "Invalid optimizer 'adam'"),
+    (["--subset", "400", "--batches", "384"], "Invalid subset: 400"),
+    (["--seeds", "0"], "Invalid seeds: 0"),
+    (["--target", "90"], "Invalid target: 90"),
+    (["--batches", "384", "--optimizers", "sgd,sgd", "--extend", "-1"], "Invalid extend: -1"),
+])
+def test_bad_flags_fail_before_any_run(tmp_path, args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "largebatch", "study", "--out", str(tmp_path / "out"), *args],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+TINY = ["--subset", "2400", "--epochs", "1", "--batches", "128,384", "--optimizers", "sgd,lars",
+        "--threads", "1"]
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_then_resume_reuses_every_run(tmp_path):
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "largebatch", "study", *TINY, "--seeds", "2", "--jobs", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = (out / "runs.jsonl").read_text().splitlines()
+    # 6 tuning runs per pair (+2 for each grid that grows) and 2 final seeds per pair.
+    phases = [json.loads(line)["spec"]["phase"] for line in lines]
+    assert phases.count("final") == 3 * 2 and phases.count("tune") >= 3 * 6, phases
+    summary = json.loads((out / "study.json").read_text())
+    assert [(r["batch"], r["optimizer"]) for r in summary["rows"]] == [
+        (128, "sgd"), (384, "sgd"), (384, "lars")]
+    for row in summary["rows"]:
+        # Chance is 10% (+-0.6 points on 2,400 test images); 1 epoch is 6 to 18 steps.
+        assert row["seeds"] == 2 and row["accuracy_mean"] > 0.15, row
+    assert f"| 128 | {imagenet_equivalent(128, 2400):,} | sgd | 1 | 18 |" in (
+        out / "study.md").read_text()  # the final runs train on all 2,400 images
+    assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Tuning (validation accuracy" in proc.stdout
+
+    # The same command again trains nothing new and prints the same table.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert again.returncode == 0, again.stderr
+    assert (out / "runs.jsonl").read_text().splitlines() == lines
+    assert f"{len(lines)} reused" in again.stdout
+    table = proc.stdout[proc.stdout.index("| batch"):proc.stdout.index("wrote")]
+    assert table in again.stdout
+
+
+@pytest.mark.slow
+def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
+    """The same run in a spawned worker and in this process: identical accuracy curves."""
+    import torch
+
+    recipe = get_recipe("fmnist-lars-384")
+    spec = RunSpec("final", 384, "lars", study._lr(recipe.peak_lr), recipe.warmup_epochs,
+                   seed=1, epochs=1, subset=1200)
+    threads = torch.get_num_threads()
+    try:
+        study._init_worker(1, None, "cpu")
+        here = study.run_one(spec)
+    finally:
+        study._WORKER.clear()
+        torch.set_num_threads(threads)
+    cfg = StudyConfig(quick=True, batches=(384,), optimizers=("lars",), seeds=2, epochs=1,
+                      subset=1200, jobs=2, threads=1, out=str(tmp_path))
+    summary = study.run_study(cfg, print_fn=lambda _: None)
+    (row,) = summary["rows"]
+    assert row["curves"][1] == here["curve"]
+    assert row["accuracies"][1] == here["accuracy"] and math.isfinite(here["curve"][0]["train_loss"])
