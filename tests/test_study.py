@@ -28,7 +28,7 @@ def _finish(specs, score) -> dict:
     return {s.key: _result(s, score(s)) for s in specs}
 
 
-LARS_3072 = StudyConfig(batches=(3072,), optimizers=("lars",))
+LARS_3072 = StudyConfig(batches=(3072,), optimizers=("lars",), extend=1)
 
 
 def test_every_study_pair_has_a_recipe():

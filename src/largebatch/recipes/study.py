@@ -10,8 +10,9 @@ Full study (the default), for every pair with the same budget:
 1. **Tune** on a validation split: the last 10,000 of a fixed permutation of the 60,000
    training images are held out, the rest train. Peak lr over ``recipe lr x {1/2, 1, 2}``
    (log-spaced), each with two warmup lengths (0 or 1 epoch at the baseline batch, 1 or 3
-   epochs at the large ones). If the best lr lies on the edge of the grid, the grid grows
-   by one more factor of 2 on that side (once), so that a badly centred grid shows.
+   epochs at the large ones). While the best lr lies on the edge of the grid, the grid
+   grows by one more factor of 2 on that side (twice at most, ``--extend``); a best lr
+   still on the edge is marked in the table.
 2. **Re-run** the best (lr, warmup) on all 60,000 images with ``--seeds`` seeds (3) and
    report test accuracy as mean ± std, and the steps each run took to reach the target
    accuracy (default: the baseline's mean minus one point) at the end of an epoch.
@@ -67,7 +68,7 @@ class StudyConfig:
     lr_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
     small_warmups: tuple[float, ...] = (0.0, 1.0)  # epochs, at the baseline batch
     large_warmups: tuple[float, ...] = (1.0, 3.0)
-    extend: int = 1  # how many times a grid may grow past an edge that holds the best lr
+    extend: int = 2  # how many times a grid may grow past an edge that holds the best lr
     target: float | None = None  # None: the baseline's mean test accuracy minus 0.01
     subset: int | None = None  # first N train (and test) images
     data: str | None = None
