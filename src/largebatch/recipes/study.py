@@ -452,7 +452,7 @@ def study_markdown(summary: dict[str, Any]) -> str:
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
             f"{r['steps']:,} | {r['lr']:g}{' (edge)' if r['lr_on_grid_edge'] else ''} | "
             f"{r['warmup_epochs']:g} | "
-            f"{100 * r['accuracy_mean']:.2f} ± {100 * r['accuracy_std']:.2f} ({r['seeds']}{div}) "
+            f"{_mean_std(r)} ({r['seeds']}{div}) "
             f"| {delta} | {_steps_text(r['steps_to_target'])} |")
     if any(r["lr_on_grid_edge"] for r in summary["rows"]):
         lines += ["", "(edge): the best lr lies on the edge of the tuned grid, after it grew."]
@@ -470,6 +470,11 @@ def study_markdown(summary: dict[str, Any]) -> str:
                              for lr in lrs) for w in warmups))
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _mean_std(row: dict[str, Any]) -> str:
+    mean = f"{100 * row['accuracy_mean']:.2f}"
+    return mean if row["seeds"] == 1 else f"{mean} ± {100 * row['accuracy_std']:.2f}"
 
 
 def _grid_cell(run: dict[str, Any] | None, lr: float, best: bool) -> str:
