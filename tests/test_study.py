@@ -176,6 +176,15 @@ def test_tiny_study_end_to_end_then_resume_reuses_every_run(tmp_path):
     table = proc.stdout[proc.stdout.index("| batch"):proc.stdout.index("wrote")]
     assert table in again.stdout
 
+    # One more seed, in this process (--jobs 1): only the three new final runs train.
+    more = subprocess.run([*cmd[:cmd.index("--seeds")], "--seeds", "3", "--jobs", "1", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert more.returncode == 0, more.stderr
+    added = [json.loads(line)["spec"] for line in
+             (out / "runs.jsonl").read_text().splitlines()[len(lines):]]
+    assert [(s["phase"], s["seed"]) for s in added] == [("final", 2)] * 3, added
+    assert "1 job(s)" in more.stdout and "(3) |" in more.stdout
+
 
 @pytest.mark.slow
 def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):

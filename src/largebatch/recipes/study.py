@@ -328,20 +328,19 @@ def run_study(cfg: StudyConfig = StudyConfig(),
         initargs=(threads, cfg.data, cfg.device)) if jobs > 1 else None)
     if pool is None:
         _init_worker(threads, cfg.data, cfg.device)
+    submit = pool.submit if pool is not None else _run_inline
     try:
-        in_flight: dict[Any, RunSpec] = {}
+        in_flight: dict[concurrent.futures.Future, RunSpec] = {}
         while True:
+            busy = {s.key for s in in_flight.values()}
             for spec in plan(cfg, results):
-                if spec.key in {s.key for s in in_flight.values()}:
-                    continue
-                if pool is None:
-                    in_flight[_Done(run_one(spec))] = spec
-                    break  # one at a time: re-plan after each run
-                in_flight[pool.submit(run_one, spec)] = spec
+                if spec.key not in busy:
+                    in_flight[submit(run_one, spec)] = spec
+                    if pool is None:
+                        break  # one at a time, logged before the next: re-plan after each run
             if not in_flight:
                 break
-            finished = (list(in_flight) if pool is None else
-                        concurrent.futures.wait(in_flight, return_when="FIRST_COMPLETED")[0])
+            finished, _ = concurrent.futures.wait(in_flight, return_when="FIRST_COMPLETED")
             for future in finished:
                 spec = in_flight.pop(future)
                 row = future.result()
@@ -368,14 +367,12 @@ def run_study(cfg: StudyConfig = StudyConfig(),
     return summary
 
 
-class _Done:
-    """A finished result in the shape of a future, for the one-process path."""
-
-    def __init__(self, value: dict[str, Any]) -> None:
-        self._value = value
-
-    def result(self) -> dict[str, Any]:
-        return self._value
+def _run_inline(fn: Callable[[RunSpec], dict[str, Any]],
+                spec: RunSpec) -> concurrent.futures.Future:
+    """``fn(spec)`` in this process, as an already finished future (the one-job path)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(fn(spec))
+    return future
 
 
 # --------------------------------------------------------------------------- the report
