@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import math
+import re
 
 import numpy as np
 import pytest
@@ -93,6 +95,44 @@ def test_linear_scaling_is_the_goyal_rule():
     assert lbjax.linear_scaling(0.1, 1536, base_batch_size=256) == pytest.approx(0.6)
     with pytest.raises(ValueError, match="-0.1"):
         lbjax.linear_scaling(-0.1, 256)
+
+
+def test_invalid_traced_steps_give_nan_not_a_rate():
+    """Traced steps cannot raise: a negative, NaN or infinite one gives NaN."""
+    sched = lbjax.make_schedule("poly", peak_lr=1.0, total_steps=10, warmup_steps=2, init_lr=0.1)
+    one = jax.jit(sched)
+    assert np.isnan(one(jnp.int32(-1)))
+    assert np.isnan(one(jnp.int32(np.iinfo(np.int32).min)))
+    for bad in (-0.5, -math.inf, math.inf, math.nan):
+        assert np.isnan(one(jnp.float32(bad))), bad
+    steps = jnp.array([-3, -1, 0, 1, 2, 9, 10, 11], dtype=jnp.int32)
+    got = np.asarray(jax.jit(jax.vmap(sched))(steps))
+    assert np.isnan(got[:2]).all()
+    np.testing.assert_allclose(got[2:], [sched.schedule(int(t)) for t in steps[2:]], rtol=1e-6)
+    assert one(jnp.float32(-0.0)) == one(jnp.int32(0)) == np.float32(0.1)
+    with jax.enable_x64(True):
+        sched64 = lbjax.as_optax_schedule(sched.schedule, jnp.float64)
+        assert np.isnan(jax.jit(sched64)(jnp.int64(-1)))
+
+
+def test_traced_bool_step_is_refused():
+    sched = lbjax.make_schedule("cosine", peak_lr=1.0, total_steps=10)
+    with pytest.raises(ValueError, match="Invalid step: .*bool"):
+        jax.jit(sched)(jnp.bool_(True))
+    with pytest.raises(ValueError, match="Invalid step: True"):
+        sched(True)
+
+
+def test_python_schedule_takes_concrete_jax_steps_and_refuses_traced_ones():
+    py = schedules.make_schedule("cosine", peak_lr=1.0, total_steps=10, warmup_steps=2)
+    assert py(jnp.int32(3)) == py(np.int64(3)) == py(3)
+    assert py(jnp.float32(3.0)) == py(3)
+    with pytest.raises(ValueError, match=re.escape("Invalid step: Array(-1")):
+        py(jnp.int32(-1))
+    with pytest.raises(ValueError, match=re.escape("Invalid step: Array(nan")):
+        py(jnp.float32(math.nan))
+    with pytest.raises(ValueError, match="as_optax_schedule"):
+        jax.jit(py)(jnp.int32(3))
 
 
 def test_schedule_is_hashable_for_static_args():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -115,6 +117,136 @@ def test_negative_step_raises():
         make_schedule("constant", peak_lr=1.0, total_steps=3)(-1)
 
 
+def _raises_naming(message):
+    """pytest.raises(ValueError) matching ``message`` literally."""
+    return pytest.raises(ValueError, match=re.escape(message))
+
+
+BOOLS = [
+    ("poly", dict(total_steps=True, warmup_steps=0), "Invalid total_steps: True"),
+    ("poly", dict(warmup_steps=True), "Invalid warmup_steps: True"),
+    ("poly", dict(peak_lr=True), "Invalid peak_lr: True"),
+    ("poly", dict(init_lr=False), "Invalid init_lr: False"),
+    ("poly", dict(end_lr=True), "Invalid end_lr: True"),
+    ("poly", dict(power=True), "Invalid power: True"),
+    ("step", dict(gamma=True), "Invalid gamma: True"),
+    ("poly", dict(gamma=True), "Invalid gamma: True"),
+    ("step", dict(warmup_steps=0, milestones=(True, 5)), "Invalid milestone True"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,message", BOOLS, ids=[m for _, _, m in BOOLS])
+def test_make_schedule_refuses_bools_naming_the_argument(name, kwargs, message):
+    args = dict(peak_lr=1.0, total_steps=10, warmup_steps=2)
+    args.update(kwargs)
+    with _raises_naming(message):
+        make_schedule(name, **args)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((True, 256), "Invalid base_lr: True"),
+        ((0.1, True), "Invalid batch_size: True"),
+        ((0.1, 256, True), "Invalid base_batch_size: True"),
+    ],
+)
+def test_linear_scaling_refuses_bools_naming_the_argument(args, message):
+    with _raises_naming(message):
+        linear_scaling(*args)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((math.inf, 256), "Invalid base_lr: inf (must be a finite number >= 0)"),
+        ((math.nan, 256), "Invalid base_lr: nan (must be a finite number >= 0)"),
+        ((-math.inf, 256), "Invalid base_lr: -inf (must be a finite number >= 0)"),
+        ((None, 256), "Invalid base_lr: None"),
+        (("0.1", 256), "Invalid base_lr: '0.1'"),
+        ((0.1, None), "Invalid batch_size: None"),
+        ((0.1, 256, None), "Invalid base_batch_size: None"),
+        ((1e308, 4096), "linear_scaling(1e+308, 4096, 256) = inf"),
+    ],
+)
+def test_linear_scaling_refuses_non_finite_and_none(args, message):
+    with _raises_naming(message):
+        linear_scaling(*args)
+
+
+NON_NUMBERS = [
+    ("poly", dict(peak_lr=None), "Invalid peak_lr: None"),
+    ("poly", dict(peak_lr=math.inf), "Invalid peak_lr: inf"),
+    ("poly", dict(peak_lr=-math.inf), "Invalid peak_lr: -inf"),
+    ("poly", dict(peak_lr=10**400), "Invalid peak_lr: 1000"),
+    ("poly", dict(init_lr=-0.5), "Invalid init_lr: -0.5"),
+    ("poly", dict(end_lr=math.nan), "Invalid end_lr: nan"),
+    ("poly", dict(power=None), "Invalid power: None"),
+    ("poly", dict(power=math.inf), "Invalid power: inf (must be a finite number > 0)"),
+    ("poly", dict(gamma=None), "Invalid gamma: None"),
+    ("cosine", dict(gamma=-0.5), "Invalid gamma: -0.5"),
+    ("step", dict(gamma=math.nan), "Invalid gamma: nan"),
+    ("step", dict(milestones=None), "Invalid milestones: None"),
+    ("step", dict(milestones=5), "Invalid milestones: 5"),
+    ("step", dict(milestones="5"), "Invalid milestones: '5'"),
+    ("step", dict(milestones=(4.0,)), "Invalid milestone 4.0"),
+    ("poly", dict(total_steps=None), "Invalid total_steps: None"),
+    ("poly", dict(warmup_steps=None), "Invalid warmup_steps: None"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,message", NON_NUMBERS, ids=[m for _, _, m in NON_NUMBERS])
+def test_make_schedule_refuses_none_non_finite_and_negative(name, kwargs, message):
+    args = dict(peak_lr=1.0, total_steps=10, warmup_steps=2)
+    args.update(kwargs)
+    with _raises_naming(message):
+        make_schedule(name, **args)
+
+
+def test_numpy_numbers_are_still_accepted():
+    sched = make_schedule(
+        "step", peak_lr=np.float32(0.5), total_steps=np.int64(10), warmup_steps=np.int32(2),
+        init_lr=np.float64(0.1), milestones=np.array([4, 8]), gamma=np.float32(0.5),
+    )
+    assert sched == make_schedule("step", peak_lr=0.5, total_steps=10, warmup_steps=2,
+                                  init_lr=0.1, milestones=(4, 8), gamma=0.5)
+    assert linear_scaling(np.float64(0.1), np.int64(512), np.int32(256)) == pytest.approx(0.2)
+
+
+BAD_STEPS = [
+    (math.nan, "Invalid step: nan"),
+    (math.inf, "Invalid step: inf"),
+    (-math.inf, "Invalid step: -inf"),
+    (-0.5, "Invalid step: -0.5"),
+    (np.float64("nan"), "Invalid step: np.float64(nan)"),
+    (np.int64(-3), "Invalid step: np.int64(-3)"),
+    (np.array(-2), "Invalid step: array(-2)"),
+    (True, "Invalid step: True"),
+    (np.True_, "Invalid step: np.True_"),
+    (None, "Invalid step: None"),
+    ("3", "Invalid step: '3'"),
+    (np.array([1, 2]), "Invalid step: array([1, 2])"),
+]
+
+
+@pytest.mark.parametrize("step,message", BAD_STEPS, ids=[m for _, m in BAD_STEPS])
+def test_non_finite_negative_or_non_numeric_step_raises(step, message):
+    sched = make_schedule("poly", peak_lr=1.0, total_steps=10, warmup_steps=2, init_lr=0.1)
+    with _raises_naming(message):
+        sched(step)
+
+
+@pytest.mark.parametrize(
+    "step", [3, np.int64(3), np.int32(3), np.uint8(3), np.array(3), 3.0, np.float32(3.0),
+             torch.tensor(3)],
+    ids=repr,
+)
+def test_integer_like_steps_are_accepted(step):
+    sched = make_schedule("cosine", peak_lr=1.0, total_steps=10, warmup_steps=2)
+    assert sched(step) == sched(3)
+    assert sched(0.0) == sched(-0.0) == sched(0) == 0.0
+
+
 # --------------------------------------------------------------------------- ScheduleLR
 
 
@@ -169,6 +301,26 @@ def test_tensor_lr_is_updated_in_place():
     opt = LARS([p], lr=lr)
     ScheduleLR(opt, make_schedule("constant", peak_lr=0.25, total_steps=3))
     assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.25
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, None], ids=repr)
+def test_schedule_lr_refuses_a_negative_or_nan_lr_before_writing_it(bad):
+    opt = _opt(2)
+    ok = make_schedule("constant", peak_lr=0.5, total_steps=5)
+
+    def broken(step):
+        return bad if step >= 2 else 0.25
+
+    sched = ScheduleLR(opt, [ok, broken])
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.25]
+    opt.step()
+    with _raises_naming(f"param group 1 at step 2: {bad!r}"):
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.25]  # nothing was written
+    with _raises_naming(f"param group 0 at step 0: {bad!r}"):
+        ScheduleLR(_opt(1), lambda step: bad)
 
 
 def test_follow_optimizer_needs_a_step_count():

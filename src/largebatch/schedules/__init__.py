@@ -15,6 +15,11 @@ same object drives torch param groups (``largebatch.torch.ScheduleLR``) and, thr
 ``largebatch.jax.make_schedule``, jitted JAX code: one formula (:meth:`Schedule.evaluate`,
 written against a NumPy-like module) serves both, so the numbers agree.
 
+Every numeric argument must be a real number (``True``/``False`` are not), finite, and in
+its range, or the factory raises a ValueError naming it. A step must be a finite number
+>= 0: a Python, NumPy or concrete JAX scalar; anything else raises a ValueError naming it.
+A traced JAX step cannot raise, so there a negative, NaN or infinite step gives NaN.
+
 References:
   Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
   (linear scaling rule, gradual warmup), https://arxiv.org/abs/1706.02677.
@@ -26,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,21 +41,76 @@ __all__ = ["SCHEDULES", "Schedule", "linear_scaling", "make_schedule"]
 SCHEDULES = ("constant", "poly", "cosine", "step")
 
 
+def _is_real(value: Any) -> bool:
+    """A real number, and not a bool (``True`` is an ``int`` to Python, not a rate)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_finite(value: numbers.Real) -> bool:
+    """``math.isfinite``, False also for an int too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not (_is_integer(value) and value > 0):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a positive integer)")
+
+
 def linear_scaling(base_lr: float, batch_size: int, base_batch_size: int = 256) -> float:
     """The linear scaling rule (Goyal et al. 2017): ``base_lr * batch_size / base_batch_size``.
+
+    Raises:
+      ValueError: naming the bad argument: ``base_lr`` not a finite number >= 0, a batch
+        size not a positive integer (bools are neither), or a product too large for a float.
 
     >>> linear_scaling(0.1, 8192)
     3.2
     """
-    if not base_lr >= 0.0:
-        raise ValueError(f"Invalid base_lr: {base_lr} (must be >= 0)")
-    if not (isinstance(batch_size, numbers.Integral) and batch_size > 0):
-        raise ValueError(f"Invalid batch_size: {batch_size!r} (must be a positive integer)")
-    if not (isinstance(base_batch_size, numbers.Integral) and base_batch_size > 0):
+    _check_nonneg("base_lr", base_lr)
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("base_batch_size", base_batch_size)
+    try:
+        lr = base_lr * batch_size / base_batch_size
+    except OverflowError:
+        lr = math.inf
+    if not math.isfinite(lr):
         raise ValueError(
-            f"Invalid base_batch_size: {base_batch_size!r} (must be a positive integer)"
+            f"linear_scaling({base_lr!r}, {batch_size!r}, {base_batch_size!r}) = {lr} "
+            f"is not a finite rate"
         )
-    return base_lr * batch_size / base_batch_size
+    return lr
+
+
+def _check_step(step: Any) -> int | float:
+    """``step`` as a Python int or float, or a ValueError naming it."""
+    message = f"Invalid step: {step!r} (must be a finite number >= 0)"
+    if isinstance(step, (bool, np.bool_)):
+        raise ValueError(message)
+    if isinstance(step, numbers.Integral):
+        value: int | float = int(step)
+    elif isinstance(step, numbers.Real):
+        value = float(step)
+    else:  # a 0-d array: NumPy, concrete JAX, torch
+        try:
+            array = np.asarray(step)
+        except Exception as err:  # a traced JAX value has no concrete number
+            raise ValueError(
+                f"Invalid step: {step!r} (must be a concrete number; a traced JAX step "
+                f"needs largebatch.jax.as_optax_schedule(schedule))"
+            ) from err
+        if array.shape != () or array.dtype.kind not in "iuf":
+            raise ValueError(message)
+        value = array.item()
+    if not (value >= 0 and _is_finite(value)):
+        raise ValueError(message)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +128,24 @@ class Schedule:
     gamma: float = 0.1
 
     def __call__(self, step: int) -> float:
-        if step < 0:
-            raise ValueError(f"Invalid step: {step} (must be >= 0)")
-        return float(self.evaluate(step, np, np.float64))
+        """The rate at ``step``: a finite number >= 0 (Python, NumPy or concrete JAX scalar).
+
+        Raises:
+          ValueError: naming ``step`` when it is negative, NaN, infinite, a bool, not a
+            number, not a scalar, or a traced JAX value.
+        """
+        return float(self.evaluate(_check_step(step), np, np.float64))
 
     def evaluate(self, step: Any, xp: Any, dtype: Any) -> Any:
         """The schedule at ``step``, written against the NumPy-like module ``xp``.
 
         ``xp`` is ``numpy`` for Python floats and ``jax.numpy`` for traced steps; the
-        formula is the same, so the two agree to the precision of ``dtype``.
+        formula is the same, so the two agree to the precision of ``dtype``. ``step`` may
+        be an array (elementwise). A negative, NaN or infinite step gives NaN: a traced
+        step cannot raise, and NaN cannot pass for a rate.
         """
-        t = xp.maximum(xp.asarray(step, dtype=dtype), 0)
+        t = xp.asarray(step, dtype=dtype)
+        valid = xp.isfinite(t) & (t >= 0)
         peak, init, end = self.peak_lr, self.init_lr, self.end_lr
         w, total = self.warmup_steps, self.total_steps
         warm = init + (peak - init) * t / max(w, 1)
@@ -93,11 +160,12 @@ class Schedule:
             passed = sum(((t >= m).astype(dtype) for m in self.milestones), xp.zeros((), dtype))
             after = peak * self.gamma**passed
             final = peak * self.gamma ** len(self.milestones)
-        return xp.where(t < w, warm, xp.where(t < total, after, final)).astype(dtype)
+        lr = xp.where(t < w, warm, xp.where(t < total, after, final))
+        return xp.where(valid, lr, math.nan).astype(dtype)
 
 
-def _check_nonneg(name: str, value: float) -> None:
-    if not (isinstance(value, numbers.Real) and value >= 0.0 and math.isfinite(value)):
+def _check_nonneg(name: str, value: Any) -> None:
+    if not (_is_real(value) and value >= 0.0 and _is_finite(value)):
         raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
 
 
@@ -126,22 +194,23 @@ def make_schedule(
       power: the exponent of poly decay (You et al. 2017 use 2).
       milestones: steps (strictly increasing, in ``[warmup_steps, total_steps)``) at which
         the ``step`` schedule multiplies the rate by ``gamma``. Only for ``step``.
-      gamma: the factor of each ``step`` decay, in (0, 1].
+      gamma: the factor of each ``step`` decay, in (0, 1] (checked for every schedule).
 
     Raises:
-      ValueError: naming the bad argument, for an unknown name, a negative rate,
-        ``total_steps <= 0``, ``warmup_steps`` outside ``[0, total_steps]``, milestones out
-        of order or given to a schedule other than ``step``.
+      ValueError: naming the bad argument, for an unknown name, a rate that is not a
+        finite number >= 0, ``total_steps <= 0``, ``warmup_steps`` outside
+        ``[0, total_steps]``, ``power`` not a finite number > 0, ``gamma`` outside (0, 1],
+        milestones that are not a sequence of integers, out of order, or given to a
+        schedule other than ``step``; and for any bool or ``None`` given as a number.
 
     >>> sched = make_schedule("poly", peak_lr=3.2, total_steps=100, warmup_steps=10)
     >>> sched(0), sched(5), sched(10), sched(100)
     (0.0, 1.6, 3.2, 0.0)
     """
-    if name not in SCHEDULES:
+    if not (isinstance(name, str) and name in SCHEDULES):
         raise ValueError(f"Unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    if not (isinstance(total_steps, numbers.Integral) and total_steps > 0):
-        raise ValueError(f"Invalid total_steps: {total_steps!r} (must be a positive integer)")
-    if not (isinstance(warmup_steps, numbers.Integral) and 0 <= warmup_steps <= total_steps):
+    _check_positive_int("total_steps", total_steps)
+    if not (_is_integer(warmup_steps) and 0 <= warmup_steps <= total_steps):
         raise ValueError(
             f"Invalid warmup_steps: {warmup_steps!r} (must be an integer in "
             f"[0, total_steps={total_steps}])"
@@ -149,19 +218,21 @@ def make_schedule(
     _check_nonneg("peak_lr", peak_lr)
     _check_nonneg("init_lr", init_lr)
     _check_nonneg("end_lr", end_lr)
-    if not (isinstance(power, numbers.Real) and power > 0.0 and math.isfinite(power)):
-        raise ValueError(f"Invalid power: {power!r} (must be > 0)")
+    if not (_is_real(power) and power > 0.0 and _is_finite(power)):
+        raise ValueError(f"Invalid power: {power!r} (must be a finite number > 0)")
+    if not (_is_real(gamma) and 0.0 < gamma <= 1.0):
+        raise ValueError(f"Invalid gamma: {gamma!r} (must be in (0, 1])")
+    if isinstance(milestones, (str, bytes)) or not isinstance(milestones, Iterable):
+        raise ValueError(f"Invalid milestones: {milestones!r} (must be a sequence of integers)")
     milestones = tuple(milestones)
     if milestones and name != "step":
         raise ValueError(
             f"milestones={milestones} only apply to the 'step' schedule, not to {name!r}"
         )
     if name == "step":
-        if not (isinstance(gamma, numbers.Real) and 0.0 < gamma <= 1.0):
-            raise ValueError(f"Invalid gamma: {gamma!r} (must be in (0, 1])")
         previous = warmup_steps - 1
         for m in milestones:
-            if not (isinstance(m, numbers.Integral) and previous < m < total_steps):
+            if not (_is_integer(m) and previous < m < total_steps):
                 raise ValueError(
                     f"Invalid milestone {m!r} in {milestones}: milestones must be strictly "
                     f"increasing integers in [warmup_steps={warmup_steps}, "

@@ -5,6 +5,11 @@ An optax schedule is a callable from the step count (an int32 scalar, traced und
 the very formula the Python schedule uses (:meth:`Schedule.evaluate`) with ``jax.numpy``,
 so the jitted rate equals ``schedule(step)`` up to the precision of ``dtype`` (float32
 by default).
+
+A traced step cannot raise an error, so an invalid one gives NaN, never a plausible rate:
+a negative, NaN or infinite count makes the schedule return NaN (the Python schedule
+raises a ValueError for the same steps). A count whose dtype is not an integer or float
+one (a bool, say) is known while tracing and raises a ValueError.
 """
 
 from __future__ import annotations
@@ -26,13 +31,19 @@ __all__ = ["OptaxSchedule", "as_optax_schedule", "linear_scaling", "make_schedul
 class OptaxSchedule:
     """``schedule(count) -> jnp scalar``: a :class:`Schedule` evaluated with ``jax.numpy``.
 
-    Frozen and hashable, so it can be a static argument of ``jax.jit``.
+    Frozen and hashable, so it can be a static argument of ``jax.jit``. An array of counts
+    gives the rates elementwise; a negative, NaN or infinite count gives NaN.
     """
 
     schedule: Schedule
     dtype: Any = jnp.float32
 
     def __call__(self, count: jax.typing.ArrayLike) -> jax.Array:
+        kind = jnp.result_type(count)
+        if not (jnp.issubdtype(kind, jnp.integer) or jnp.issubdtype(kind, jnp.floating)):
+            raise ValueError(
+                f"Invalid step: {count!r} of dtype {kind} (must be an integer or float count)"
+            )
         return self.schedule.evaluate(count, jnp, self.dtype)
 
 

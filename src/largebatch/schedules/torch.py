@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["ScheduleLR"]
+
+
+def _checked_lr(group: int, step: int, value: Any) -> float:
+    """``value`` as a float, or a ValueError naming the group, the step and the value."""
+    try:
+        lr = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        lr = math.nan
+    if isinstance(value, (bool, np.bool_)) or not (lr >= 0.0 and math.isfinite(lr)):
+        raise ValueError(
+            f"Invalid lr from the schedule of param group {group} at step {step}: {value!r} "
+            f"(must be a finite number >= 0)"
+        )
+    return lr
 
 
 class ScheduleLR(LRScheduler):
@@ -28,7 +44,8 @@ class ScheduleLR(LRScheduler):
       ...     loss_fn(batch).backward(); opt.step(); opt.zero_grad(); sched.step()
 
     A group whose ``lr`` is a Tensor (the fused, graph-capturable path) is updated in
-    place.
+    place. A schedule that gives a negative, NaN or infinite lr (or no number) raises a
+    ValueError naming the group, the step and the value, before any group is written.
     """
 
     def __init__(
@@ -62,7 +79,7 @@ class ScheduleLR(LRScheduler):
 
     def get_lr(self) -> list[float]:
         step = self._schedule_step()
-        return [float(s(step)) for s in self.schedules]
+        return [_checked_lr(i, step, s(step)) for i, s in enumerate(self.schedules)]
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's counters; the schedules themselves are configuration, not state."""
