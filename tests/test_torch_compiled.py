@@ -6,6 +6,11 @@ small: it covers every branch of the two bodies without paying for every combina
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -110,3 +115,42 @@ def test_compiled_is_the_default_for_large_cpu_models_only():
     assert LAMB(large, lr=0.1, compiled=False).param_groups[0]["compiled"] is False
     with pytest.raises(ValueError, match="compiled=True and fused=True"):
         LARS(small, lr=0.1, compiled=True, fused=True)
+
+
+CROSS_PROCESS = """
+import json, sys, torch
+from largebatch.torch import LAMB, LARS
+
+cls = {"LARS": LARS, "LAMB": LAMB}[sys.argv[1]]
+kwargs = json.loads(sys.argv[2])
+out = []
+for compiled in (True, False):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = cls([w], lr=0.1, compiled=compiled, foreach=None if compiled else True, **kwargs)
+    for _ in range(2):
+        w.grad = torch.randn(256, 256) * 0.01
+        opt.step()
+    out.append(w.detach().clone())
+print(float(((out[0] - out[1]).abs().max() / out[1].abs().max())))
+"""
+
+
+@pytest.mark.parametrize(
+    "cls,first,second",
+    [
+        ("LARS", dict(weight_decay=0.1), dict(weight_decay=0.01, momentum=0.5, trust_coefficient=0.02)),
+        ("LAMB", dict(weight_decay=0.01), dict(weight_decay=0.01, betas=[0.5, 0.9])),
+    ],
+)
+def test_a_second_process_with_other_hyperparameters_gets_its_own_numbers(tmp_path, cls, first, second):
+    """Two processes share one Inductor cache: the second, with other hyperparameter
+    values, must compute with its own values, not the first one's."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for kwargs in (first, second):
+        run = subprocess.run(
+            [sys.executable, "-c", CROSS_PROCESS, cls, json.dumps(kwargs)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert float(run.stdout.split()[-1]) < 1e-5, (kwargs, run.stdout)

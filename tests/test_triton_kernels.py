@@ -91,7 +91,7 @@ def make_group(kind, shapes, dtype, masters, hyper, seed, zero=()):
         grads=[torch.zeros_like(p) for p in params],
         masters=[p.float() for p in params] if masters else None,
         state={k: [torch.zeros(p.shape, dtype=state_dtype) for p in params] for k in STATE[kind]},
-        step=torch.zeros((), dtype=torch.float32),
+        steps=[torch.zeros((), dtype=torch.float32) for _ in params],
         lr=torch.tensor(LRS[0], dtype=torch.float32),
         hyper=dict(hyper),
     )
@@ -124,7 +124,7 @@ def snapshot(groups):
     """Every tensor the step may write, cloned (for bitwise comparisons)."""
     out = []
     for g in groups:
-        tensors = [*g.params, *weights(g), *(x for k in g.state for x in g.state[k]), g.step]
+        tensors = [*g.params, *weights(g), *(x for k in g.state for x in g.state[k]), *g.steps]
         out.append([t.clone() for t in tensors])
     return out
 
@@ -147,15 +147,17 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
                     trust_clip=h["trust_clip"], trust_ratio_enabled=h["trust_ratio"],
                 )
             )  # fmt: skip
-        else:
-            out.append(
+        else:  # each tensor at its own step count
+            per_tensor = [
                 ref.lamb_step(
-                    w, gs, s[0], s[1], step=int(g.step) + 1, lr=lr, betas=(h["beta1"], h["beta2"]),
-                    eps=h["eps"], weight_decay=h["weight_decay"],
+                    [w[j]], [gs[j]], [s[0][j]], [s[1][j]], step=int(g.steps[j]) + 1, lr=lr,
+                    betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
                     bias_correction=h["bias_correction"], trust_ratio_enabled=h["trust_ratio"],
                     grad_divisor=divisor,
                 )
-            )  # fmt: skip
+                for j in range(len(w))
+            ]  # fmt: skip
+            out.append(tuple([r[k][0] for r in per_tensor] for k in range(3)))
     return before, out
 
 
@@ -194,6 +196,7 @@ def run_steps(
 ):
     """Fused steps, each checked against the reference (``ref_hyper`` overrides its values)."""
     gen = torch.Generator().manual_seed(seed)
+    counts = [float(s) for g in groups for s in g.steps]
     for k in range(steps):
         grads = set_grads(groups, gen, scale, zero_grads)
         for g in groups:
@@ -203,7 +206,7 @@ def run_steps(
         grad_scale = None if scale is None else torch.tensor(scale)
         STEP[kind](groups, grad_scale=grad_scale, found_inf=None, **extra)
         check_step(kind, groups, before, expected)
-        assert all(float(g.step) == k + 1 for g in groups)
+        assert [float(s) for g in groups for s in g.steps] == [c + k + 1 for c in counts]
 
 
 def two_groups(kind, hyper, dtype=torch.float32, masters=False, shapes=SHAPES):
@@ -251,9 +254,8 @@ def test_wrong_hyperparameter_is_caught():
         run_steps("lars", groups, steps=2, momentum=0.85)
 
 
-@pytest.mark.parametrize("cause", ["inf_in_fp16_grad", "nan_in_fp32_grad", "found_inf"])
 @pytest.mark.parametrize("kind", ["lars", "lamb"])
-def test_overflow_step_changes_nothing(kind, cause):
+def test_overflow_step_changes_nothing(kind):
     hyper = dict(weight_decay=1e-2)
     groups = [
         make_group(kind, SHAPES[:4], torch.float16, True, hyper, seed=6),
@@ -265,26 +267,47 @@ def test_overflow_step_changes_nothing(kind, cause):
 
     gen = torch.Generator().manual_seed(8)
     set_grads(groups, gen, 1024.0)
-    found_inf = torch.zeros(1)
-    if cause == "inf_in_fp16_grad":
-        groups[0].grads[1][7] = float("inf")
-    elif cause == "nan_in_fp32_grad":
-        groups[1].grads[1][2, 1, 0] = float("nan")
-    else:
-        found_inf.fill_(1.0)
+    found_inf = torch.ones(1)
+    groups[0].grads[1][7] = float("inf")  # what GradScaler found
+    counter = torch.zeros(())
     before = snapshot(groups)
-    STEP[kind](groups, grad_scale=scale, found_inf=found_inf, **extra)
+    STEP[kind](groups, grad_scale=scale, found_inf=found_inf, counter=counter, **extra)
     for gi, (b, a) in enumerate(zip(before, snapshot(groups))):
         for j, (x, y) in enumerate(zip(b, a)):
             assert torch.equal(x, y), f"group {gi} tensor {j} changed on an overflowing step"
-    assert all(float(g.step) == 1 for g in groups)
+    assert all(float(s) == 1 for g in groups for s in g.steps) and float(counter) == 0
 
-    # The next finite step is taken as usual (the skip flag does not linger).
+    # The next finite step is taken as usual.
     grads = set_grads(groups, gen, 1024.0)
     before, expected = reference_step(kind, groups, grads, extra.get("max_grad_norm"))
-    STEP[kind](groups, grad_scale=scale, found_inf=torch.zeros(1), **extra)
+    STEP[kind](groups, grad_scale=scale, found_inf=torch.zeros(1), counter=counter, **extra)
     check_step(kind, groups, before, expected)
-    assert all(float(g.step) == 2 for g in groups)
+    assert all(float(s) == 2 for g in groups for s in g.steps) and float(counter) == 1
+
+
+@pytest.mark.parametrize("kind", ["lars", "lamb"])
+def test_non_finite_grad_without_found_inf_is_applied(kind):
+    """Without GradScaler's found_inf nothing is skipped (as in torch.optim): the bad
+    element reaches its weight, every other tensor takes its usual step."""
+    groups = [make_group(kind, SHAPES[:4], torch.float32, False, dict(weight_decay=1e-2), seed=6)]
+    gen = torch.Generator().manual_seed(8)
+    grads = set_grads(groups, gen, None)
+    before, expected = reference_step(kind, groups, grads)
+    groups[0].grads[1][7] = float("nan")
+    STEP[kind](groups, grad_scale=None, found_inf=None)
+    assert torch.isnan(groups[0].params[1][7])
+    for j in (0, 2, 3):
+        assert_close(f"weight {j}", groups[0].params[j], expected[0][0][j], before[0][0][j], torch.float32)
+    assert all(float(s) == 1 for s in groups[0].steps)
+
+
+def test_each_tensor_is_bias_corrected_at_its_own_step():
+    """LAMB tensors of one group at different step counts (params that started late)."""
+    group = make_group("lamb", SHAPES[:5], torch.float32, False, dict(weight_decay=1e-2), seed=4)
+    for j, s in enumerate(group.steps):
+        s.fill_(1000.0 * (j % 2))
+    run_steps("lamb", [group], steps=2)
+    assert [float(s) for s in group.steps] == [2.0, 1002.0, 2.0, 1002.0, 2.0]
 
 
 @pytest.mark.parametrize("kind", ["lars", "lamb"])
@@ -292,12 +315,14 @@ def test_empty_is_a_no_op(kind):
     STEP[kind]([], grad_scale=None, found_inf=None)
     empty = make_group(kind, [], torch.float32, False, {}, seed=0)
     STEP[kind]([empty], grad_scale=None, found_inf=None)
-    assert float(empty.step) == 0
+    assert empty.steps == []
 
 
 def test_shared_step_counter_counts_once():
     groups = two_groups("lamb", {})
-    groups[1].step = groups[0].step
+    shared = groups[0].steps[0]
+    groups[0].steps = [shared] * len(groups[0].params)
+    groups[1].steps = [shared] * len(groups[1].params)
     run_steps("lamb", groups, steps=2)
 
 
@@ -309,6 +334,7 @@ def test_masters_for_some_params_of_a_group(kind):
     group.params += fp32.params
     group.grads += fp32.grads
     group.masters += [None, None]
+    group.steps += fp32.steps
     for k in STATE[kind]:
         group.state[k] += fp32.state[k]
     run_steps(kind, [group], scale=512.0, steps=2)
@@ -328,14 +354,16 @@ def test_new_grad_tensors_and_cached_plans():
     assert last_plan() is plan
     for g in groups:
         g.grads = [torch.empty_like(x) for x in g.grads]
-        g.step.zero_()
+        for s in g.steps:
+            s.zero_()
     run_steps("lars", groups, steps=1, seed=9)
     assert last_plan() is not plan
     plan = last_plan()
     old_lrs = [g.lr for g in groups]  # kept alive: the new ones get new addresses
     for g in groups:  # new lr tensors: the same plan, with its address table refreshed
         g.lr = g.lr.clone()
-        g.step.zero_()
+        for s in g.steps:
+            s.zero_()
     run_steps("lars", groups, steps=2, seed=10)
     assert last_plan() is plan and len(old_lrs) == 2
 
@@ -376,7 +404,7 @@ from triton.compiler import ASTSource
 from largebatch.lars import triton_kernels as tk
 
 TYPES = dict(chunks="*i64", meta="*i64", gaddr="*i64", steps="*i64", hyper="*fp64",
-             max_grad_norm="fp32", n_steps="i32")  # any other argument: *fp32
+             acc="*fp64", ws="*fp64", max_grad_norm="fp32", n_steps="i32")  # others: *fp32
 FLAGS = dict(W_SQ=True, G_SQ=True, GLOBAL_SQ=True, HAS_SCALE=True, HAS_FOUND_INF=True,
              CLIP=True, HAS_MASTER=True, BLOCK=1024, TILES=4)
 KERNELS = [tk._grad_check_kernel, tk._lars_apply_kernel, tk._lamb_moments_kernel,

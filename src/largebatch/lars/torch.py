@@ -21,6 +21,7 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -52,8 +53,7 @@ def param_groups(
     ``ndim <= 1`` (BatchNorm/LayerNorm), as the MLPerf ResNet-50 reference does. Excluded
     params get trust ratio 1 and no weight decay. Either group may be empty.
     """
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    _check_range("weight_decay value", weight_decay, 0.0, math.inf)
     exclude = default_exclude if exclude is None else exclude
     adapted, excluded = [], []
     for name, param in model.named_parameters():
@@ -65,35 +65,80 @@ def param_groups(
     ]
 
 
-# --------------------------------------------------------------------------- shared base
+# --------------------------------------------------------------------------- checks
 
 
 def _check_range(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     ok = ok and (low < value if low_open else low <= value) and value < high
     if not ok:
         bounds = f"{'(' if low_open else '['}{low}, {high})"
         raise ValueError(f"Invalid {name}: {value!r} (must be in {bounds})")
 
 
+def _check_flag(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Flags are real bools: a truthy string such as "False" would silently turn them on."""
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        rule = "True, False or None" if allow_none else "True or False"
+        raise TypeError(f"Invalid {name}: {value!r} (must be {rule})")
+
+
 def _check_lr(lr: Any) -> None:
-    value = lr.item() if isinstance(lr, Tensor) else lr
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"Invalid lr: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
-    _check_range("learning rate value", value, 0.0, math.inf)
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Invalid lr: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+        if not lr.is_floating_point():
+            raise ValueError(f"Invalid lr: a Tensor lr must be floating point, got {lr.dtype}")
+        lr = lr.item()
+    _check_range("learning rate value", lr, 0.0, math.inf)
+
+
+def _group_params(params: Any) -> list:
+    """A group's params as a list, read once (a generator is consumed here and only here)."""
+    if isinstance(params, Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("params must be an ordered iterable of Tensors (a set's order changes between runs)")
+    return list(params)
+
+
+def _param_list(params: Any) -> list:
+    """The constructor's ``params``: a list of Tensors or of group dicts with listed params."""
+    if isinstance(params, Tensor):
+        raise TypeError(
+            f"params must be an iterable of Tensors or dicts, but got {torch.typename(params)}"
+        )
+    entries = _group_params(params)
+    return [{**e, "params": _group_params(e["params"])} if isinstance(e, dict) else e for e in entries]
+
+
+# --------------------------------------------------------------------------- norms
 
 
 def _stacked_norms(tensors: list[Tensor]) -> Tensor:
-    """Per-tensor L2 norms, accumulated in fp32 (fp64 for fp64 tensors), as one vector."""
+    """Per-tensor L2 norms as one vector (fp64 for fp64 tensors, else fp32) that cannot
+    overflow for finite inputs: a sum of squares past the fp32 range (||x|| > ~1.8e19) is
+    recomputed with fp64 accumulation. The common case costs one fp32 pass."""
     if not tensors:
         return torch.zeros(0)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype))
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype))
+    if dtype == torch.float32 and not bool(torch.isfinite(norms).all()):
+        for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist():
+            norms[i] = torch.linalg.vector_norm(tensors[i], 2, dtype=torch.float64)
+    return norms
 
 
 def _norm(tensor: Tensor) -> Tensor:
-    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(tensor, 2, dtype=dtype)
+    """``_stacked_norms`` of one tensor, as a 0-dim tensor."""
+    return _stacked_norms([tensor])[0]
+
+
+def _compiled_norm(tensor: Tensor) -> Tensor:
+    """The norm inside a compiled body: fp64 accumulation, which costs a compiled kernel
+    no more than fp32 and cannot overflow; the result in fp32 (fp64 for fp64 tensors)."""
+    out = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(tensor, 2, dtype=torch.float64).to(out)
 
 
 def _safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_norm: Tensor) -> Tensor:
@@ -102,24 +147,36 @@ def _safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_no
     return torch.where(ok, numerator / torch.where(ok, denominator, 1.0), 1.0)
 
 
+# --------------------------------------------------------------------------- shared base
+
+# Chosen by the constructor, kept by load_state_dict: which path runs and whether fp16/bf16
+# params get fp32 masters are settings of this optimizer, not of the checkpoint.
+_CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled")
+
+
 class _LayerwiseOptimizer(Optimizer):
-    """What LARS and LAMB share: validation, master weights, the GradScaler contract."""
+    """What LARS and LAMB share: validation, master weights, the GradScaler contract,
+    state-dict checks and the count of applied steps."""
 
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
+    _group_keys: tuple[str, ...] = ()  # the keys a state dict of this optimizer's groups holds
+    _flags: tuple[str, ...] = ()  # bool hyperparameters
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
         if defaults["fused"] and defaults["foreach"]:
             raise ValueError("foreach=True and fused=True cannot both be set")
+        self._applied = torch.zeros((), dtype=torch.float32)
         super().__init__(params, defaults)
 
     # Validation runs on every group, including those added later, before it is stored.
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
+        param_group = {**param_group, "params": _group_params(param_group["params"])}
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._validate(merged)
-        params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        for p in params:
+        for p in param_group["params"]:
             if isinstance(p, Tensor) and p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(
                     f"{type(self).__name__} supports float64/32/16 and bfloat16 params, "
@@ -131,40 +188,133 @@ class _LayerwiseOptimizer(Optimizer):
         _check_lr(group["lr"])
         _check_range("weight_decay value", group["weight_decay"], 0.0, math.inf)
         _check_range("eps value", group["eps"], 0.0, math.inf)
+        for name in (*self._flags, "trust_ratio", "master_weights"):
+            _check_flag(name, group[name])
+        for name in ("foreach", "fused", "compiled"):
+            _check_flag(name, group[name], allow_none=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles defaults, state and groups only: keep the count of applied
+        # steps (and LAMB's max_grad_norm) through copy.deepcopy, pickle and torch.save.
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in self._extra_state}}
+
+    _extra_state: tuple[str, ...] = ("_applied",)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_applied", torch.zeros((), dtype=torch.float32))
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for key in (*self._group_keys, *_CONSTRUCTOR_KEYS):
+                group.setdefault(key, self.defaults[key])
 
     @property
     def num_steps(self) -> int:
-        """Steps applied so far (skipped overflow steps do not count): the first updated
-        param's step count, 0 before the first step. ``ScheduleLR(..., follow_optimizer=True)``
-        reads it."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                step = self.state.get(p, {}).get("step")
-                if step is not None:
-                    return int(step)
-        return 0
+        """Steps applied so far: ``step()`` calls that were not skipped by a GradScaler,
+        whichever params had grads. ``ScheduleLR(..., follow_optimizer=True)`` reads it."""
+        return int(self._applied)
+
+    # ------------------------------------------------------------------ state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["num_steps"] = self.num_steps
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim casts every state tensor to its param's dtype, which would turn fp32
-        # master weights and moments of fp16/bf16 params into fp16: keep the saved dtypes.
+        """Load a state dict of this optimizer, after checking all of it.
+
+        Refused with a ValueError, before anything changes: another optimizer's state
+        dict, a state tensor whose shape is not its param's, an invalid hyperparameter.
+        Kept from this optimizer, not taken from the checkpoint: ``master_weights``,
+        ``foreach``, ``fused`` and ``compiled``. Then fp16/bf16 params get an fp32 master
+        when ``master_weights`` is on (from the param, if the checkpoint has none) and lose
+        it when it is off; moments keep their saved precision where a master holds the
+        math and take the param's dtype elsewhere; steps may be plain numbers.
+        """
+        state_dict = dict(state_dict)
+        extra = {k: state_dict.pop(k) for k in ("num_steps", "max_grad_norm") if k in state_dict}
+        if "num_steps" in extra:
+            _check_range("num_steps", extra["num_steps"], 0, math.inf)
+        if extra.get("max_grad_norm") is not None:
+            _check_range("max_grad_norm value", extra["max_grad_norm"], 0.0, math.inf, low_open=True)
+        by_id = self._check_loadable(state_dict)
+        kept = [{k: g[k] for k in _CONSTRUCTOR_KEYS} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        by_id = dict(zip(saved_ids, (p for g in self.param_groups for p in g["params"])))
-        for pid, entry in state_dict["state"].items():
+        for group, keys in zip(self.param_groups, kept):
+            group.update(keys)
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        for pid, saved in state_dict["state"].items():
             param = by_id[pid]
-            for key, value in entry.items():
-                if key == "step":
-                    # torch keeps the given step tensor itself: copy it, so the two
-                    # optimizers do not share one counter.
-                    self.state[param][key] = self.state[param][key].clone()
-                elif isinstance(value, Tensor) and value.is_floating_point():
-                    self.state[param][key] = value.to(device=param.device, copy=True)
+            self.state[param] = self._loaded_state(param, groups[param], saved)
+        steps = [int(s["step"]) for s in self.state.values() if "step" in s]
+        self._applied = torch.tensor(float(extra.get("num_steps", max(steps, default=0))))
+        if "max_grad_norm" in extra:
+            self.max_grad_norm = extra["max_grad_norm"]
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
+        """Every check of load_state_dict; returns the saved param ids -> our params."""
+        name = type(self).__name__
+        if not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(f"not an optimizer state dict: keys {sorted(state_dict)}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} param groups, {name} has {len(self.param_groups)}"
+            )
+        by_id = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            missing = [k for k in self._group_keys if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"not a {name} state dict: its param group {i} lacks {missing} (it has {sorted(saved)})"
+                )
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"loaded param group {i} has {len(saved['params'])} params, {name}'s has {len(group['params'])}"
+                )
+            merged = {**group, **{k: v for k, v in saved.items() if k not in _CONSTRUCTOR_KEYS}}
+            self._validate(merged)
+            by_id.update(zip(saved["params"], group["params"]))
+        allowed = {"step", "master_param", *self._state_keys}
+        for pid, entry in state_dict["state"].items():
+            if pid not in by_id:
+                raise ValueError(f"loaded state refers to param {pid!r}, which no param group holds")
+            param = by_id[pid]
+            if not set(entry) <= allowed or not {"step", *self._state_keys} <= set(entry):
+                raise ValueError(
+                    f"not a {name} state dict: param {pid!r} holds {sorted(entry)}, expected "
+                    f"{sorted(allowed)} (master_param optional)"
+                )
+            step = entry["step"]
+            if not (isinstance(step, numbers.Real) or (isinstance(step, Tensor) and step.numel() == 1)):
+                raise ValueError(f"param {pid!r}: step must be a number or a one-element Tensor, got {step!r}")
+            for key in allowed - {"step"}:
+                value = entry.get(key)
+                if value is not None and (not isinstance(value, Tensor) or value.shape != param.shape):
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"param {pid!r}: {key} has shape {got}, the param has {tuple(param.shape)}"
+                    )
+        return by_id
+
+    def _loaded_state(self, param: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """One param's state from its saved entry, in this optimizer's layout (copies)."""
+        step = saved["step"]
+        step = step.detach().reshape(()) if isinstance(step, Tensor) else torch.tensor(float(step))
+        step_device = param.device if group["fused"] else torch.device("cpu")
+        state: dict[str, Any] = {"step": step.to(device=step_device, dtype=torch.float32, copy=True)}
+        if group["master_weights"] and param.dtype in _LOW_PRECISION:
+            master = saved.get("master_param")
+            master = param.detach() if master is None else master
+            state["master_param"] = master.to(device=param.device, dtype=torch.float32, copy=True)
+            math_dtype = torch.float32
+        else:
+            math_dtype = param.dtype
+        for key in self._state_keys:
+            state[key] = saved[key].to(device=param.device, dtype=math_dtype, copy=True)
+        return state
+
+    # ------------------------------------------------------------------ the step
 
     def _gather(self, group: dict[str, Any]) -> dict[str, list]:
         """The params of ``group`` that have grads, their state (created lazily), checked."""
@@ -202,7 +352,11 @@ class _LayerwiseOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step. ``closure`` re-evaluates the model and returns the loss."""
+        """One optimizer step. ``closure`` re-evaluates the model and returns the loss.
+
+        Non-finite gradients are applied as torch.optim applies them (they reach the params
+        and the state); a step is skipped only when a ``torch.amp.GradScaler`` found inf or
+        NaN (``found_inf``), on every path."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -218,8 +372,9 @@ class _LayerwiseOptimizer(Optimizer):
             if found_inf is not None and bool(found_inf.item()):
                 return loss
             self._step_groups([self._gather(g) for g in self.param_groups], grad_scale=grad_scale)
+            self._applied += 1
         else:
-            # The fused kernels decide it on the device (found_inf or a non-finite grad).
+            # The fused kernels decide it on the device, from found_inf.
             gathered = [self._gather(g) for g in self.param_groups]
             self._fused_step(gathered, grad_scale=grad_scale, found_inf=found_inf)
         return loss
@@ -246,8 +401,24 @@ class _LayerwiseOptimizer(Optimizer):
 def _compiled_body(body: Callable[..., None]) -> Callable[..., None]:
     """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
     (norms, then the fused elementwise update) serves every tensor of a given dtype and
-    hyperparameter set, whatever its size."""
-    return torch.compile(body, dynamic=True, fullgraph=True)
+    set of flags, whatever its size.
+
+    Every number the body uses (lr, the hyperparameters, bias corrections) reaches it as
+    a 0-dim tensor, an input of the compiled graph, never as a Python float: Inductor's
+    on-disk cache may serve a float baked in as a constant by another process with other
+    values. Flags stay Python bools; they choose the graph's code and so its cache key.
+    """
+    return torch.compile(functools.partial(body, norm=_compiled_norm), dynamic=True, fullgraph=True)
+
+
+def _as_tensors(*values: Any) -> tuple[Tensor, ...]:
+    """Numbers for a compiled body: fp64 0-dim CPU tensors (see _compiled_body)."""
+    return tuple(torch.as_tensor(v, dtype=torch.float64) for v in values)
+
+
+def _lr_value(lr: float | Tensor) -> float | Tensor:
+    """A group's lr for the math: a one-element Tensor (shape (), (1,) or (1, 1)) as 0-dim."""
+    return lr.reshape(()) if isinstance(lr, Tensor) else lr
 
 
 # Each compiled call costs a fixed ~0.2 ms of dispatch on the host: tensors below this
@@ -322,7 +493,8 @@ class LARS(_LayerwiseOptimizer):
     Args:
       params: params or param groups. Group keys: ``lr``, ``weight_decay``,
         ``trust_ratio`` and every keyword below but ``foreach``/``fused``.
-      lr: the global learning rate (a float, or a 0-dim Tensor for the fused path).
+      lr: the global learning rate: a float, or a one-element Tensor (the fused path reads
+        an fp32 one on the params' device in place, without a copy).
       momentum: in [0, 1). trust_coefficient: tc > 0 (0.001 in the paper).
       eps: >= 0, added to the denominator. weight_decay: >= 0.
       nesterov: Nesterov momentum. trust_clip: LARC clipping.
@@ -347,6 +519,9 @@ class LARS(_LayerwiseOptimizer):
     """
 
     _state_keys = ("momentum_buffer",)
+    _group_keys = ("lr", "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov",
+                   "trust_clip", "trust_ratio")
+    _flags = ("nesterov", "trust_clip")
 
     def __init__(
         self,
@@ -365,7 +540,8 @@ class LARS(_LayerwiseOptimizer):
         fused: bool | None = None,
         compiled: bool | None = None,
     ) -> None:
-        params = list(params)
+        params = _param_list(params)
+        _check_paths(foreach, fused, compiled)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -408,7 +584,7 @@ _LARS_HYPER = ("momentum", "weight_decay", "trust_coefficient", "eps", "nesterov
 
 
 def _lars_kwargs(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: group[k] for k in ("lr", *_LARS_HYPER)}
+    return {"lr": _lr_value(group["lr"]), **{k: group[k] for k in _LARS_HYPER}}
 
 
 def lars(
@@ -457,17 +633,17 @@ def _lars_ratio(w_norm, g_norm, *, lr, weight_decay, trust_coefficient, eps, tru
 
 
 def _lars_one(
-    p, grad, buf, master, lr, grad_scale, *,  # noqa: ANN001
-    momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
+    p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
+    nesterov, trust_clip, trust_ratio, norm=_norm,  # noqa: ANN001
 ) -> None:
-    """LARS on one tensor (``weight_decay`` already 0 for excluded groups). ``lr`` is a
-    float, or a 0-dim tensor when this body runs compiled."""
+    """LARS on one tensor (``weight_decay`` already 0 for excluded groups). The numbers
+    are floats, or 0-dim tensors when this body runs compiled."""
     w = p if master is None else master
     g = _unscaled(grad, w, grad_scale)
-    d = g.add(w, alpha=weight_decay) if weight_decay != 0 else g
+    d = g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
     if trust_ratio:
         ratio = _lars_ratio(
-            _norm(w), _norm(g), lr=lr, weight_decay=weight_decay,
+            norm(w), norm(g), lr=lr, weight_decay=weight_decay,
             trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
         )
         scaled = d * (lr * ratio)
@@ -475,7 +651,7 @@ def _lars_one(
         scaled = d * lr
     buf.mul_(momentum).add_(scaled)
     if nesterov:
-        w.sub_(scaled.add_(buf, alpha=momentum))
+        w.sub_(scaled.add_(buf * momentum))
     else:
         w.sub_(buf)
     if master is not None:
@@ -484,16 +660,16 @@ def _lars_one(
 
 def _single_tensor_lars(
     params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
-    lr, weight_decay, trust_ratio, grad_scale, compiled=False, **hyper,  # noqa: ANN001
+    lr, momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip, trust_ratio,  # noqa: ANN001
+    grad_scale, compiled=False,  # noqa: ANN001
 ) -> None:
-    wd = weight_decay if trust_ratio else 0.0
+    numbers = (lr, momentum, weight_decay if trust_ratio else 0.0, trust_coefficient, eps)
+    flags = dict(nesterov=nesterov, trust_clip=trust_clip, trust_ratio=trust_ratio)
     compiled_body = _compiled_body(_lars_one) if compiled else None
-    if compiled:
-        lr = torch.as_tensor(lr, dtype=torch.float64)  # a tensor: no recompile when lr moves
+    compiled_numbers = _as_tensors(*numbers) if compiled else None
     for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
-        tensors = (p, grad, buf, master)
-        body, tensors = _pick_body(_lars_one, compiled_body, tensors)
-        body(*tensors, lr, grad_scale, weight_decay=wd, trust_ratio=trust_ratio, **hyper)
+        body, tensors = _pick_body(_lars_one, compiled_body, (p, grad, buf, master))
+        body(*tensors, grad_scale, *(numbers if body is _lars_one else compiled_numbers), **flags)
         step.add_(1)
 
 
@@ -566,6 +742,9 @@ class LAMB(_LayerwiseOptimizer):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _group_keys = ("lr", "betas", "eps", "weight_decay", "bias_correction", "trust_ratio")
+    _flags = ("bias_correction",)
+    _extra_state = ("_applied", "max_grad_norm")
 
     def __init__(
         self,
@@ -583,11 +762,10 @@ class LAMB(_LayerwiseOptimizer):
         fused: bool | None = None,
         compiled: bool | None = None,
     ) -> None:
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, numbers.Real) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
-        ):
-            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r} (must be > 0 or None)")
-        params = list(params)
+        if max_grad_norm is not None:
+            _check_range("max_grad_norm value", max_grad_norm, 0.0, math.inf, low_open=True)
+        params = _param_list(params)
+        _check_paths(foreach, fused, compiled)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -615,11 +793,6 @@ class LAMB(_LayerwiseOptimizer):
         out = super().state_dict()
         out["max_grad_norm"] = self.max_grad_norm
         return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        self.max_grad_norm = state_dict.pop("max_grad_norm", self.max_grad_norm)
-        super().load_state_dict(state_dict)
 
     def _grad_divisor(self, gathered, grad_scale):  # noqa: ANN001, ANN202
         """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
@@ -653,7 +826,7 @@ _LAMB_HYPER = ("eps", "weight_decay", "bias_correction", "trust_ratio")
 
 
 def _lamb_kwargs(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: group[k] for k in ("lr", "betas", *_LAMB_HYPER)}
+    return {"lr": _lr_value(group["lr"]), **{k: group[k] for k in ("betas", *_LAMB_HYPER)}}
 
 
 def lamb(
@@ -700,22 +873,21 @@ def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction:
 
 
 def _lamb_one(
-    p, grad, m, v, master, lr, grad_divisor, bc1, bc2, *,  # noqa: ANN001
-    betas, eps, weight_decay, trust_ratio,  # noqa: ANN001
+    p, grad, m, v, master, grad_divisor, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
+    trust_ratio, norm=_norm,  # noqa: ANN001
 ) -> None:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
-    already 0 for excluded groups). ``lr``, ``bc1``, ``bc2`` are floats, or 0-dim
-    tensors when this body runs compiled."""
-    b1, b2 = betas
+    already 0 for excluded groups). The numbers are floats, or 0-dim tensors when this
+    body runs compiled."""
     w = p if master is None else master
     g = _unscaled(grad, w, grad_divisor)
-    m.mul_(b1).add_(g, alpha=1.0 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    m.mul_(b1).add_(g * (1.0 - b1))
+    v.mul_(b2).add_(g * g * (1.0 - b2))
     u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-    if weight_decay != 0:
-        u.add_(w, alpha=weight_decay)
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        u.add_(w * weight_decay)
     if trust_ratio:
-        w_norm, u_norm = _norm(w), _norm(u)
+        w_norm, u_norm = norm(w), norm(u)
         ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
     else:
         ratio = 1.0
@@ -728,16 +900,15 @@ def _single_tensor_lamb(
     params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
     lr, betas, eps, weight_decay, bias_correction, trust_ratio, grad_divisor, compiled=False,  # noqa: ANN001
 ) -> None:
-    wd = weight_decay if trust_ratio else 0.0
+    numbers = (lr, *betas, eps, weight_decay if trust_ratio else 0.0)
     compiled_body = _compiled_body(_lamb_one) if compiled else None
-    as_arg = (lambda x: torch.as_tensor(x, dtype=torch.float64)) if compiled else (lambda x: x)
-    lr = as_arg(lr)
+    compiled_numbers = _as_tensors(*numbers) if compiled else None
     for p, grad, m, v, master, step in zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps):
         step.add_(1)
-        bc1, bc2 = (as_arg(bc) for bc in _bias_corrections(step, betas, bias_correction))
+        bcs = _bias_corrections(step, betas, bias_correction)
         body, tensors = _pick_body(_lamb_one, compiled_body, (p, grad, m, v, master))
-        body(*tensors, lr, grad_divisor, bc1, bc2, betas=betas, eps=eps, weight_decay=wd,
-             trust_ratio=trust_ratio)
+        args = (*numbers, *bcs) if body is _lamb_one else (*compiled_numbers, *_as_tensors(*bcs))
+        body(*tensors, grad_divisor, *args, trust_ratio=trust_ratio)
 
 
 def _foreach_lamb(
@@ -757,12 +928,12 @@ def _foreach_lamb(
     torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1)
     torch._foreach_mul_(exp_avg_sqs, b2)
     torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1.0 - b2)
-    # Every param of a group has taken the same number of steps (state is created together).
-    bc1, bc2 = _bias_corrections(state_steps[0], betas, bias_correction)
-    denom = torch._foreach_div(exp_avg_sqs, bc2)
+    # Each param's own count: params that start late (frozen, then trained) have fewer.
+    bc1s, bc2s = zip(*(_bias_corrections(s, betas, bias_correction) for s in state_steps))
+    denom = torch._foreach_div(exp_avg_sqs, list(bc2s))
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
-    us = torch._foreach_div(exp_avgs, bc1)
+    us = torch._foreach_div(exp_avgs, list(bc1s))
     torch._foreach_div_(us, denom)
     if wd != 0:
         torch._foreach_add_(us, ws, alpha=wd)
@@ -822,6 +993,11 @@ def _resolve_compiled(compiled: bool | None, params: list[Any], fused: bool) -> 
             and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL)
 
 
+def _check_paths(foreach: Any, fused: Any, compiled: Any) -> None:
+    for name, value in (("foreach", foreach), ("fused", fused), ("compiled", compiled)):
+        _check_flag(name, value, allow_none=True)
+
+
 def _tensors(params: list[Any]) -> list[Tensor]:
     entries = (entry["params"] if isinstance(entry, dict) else [entry] for entry in params)
     flat = (p for entry in entries for p in ([entry] if isinstance(entry, Tensor) else entry))
@@ -839,24 +1015,27 @@ def _lamb_hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_fused(opt, gathered, state_keys, hyper, kernel, **kwargs):  # noqa: ANN001, ANN202
-    """Build the kernels' groups, take the step, then copy each group's step count (which
-    the kernels advance on the device unless the step is skipped) to its other params."""
+    """Build the kernels' groups and take the step; the kernels advance each param's step
+    count and the optimizer's count of applied steps on the device unless it is skipped."""
     from largebatch.lars import triton_kernels
 
-    groups, counts = [], []
-    for group, g in zip(opt.param_groups, gathered):
-        if not g["params"]:
-            continue
-        groups.append(triton_kernels.FusedGroup(
+    groups = [
+        triton_kernels.FusedGroup(
             params=g["params"], grads=g["grads"], masters=g["masters"],
-            state={k: g[k] for k in state_keys}, step=g["steps"][0],
+            state={k: g[k] for k in state_keys}, steps=g["steps"],
             lr=_device_lr(opt, group, g["params"][0].device), hyper=hyper(group),
-        ))
-        counts.append(g["steps"])
-    kernel(groups, **kwargs)
-    rest = [s for steps in counts for s in steps[1:]]
-    if rest:
-        torch._foreach_copy_(rest, [steps[0] for steps in counts for _ in steps[1:]])
+        )
+        for group, g in zip(opt.param_groups, gathered) if g["params"]
+    ]
+    if not groups:  # nothing to update: count the step unless GradScaler skips it
+        found_inf = kwargs["found_inf"]
+        if found_inf is None or not bool(found_inf.item()):
+            opt._applied += 1
+        return
+    device = groups[0].params[0].device
+    if opt._applied.device != device:
+        opt._applied = opt._applied.to(device)
+    kernel(groups, counter=opt._applied, **kwargs)
 
 
 def _device_lr(opt, group, device) -> Tensor:  # noqa: ANN001

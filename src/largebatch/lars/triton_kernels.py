@@ -17,21 +17,25 @@ Host API
     state    dict[str, list[Tensor]]
                              LARS {"momentum_buffer"}, LAMB {"exp_avg", "exp_avg_sq"};
                              fp32 for a param with a master, else the param dtype
-    step     Tensor          fp32 0-dim: steps taken so far; +1 on the device unless skipped
+    steps    list[Tensor]    one fp32 0-dim count per param (params may share one): steps
+                             it took so far; LAMB's bias correction uses its own count;
+                             +1 on the device unless the step is skipped
     lr       Tensor          fp32 0-dim; read by the kernels, so a schedule may change it
     hyper    dict            python numbers; LARS: momentum, weight_decay,
                              trust_coefficient, eps, nesterov, trust_clip, trust_ratio;
                              LAMB: beta1, beta2, eps, weight_decay, bias_correction,
                              trust_ratio. Missing keys take the DESIGN §2 defaults.
 
-``fused_lars_step_(groups, *, grad_scale=None, found_inf=None)`` and
-``fused_lamb_step_(groups, *, max_grad_norm=None, grad_scale=None, found_inf=None)``
-take one step on every group. ``grad_scale`` (fp32 device tensor) divides every grad
-first; ``max_grad_norm`` (LAMB) divides all grads by ``max(1, ||all grads|| /
-max_grad_norm)`` over every group. If ``found_inf`` (fp32 device tensor, as set by
-``torch.amp.GradScaler``) is nonzero, or any unscaled grad element in any group is inf
-or NaN, the step changes nothing: params, masters, state and step stay bitwise as they
-were. That is decided on the device; nothing here reads a device value on the host.
+``fused_lars_step_(groups, *, grad_scale=None, found_inf=None, counter=None)`` and
+``fused_lamb_step_(groups, *, max_grad_norm=None, grad_scale=None, found_inf=None,
+counter=None)`` take one step on every group. ``grad_scale`` (fp32 device tensor)
+divides every grad first; ``max_grad_norm`` (LAMB) divides all grads by ``max(1, ||all
+grads|| / max_grad_norm)`` over every group. If ``found_inf`` (fp32 device tensor, as set
+by ``torch.amp.GradScaler``) is nonzero, the step changes nothing: params, masters,
+state and steps stay bitwise as they were. That is decided on the device; nothing here
+reads a device value on the host. Without ``found_inf`` an inf/NaN gradient is applied,
+as in every other path and in torch.optim. ``counter`` (fp32 0-dim, optional) counts
+the applied steps, like the per-param counts.
 
 Kernels and launches
 --------------------
@@ -39,33 +43,36 @@ Tensors are bucketed by (param dtype, masters or not). Per bucket a ``meta`` tab
 holds each tensor's addresses (int64 ``data_ptr``), size and group, and a ``chunks``
 table maps each program to (tensor, first element) of its chunk: BLOCK * TILES = 4096
 elements, fewer when every tensor of the bucket is smaller. Small per-group tables hold
-the hyperparameters (fp64, for an accurate 1 - beta**t) and the addresses of ``lr``
-and ``step``. Norms accumulate in fp32 with ``tl.atomic_add`` into one workspace, which
-also holds the skip flag and LAMB's global grad sum of squares. Full chunks run
+the hyperparameters (fp64, for an accurate 1 - beta**t) and the address of ``lr``.
+Sums of squares are formed and accumulated in fp64 (``tl.atomic_add``) in one
+workspace, which also holds LAMB's global grad sum of squares: no finite weight or
+gradient can overflow them (an fp32 sum of squares does above ||x|| ~ 1.8e19), and on a
+memory-bound kernel the fp64 adds cost no time. Full chunks run
 without effective masks and, when every address of the bucket is 16-byte aligned, with
 16-byte loads and stores; only each tensor's last chunk is masked.
 
-    LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor; inf/NaN -> skip flag
+    LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor
           pass 2 _lars_apply_kernel   trust ratio, momentum, w (and param from master)
-    LAMB  pass 1 _grad_check_kernel   inf/NaN -> skip flag; ||g||^2 of all groups (clipping)
-          pass 2 _lamb_moments_kernel new m, v; ||w||^2, ||u||^2 per tensor
-          pass 3 _lamb_apply_kernel   u again from the stored m, v; trust ratio; w
+    LAMB (pass 0 _grad_check_kernel   ||g||^2 of all groups: only with max_grad_norm)
+          pass 1 _lamb_moments_kernel new m, v; ||w||^2, ||u||^2 per tensor
+          pass 2 _lamb_apply_kernel   u again from the stored m, v; trust ratio; w
 
-Every bucket's pass k runs before any bucket's pass k + 1, because the skip flag and
-the global norm span all buckets. Launches per step: one workspace memset, 2 (LARS) or
-3 (LAMB) per bucket, and one ``_count_step_kernel`` (an fp32 model: 4 or 5; fp16 params
-with masters plus fp32 norm layers: 6 or 8). Shapes and addresses are fixed and nothing
-syncs, so the step can be captured in a CUDA graph once its plan exists.
+Every bucket's pass k runs before any bucket's pass k + 1, because the global norm spans
+all buckets. Launches per step: one workspace memset, 2 per bucket (LAMB with
+max_grad_norm: 3), and one ``_count_step_kernel`` (an fp32 model: 4; fp16 params with
+masters plus fp32 norm layers: 6). Shapes and addresses are fixed and nothing syncs, so
+the step can be captured in a CUDA graph once its plan exists.
 
-Bytes moved per param, pass by pass (the roofline's numerator)::
+Bytes moved per param, pass by pass (the roofline's numerator; LAMB with max_grad_norm
+adds the grad read of pass 0: 4 B for fp32 grads, 2 B for fp16/bf16)::
 
     params                          LARS            LAMB
-    fp32                            8 + 20 = 28     4 + 24 + 16 = 44
-    fp16 / bf16, fp32 masters       6 + 20 = 26     2 + 22 + 18 = 42
-    fp16 / bf16, state in that type 4 + 10 = 14     2 + 12 +  8 = 22
+    fp32                            8 + 20 = 28     24 + 16 = 40
+    fp16 / bf16, fp32 masters       6 + 20 = 26     22 + 18 = 40
+    fp16 / bf16, state in that type 4 + 10 = 14     12 +  8 = 20
 
-LAMB's pass 1 is the price of the overflow check, which must finish before any moment
-is written. Pass 3 recomputes u from w, m and v; storing u in pass 2 and reading it
+Pass 0 exists because clipping needs the global norm before any moment is written.
+Pass 2 recomputes u from w, m and v; storing u in pass 1 and reading it
 back would move as many bytes and need a model-sized buffer. fp16 state without
 masters is a poor fit for LAMB: exp_avg_sq = (1 - beta2) g^2 underflows fp16 for
 small grads.
@@ -75,13 +82,14 @@ and every tensor address, size, dtype and hyperparameter of the call) and kept i
 small LRU cache, so a changed tensor, a new grad allocation or a new hyperparameter
 builds a new plan (a few small host-to-device copies) and nothing needs invalidating by
 hand. Grads freed by ``zero_grad(set_to_none=True)`` usually come back at the same
-addresses, and then the plan is reused. Changing ``lr`` or ``step`` values is free;
-new ``lr`` or ``step`` tensors cost one small copy of their address table. Keep one
-``lr`` tensor per group and update it in place: that is also what a CUDA graph needs.
+addresses, and then the plan is reused. Changing ``lr`` or step values is free; new
+``lr`` tensors cost one small copy of their address table (new step tensors, a new
+plan). Keep one ``lr`` tensor per group and update it in place: that is also what a
+CUDA graph needs.
 
 Limits: all tensors of a call on one device; each tensor's grad, master and state
-share its strides and are dense (contiguous in some memory format); ``step`` counts
-exactly up to 2**24 (an fp32 counter, as in torch.optim).
+share its strides and are dense (contiguous in some memory format); steps count
+exactly up to 2**24 (fp32 counters, as in torch.optim).
 """
 
 from __future__ import annotations
@@ -104,13 +112,13 @@ _G = tl.constexpr(1)  # grad
 _P = tl.constexpr(2)  # param, rewritten from the master (masters only)
 _S0 = tl.constexpr(3)  # momentum_buffer (LARS) / exp_avg (LAMB)
 _S1 = tl.constexpr(4)  # exp_avg_sq (LAMB)
-_NUMEL = tl.constexpr(5)
-_GROUP = tl.constexpr(6)
-_META_COLS = tl.constexpr(7)
+_STEP = tl.constexpr(5)  # the tensor's step count (fp32 scalar)
+_NUMEL = tl.constexpr(6)
+_GROUP = tl.constexpr(7)
+_META_COLS = tl.constexpr(8)
 # Workspace slots before the per-tensor sums of squares.
-_FLAG = tl.constexpr(0)  # nonzero: some unscaled grad is inf/NaN, skip the step
-_GSQ = tl.constexpr(1)  # LAMB: sum of squares of all unscaled grads
-_WS_HEAD = 2
+_GSQ = tl.constexpr(0)  # LAMB: sum of squares of all unscaled grads
+_WS_HEAD = 1
 
 LARS_DEFAULTS = dict(
     momentum=0.9,
@@ -146,21 +154,19 @@ def _tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk(chunks, meta, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
     """This program's tensor index, its meta row, first element and element count.
 
-    The count is 0 when the step is skipped (the kernels' flag or GradScaler's found_inf).
-    In pass 1 the flag may rise while programs run; those that see it skip work whose
-    results the skipped step never uses.
+    The count is 0 when GradScaler's found_inf skips the step.
     """
     c = tl.program_id(0)
     t = tl.load(chunks + 2 * c)
     start = tl.multiple_of(tl.load(chunks + 2 * c + 1), CHUNK)
     row = meta + t * _META_COLS
-    live = tl.load(ws + _FLAG) == 0
+    numel = tl.load(row + _NUMEL)
     if HAS_FOUND_INF:
-        live = live & (tl.load(found_inf) == 0)
-    return t, row, start, tl.where(live, tl.load(row + _NUMEL), 0)
+        numel = tl.where(tl.load(found_inf) == 0, numel, 0)
+    return t, row, start, numel
 
 
 @triton.jit
@@ -198,28 +204,26 @@ def _check_tiles(
     w_ptr, g_ptr, start, limit, inv_scale,
     W_SQ: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Sums of w^2 and of unscaled g^2 over a chunk, and its count of inf/NaN grads."""
-    w_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    g_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    """Sums of w^2 and of unscaled g^2 over a chunk, squared and added in fp64."""
+    w_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    g_sq = tl.zeros([BLOCK], dtype=tl.float64)
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
-        bad += ((g != g) | (tl.abs(g) == float("inf"))).to(tl.int32)
+        g = (tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale).to(tl.float64)
         g_sq += g * g
         if W_SQ:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float64)
             w_sq += w * w
-    return tl.sum(w_sq, axis=0), tl.sum(g_sq, axis=0), tl.sum(bad, axis=0)
+    return tl.sum(w_sq, axis=0), tl.sum(g_sq, axis=0)
 
 
 @triton.jit
 def _grad_check_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp32 [n_tensors, 2]: this bucket's sums of squares (w^2, g^2), atomically added
-    ws,  # fp32 workspace: [_FLAG] skip flag, [_GSQ] sum of squares of all grads
+    acc,  # fp64 [n_tensors, 2]: this bucket's sums of squares (w^2, g^2), atomically added
+    ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,  # dtype of params and grads
@@ -233,17 +237,16 @@ def _grad_check_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 1: sums of squares of the unscaled grads (and weights), and the inf/NaN check."""
-    t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    """Pass 1: sums of squares of the unscaled grads (and weights)."""
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     inv_scale = _unscale(grad_scale, HAS_SCALE)
     end = start + BLOCK * TILES
     if end <= numel:
-        w_sq, g_sq, bad = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, W_SQ, BLOCK, TILES)
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, W_SQ, BLOCK, TILES)
     else:
-        w_sq, g_sq, bad = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, W_SQ, BLOCK, TILES)
-    tl.store(ws + _FLAG, 1.0, mask=bad > 0)
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, W_SQ, BLOCK, TILES)
     if W_SQ:
         tl.atomic_add(acc + 2 * t, w_sq)
     if G_SQ:
@@ -278,10 +281,9 @@ def _lars_tiles(
 def _lars_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp32 [n_tensors, 2]: ||w||^2, ||g||^2 from pass 1
-    ws,  # fp32 workspace: [_FLAG] skip flag
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 from pass 1
     hyper,  # fp64 [n_groups, 7]: momentum, wd, tc, eps, nesterov, trust_clip, trust_ratio
-    gaddr,  # int64 [n_groups, 2]: addresses of each group's lr and step (fp32 scalars)
+    gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,
@@ -294,7 +296,7 @@ def _lars_apply_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov)."""
-    t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
@@ -308,13 +310,15 @@ def _lars_apply_kernel(
     nesterov = tl.load(h + 4) != 0
     trust_clip = tl.load(h + 5) != 0
     adapt = tl.load(h + 6) != 0
-    lr = tl.load(tl.load(gaddr + 2 * group).to(tl.pointer_type(tl.float32)))
+    lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
     inv_scale = _unscale(grad_scale, HAS_SCALE)
 
+    # The norms come in fp64 (no overflow for any finite weights); the ratio goes to fp32.
     w_norm = tl.sqrt(tl.load(acc + 2 * t))
     g_norm = tl.sqrt(tl.load(acc + 2 * t + 1))
     nonzero = (w_norm > 0) & (g_norm > 0)
     ratio = tl.where(nonzero, tc * w_norm / tl.where(nonzero, g_norm + wd * w_norm + eps, 1.0), 1.0)
+    ratio = ratio.to(tl.float32)
     ratio = tl.where(trust_clip, tl.minimum(ratio / lr, 1.0), ratio)
     rate = lr * tl.where(adapt, ratio, 1.0)
 
@@ -332,8 +336,9 @@ def _lars_apply_kernel(
 
 
 @triton.jit
-def _lamb_factors(hyper, gaddr, group):
-    """A group's LAMB scalars: b1, b2 (fp64), eps, wd, 1 / bias corrections, trust_ratio flag."""
+def _lamb_factors(hyper, row, group):
+    """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, wd and trust_ratio flag,
+    and 1 / bias corrections at its own step count."""
     h = hyper + group * _LAMB_HYPER
     b1 = tl.load(h + 0)
     b2 = tl.load(h + 1)
@@ -341,7 +346,7 @@ def _lamb_factors(hyper, gaddr, group):
     wd = tl.load(h + 3).to(tl.float32)
     corrected = tl.load(h + 4) != 0
     adapt = tl.load(h + 5) != 0
-    step = tl.load(tl.load(gaddr + 2 * group + 1).to(tl.pointer_type(tl.float32)))
+    step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
     e = step.to(tl.int32) + 1  # this is step t = step + 1
     inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
     inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, e), 1.0)
@@ -358,8 +363,8 @@ def _moment_tiles(
     one_b2 = (1.0 - b2).to(tl.float32)
     b1 = b1.to(tl.float32)
     b2 = b2.to(tl.float32)
-    w_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    u_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    w_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    u_sq = tl.zeros([BLOCK], dtype=tl.float64)
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
@@ -373,8 +378,10 @@ def _moment_tiles(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         u = _lamb_direction(w, m.to(tl.float32), v.to(tl.float32), inv_bc1, inv_bc2, eps, wd)
-        w_sq += w * w
-        u_sq += tl.where(mask, u * u, 0.0)  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
+        w64 = w.to(tl.float64)
+        u64 = tl.where(mask, u, 0.0).to(tl.float64)  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
+        w_sq += w64 * w64
+        u_sq += u64 * u64
     return tl.sum(w_sq, axis=0), tl.sum(u_sq, axis=0)
 
 
@@ -382,10 +389,9 @@ def _moment_tiles(
 def _lamb_moments_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp32 [n_tensors, 2]: ||w||^2, ||u||^2 per tensor, atomically added
-    ws,  # fp32 workspace: [_FLAG] skip flag, [_GSQ] sum of squares of all grads
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 per tensor, atomically added
+    ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
     hyper,  # fp64 [n_groups, 6]: beta1, beta2, eps, wd, bias_correction, trust_ratio
-    gaddr,  # int64 [n_groups, 2]: addresses of each group's lr and step (fp32 scalars)
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     max_grad_norm,  # float: global clipping threshold (used only if CLIP)
@@ -399,17 +405,18 @@ def _lamb_moments_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 2 of LAMB: m, v updated and stored; ||w||^2 and ||u||^2 per tensor."""
-    t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
-    b1, b2, eps, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, gaddr, tl.load(row + _GROUP))
+    b1, b2, eps, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, tl.load(row + _GROUP))
     g_mul = _unscale(grad_scale, HAS_SCALE)
     if CLIP:
         # A Python float may come in as fp64 (Inductor passes fp64 scalars): the math is fp32.
         clip_norm = tl.cast(max_grad_norm, tl.float32)
-        g_mul = g_mul / tl.maximum(tl.sqrt(tl.load(ws + _GSQ)) / clip_norm, 1.0)
+        over = tl.sqrt(tl.load(ws + _GSQ)).to(tl.float32) / clip_norm
+        g_mul = g_mul / tl.where(over < 1.0, 1.0, over)  # a NaN norm stays NaN, as in torch.clamp
 
     end = start + BLOCK * TILES
     if end <= numel:
@@ -449,10 +456,9 @@ def _lamb_tiles(
 def _lamb_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp32 [n_tensors, 2]: ||w||^2, ||u||^2 from pass 2
-    ws,  # fp32 workspace: [_FLAG] skip flag
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 from pass 2
     hyper,  # fp64 [n_groups, 6]: beta1, beta2, eps, wd, bias_correction, trust_ratio
-    gaddr,  # int64 [n_groups, 2]: addresses of each group's lr and step (fp32 scalars)
+    gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,
     W_DTYPE: tl.constexpr,
@@ -463,19 +469,19 @@ def _lamb_apply_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 3 of LAMB: w -= lr * ratio * u, with u recomputed from the new m and v."""
-    t, row, start, numel = _chunk(chunks, meta, ws, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
-    _, _, eps, wd, inv_bc1, inv_bc2, adapt = _lamb_factors(hyper, gaddr, group)
-    lr = tl.load(tl.load(gaddr + 2 * group).to(tl.pointer_type(tl.float32)))
+    _, _, eps, wd, inv_bc1, inv_bc2, adapt = _lamb_factors(hyper, row, group)
+    lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
 
     w_norm = tl.sqrt(tl.load(acc + 2 * t))
     u_norm = tl.sqrt(tl.load(acc + 2 * t + 1))
     nonzero = (w_norm > 0) & (u_norm > 0) & adapt
-    rate = lr * tl.where(nonzero, w_norm / tl.where(nonzero, u_norm, 1.0), 1.0)
+    rate = lr * tl.where(nonzero, w_norm / tl.where(nonzero, u_norm, 1.0), 1.0).to(tl.float32)
 
     end = start + BLOCK * TILES
     if end <= numel:
@@ -494,17 +500,16 @@ def _lamb_apply_kernel(
 def _count_step_kernel(
     steps,  # int64 [n_steps]: addresses of the distinct step counters (fp32 scalars)
     n_steps,  # int: their number
-    ws,  # fp32 workspace: [_FLAG] skip flag
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     HAS_FOUND_INF: tl.constexpr,
-    BLOCK: tl.constexpr,  # a power of two >= n_steps
+    BLOCK: tl.constexpr,  # counters per program, a power of two
 ):
-    """step += 1 for every group, unless the step was skipped."""
-    live = tl.load(ws + _FLAG) == 0
+    """count += 1 for every counter of this program's block, unless the step is skipped."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    limit = n_steps
     if HAS_FOUND_INF:
-        live = live & (tl.load(found_inf) == 0)
-    i = tl.arange(0, BLOCK)
-    mask = i < tl.where(live, n_steps, 0)
+        limit = tl.where(tl.load(found_inf) == 0, n_steps, 0)
+    mask = i < limit
     ptrs = tl.load(steps + i, mask=mask, other=0).to(tl.pointer_type(tl.float32))
     tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + 1.0, mask=mask)
 
@@ -520,7 +525,7 @@ class FusedGroup:
     grads: list[torch.Tensor]
     masters: list[torch.Tensor | None] | None
     state: dict[str, list[torch.Tensor]]
-    step: torch.Tensor
+    steps: list[torch.Tensor]
     lr: torch.Tensor
     hyper: dict
 
@@ -545,10 +550,10 @@ class _Bucket:
 class _Plan:
     buckets: list[_Bucket]
     hyper: torch.Tensor  # fp64 [n_groups, n_hyper]
-    ws: torch.Tensor  # fp32 workspace: flag, global sum of squares, per-tensor sums
-    gaddr: torch.Tensor | None = None  # int64 [n_groups, 2]: lr and step addresses
-    steps: torch.Tensor | None = None  # int64 [n_steps]: distinct step addresses
-    scalars: tuple = ()  # the (lr, step) addresses these two tables hold
+    ws: torch.Tensor  # fp64 workspace: global sum of squares, per-tensor sums
+    steps: torch.Tensor  # int64 [n_steps]: distinct step addresses (tensors', then counter)
+    gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
+    lrs: tuple = ()  # the lr addresses gaddr holds
 
 
 _PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
@@ -572,7 +577,8 @@ def _describe(x: torch.Tensor) -> str:
 def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device) -> None:
     if set(group.state) != set(state_names):
         raise ValueError(f"group {i}: state must hold {state_names}, got {sorted(group.state)}")
-    lists = {"grads": group.grads, "masters": group.masters or group.params, **group.state}
+    lists = {"grads": group.grads, "masters": group.masters or group.params, "steps": group.steps,
+             **group.state}
     for name, xs in lists.items():
         if len(xs) != len(group.params):
             raise ValueError(f"group {i}: {len(xs)} {name} for {len(group.params)} params")
@@ -591,26 +597,32 @@ def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device
                     f"group {i} {name}[{j}]: expected {want} like param {_describe(p)},"
                     f" got {_describe(x)}"
                 )
+        _check_scalar(f"group {i} steps[{j}]", group.steps[j], device)
+
+
+def _check_scalar(name: str, x: torch.Tensor, device) -> None:
+    if x.dtype != torch.float32 or x.numel() != 1 or x.device != device:
+        raise ValueError(f"{name} must be one fp32 on {device}: {_describe(x)}")
 
 
 def _master(group: FusedGroup, j: int) -> torch.Tensor | None:
     return None if group.masters is None else group.masters[j]
 
 
-def _key(kind: str, groups: list[FusedGroup], defaults: dict) -> tuple:
+def _key(kind: str, groups: list[FusedGroup], defaults: dict, counter: torch.Tensor | None) -> tuple:
     """What a plan's tensor tables depend on: device, addresses, sizes, dtypes, hyperparameters.
 
-    lr and step addresses are left out: when those tensors change, only their small table
-    is refreshed (see _set_scalars).
+    lr addresses are left out: when those tensors change, only their small table is
+    refreshed (see _set_lrs).
     """
-    key = [kind, groups[0].params[0].device]
+    key = [kind, groups[0].params[0].device, None if counter is None else counter.data_ptr()]
     for g in groups:
         names = tuple(g.state)
         key.append((_hyper_row(g.hyper, defaults), names))
         masters = [_master(g, j) for j in range(len(g.params))]
-        for p, gr, m, *s in zip(g.params, g.grads, masters, *(g.state[k] for k in names)):
+        for p, gr, m, st, *s in zip(g.params, g.grads, masters, g.steps, *(g.state[k] for k in names)):
             m_ptr = None if m is None else m.data_ptr()
-            addresses = (p.data_ptr(), gr.data_ptr(), m_ptr, *(x.data_ptr() for x in s))
+            addresses = (p.data_ptr(), gr.data_ptr(), m_ptr, st.data_ptr(), *(x.data_ptr() for x in s))
             key.append((p.dtype, p.numel(), *addresses))
     return tuple(key)
 
@@ -621,20 +633,24 @@ def _launch_shape(max_numel: int) -> tuple[int, int]:
     return block, min(TILES, triton.cdiv(max_numel, block))
 
 
-def _build(groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...]) -> _Plan:
+def _build(groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...],
+           counter: torch.Tensor | None) -> _Plan:
     device = groups[0].params[0].device
     for i, g in enumerate(groups):
         _check_group(i, g, state_names, device)
+    if counter is not None:
+        _check_scalar("counter", counter, device)
     rows: dict[tuple, list[list[int]]] = {}  # (param dtype, has masters) -> meta rows
     for gi, g in enumerate(groups):
         for j, p in enumerate(g.params):
             m = _master(g, j)
             s = [g.state[k][j].data_ptr() for k in state_names] + [0] * (2 - len(state_names))
             row = [(p if m is None else m).data_ptr(), g.grads[j].data_ptr(), p.data_ptr(), *s]
-            rows.setdefault((p.dtype, m is not None), []).append(row + [p.numel(), gi])
+            row += [g.steps[j].data_ptr(), p.numel(), gi]
+            rows.setdefault((p.dtype, m is not None), []).append(row)
 
     n_tensors = sum(len(r) for r in rows.values())
-    ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float32, device=device)
+    ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
     buckets, offset = [], _WS_HEAD
     for (dtype, has_master), meta_rows in rows.items():
         n = len(meta_rows)
@@ -650,7 +666,7 @@ def _build(groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...
         consts = dict(
             P_DTYPE=_TL_DTYPES[dtype],
             W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
-            ALIGNED=all(a % 16 == 0 for r in meta_rows for a in r[: _NUMEL.value]),
+            ALIGNED=all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value]),
             BLOCK=block,
             TILES=tiles,
         )
@@ -666,39 +682,41 @@ def _build(groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...
         )
 
     hyper = [_hyper_row(g.hyper, defaults) for g in groups]
-    return _Plan(buckets, torch.tensor(hyper, dtype=torch.float64, device=device), ws)
+    # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
+    steps = [x.data_ptr() for g in groups for x in g.steps]
+    steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
+    return _Plan(
+        buckets, torch.tensor(hyper, dtype=torch.float64, device=device), ws,
+        steps=torch.tensor(steps, dtype=torch.int64, device=device),
+    )
 
 
-def _set_scalars(plan: _Plan, groups: list[FusedGroup]) -> None:
-    """Point the plan at the groups' lr and step tensors (a no-op while they stay)."""
-    scalars = tuple((g.lr.data_ptr(), g.step.data_ptr()) for g in groups)
-    if scalars == plan.scalars:
+def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
+    """Point the plan at the groups' lr tensors (a no-op while they stay)."""
+    lrs = tuple(g.lr.data_ptr() for g in groups)
+    if lrs == plan.lrs:
         return
-    device = plan.ws.device
     for i, g in enumerate(groups):
-        for name, x in (("step", g.step), ("lr", g.lr)):
-            if x.dtype != torch.float32 or x.numel() != 1 or x.device != device:
-                raise ValueError(f"group {i}: {name} must be one fp32 on {device}: {_describe(x)}")
-    steps = list(dict.fromkeys(step for _, step in scalars))  # a shared counter counts once
-    plan.gaddr = torch.tensor(scalars, dtype=torch.int64, device=device)
-    plan.steps = torch.tensor(steps, dtype=torch.int64, device=device)
-    plan.scalars = scalars
+        _check_scalar(f"group {i}: lr", g.lr, plan.ws.device)
+    plan.gaddr = torch.tensor(lrs, dtype=torch.int64, device=plan.ws.device)
+    plan.lrs = lrs
 
 
-def _plan(kind: str, groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...]):
+def _plan(kind: str, groups: list[FusedGroup], defaults: dict, state_names: tuple[str, ...],
+          counter: torch.Tensor | None):
     """The cached plan for these groups, or None when there is nothing to update."""
     groups = [g for g in groups if g.params]
     if not groups:
         return None
-    key = _key(kind, groups, defaults)
+    key = _key(kind, groups, defaults, counter)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _build(groups, defaults, state_names)
+        plan = _PLANS[key] = _build(groups, defaults, state_names, counter)
         if len(_PLANS) > _MAX_PLANS:
             _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(key)
-    _set_scalars(plan, groups)
+    _set_lrs(plan, groups)
     return plan
 
 
@@ -717,9 +735,9 @@ def _scalars(plan: _Plan, grad_scale, found_inf) -> tuple:
 
 def _count_step(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool) -> None:
     n = len(plan.steps)
-    _count_step_kernel[(1,)](
-        plan.steps, n, plan.ws, found_inf, HAS_FOUND_INF=has_found_inf,
-        BLOCK=triton.next_power_of_2(n),
+    block = min(BLOCK, triton.next_power_of_2(n))
+    _count_step_kernel[(triton.cdiv(n, block),)](
+        plan.steps, n, found_inf, HAS_FOUND_INF=has_found_inf, BLOCK=block,
     )  # fmt: skip
 
 
@@ -728,9 +746,10 @@ def fused_lars_step_(
     *,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
 ) -> None:
     """One LARS step on every group, in place (module docstring: semantics and launches)."""
-    plan = _plan("lars", groups, LARS_DEFAULTS, ("momentum_buffer",))
+    plan = _plan("lars", groups, LARS_DEFAULTS, ("momentum_buffer",), counter)
     if plan is None:
         return
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
@@ -742,7 +761,7 @@ def fused_lars_step_(
         )  # fmt: skip
     for b in plan.buckets:
         _lars_apply_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, plan.gaddr, scale, inf,
+            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
             HAS_MASTER=b.has_master, **has, **b.consts,
         )  # fmt: skip
     _count_step(plan, inf, has["HAS_FOUND_INF"])
@@ -754,27 +773,29 @@ def fused_lamb_step_(
     max_grad_norm: float | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
 ) -> None:
     """One LAMB step on every group, in place (module docstring: semantics and launches)."""
-    plan = _plan("lamb", groups, LAMB_DEFAULTS, ("exp_avg", "exp_avg_sq"))
+    plan = _plan("lamb", groups, LAMB_DEFAULTS, ("exp_avg", "exp_avg_sq"), counter)
     if plan is None:
         return
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     clip = max_grad_norm is not None
     plan.ws.zero_()
-    for b in plan.buckets:
-        _grad_check_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=False, G_SQ=False, GLOBAL_SQ=clip,
-            **has, **b.consts,
-        )  # fmt: skip
+    if clip:  # the global grad norm must be complete before any moment is formed
+        for b in plan.buckets:
+            _grad_check_kernel[b.grid](
+                b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=False, G_SQ=False,
+                GLOBAL_SQ=True, **has, **b.consts,
+            )  # fmt: skip
     for b in plan.buckets:
         _lamb_moments_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, plan.gaddr, scale, inf,
+            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, scale, inf,
             float(max_grad_norm) if clip else 1.0, CLIP=clip, **has, **b.consts,
         )  # fmt: skip
     for b in plan.buckets:
         _lamb_apply_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, plan.gaddr, inf,
+            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,
             HAS_MASTER=b.has_master, HAS_FOUND_INF=has["HAS_FOUND_INF"], **b.consts,
         )  # fmt: skip
     _count_step(plan, inf, has["HAS_FOUND_INF"])
