@@ -207,3 +207,83 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
     (row,) = summary["rows"]
     assert row["curves"][1] == here["curve"]
     assert row["accuracies"][1] == here["accuracy"] and math.isfinite(here["curve"][0]["train_loss"])
+
+
+def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, capsys):
+    specs = plan(StudyConfig(quick=True, batches=(128,), optimizers=("sgd",), seeds=3), {})
+    rows = [_result(s, 0.8) for s in specs]
+    log = tmp_path / "runs.jsonl"
+    whole, cut = json.dumps(rows[0]), json.dumps(rows[1])
+    log.write_text(whole + "\n" + cut[: len(cut) // 2])  # killed in the middle of a write
+    assert list(study._load_results(log)) == [specs[0].key]
+    err = capsys.readouterr().err
+    assert err.startswith(f"largebatch study: warning: {log}, line 2: not a complete run record")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    # The next run appended starts a line of its own; the broken line stays skipped.
+    study._append(log, rows[2])
+    assert list(study._load_results(log)) == [specs[0].key, specs[2].key]
+    assert f"{log}, line 2:" in capsys.readouterr().err
+
+
+def _workers(parent) -> list:
+    return [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_study_and_its_workers(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    # Long runs (10 epochs on 25,000 images): both workers are mid-run when SIGTERM comes.
+    cmd = [sys.executable, "-m", "largebatch", "study", "--subset", "30000", "--batches", "128",
+           "--optimizers", "sgd", "--jobs", "2", "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent, workers = psutil.Process(proc.pid), []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            workers = _workers(parent)
+        assert len(workers) == 2, (workers, proc.poll())
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr
+        assert "largebatch study: stopped by SIGTERM" in stderr and "Traceback" not in stderr
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers still running after the study ended: {alive}"
+    finally:
+        for p in [*workers, parent]:
+            if p.is_running():
+                p.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_worker_exits_when_its_parent_is_killed():
+    import signal
+
+    import psutil
+
+    child = ("import threading, time; from largebatch.recipes.study import _exit_with_parent; "
+             "threading.Thread(target=_exit_with_parent, args=(PARENT, 0.05), daemon=True)"
+             ".start(); print('watching', flush=True); time.sleep(60)")
+    parent_code = ("import os, subprocess, sys; "
+                   f"c = subprocess.Popen([sys.executable, '-c', {child!r}.replace('PARENT', "
+                   "str(os.getpid()))]); print(c.pid, flush=True); c.wait()")
+    proc = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE,
+                            text=True)
+    watcher = None
+    try:
+        watcher = psutil.Process(int(proc.stdout.readline()))
+        assert proc.stdout.readline().strip() == "watching"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        watcher.wait(timeout=10)  # raises psutil.TimeoutExpired if it outlives its parent
+    finally:
+        if watcher is not None and watcher.is_running():
+            watcher.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

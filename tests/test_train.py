@@ -61,7 +61,7 @@ def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path):
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
 
 
-def test_torchrun_two_processes_end_with_identical_params(tmp_path):
+def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "largebatch", "train", "--subset", "1024", "--batch-size", "256",
            "--micro-batch", "64", "--epochs", "1", "--out", str(tmp_path)]
@@ -73,6 +73,21 @@ def test_torchrun_two_processes_end_with_identical_params(tmp_path):
     assert "= 2 x 2 x 64" in proc.stdout, proc.stdout  # 2 processes x 2 micro-batches of 64
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["params_sha256"] == digests["0"]
+    # Batch-norm running statistics: one set for both ranks (their average), and the
+    # checkpoint holds that set, so the reported accuracy is that of the saved model.
+    buffers = dict(re.findall(r"^rank (\d)/2: buffers sha256 ([0-9a-f]{64})$", proc.stdout, re.M))
+    assert set(buffers) == {"0", "1"} and buffers["0"] == buffers["1"], proc.stdout
+    from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
+    from largebatch.recipes.models import small_cnn
+    from largebatch.recipes.train import _buffers_sha256
+
+    model = small_cnn(10)
+    model.load_state_dict(_params(tmp_path))
+    assert _buffers_sha256(model) == buffers["0"] == summary["buffers_sha256"]
+    x, y = fashion_mnist_tensors(*load_fashion_mnist("test"), 1024)
+    with torch.no_grad():
+        accuracy = float((model.eval()(x).argmax(1) == y).float().mean())
+    assert abs(accuracy - summary["test_accuracy"]) <= 1 / 1024, (accuracy, summary)
 
 
 @pytest.mark.parametrize(
@@ -188,3 +203,195 @@ def test_lamb_trust_ratios_are_the_ratios_the_optimizer_applies():
         v = state["exp_avg_sq"] / (1 - b2**2)
         u = m / (v.sqrt() + 1e-6) + wd * w  # w_new = w - lr * ratio * u
         torch.testing.assert_close(w - p.detach(), lr * ratio * u, rtol=1e-4, atol=1e-7)
+
+
+def _image_tree(root, classes: dict[str, dict[str, int]]) -> None:
+    """``root/split/class/i.png``: ``classes[split][class]`` small random images each."""
+    from PIL import Image
+
+    rng = torch.Generator().manual_seed(0)
+    for split, counts in classes.items():
+        for cls, n in counts.items():
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=rng)
+                Image.fromarray(pixels.numpy()).save(root / split / cls / f"{i}.png")
+
+
+@pytest.mark.parametrize(("classes", "message"), [
+    # val without class b: its folder c would be label 1, which is b in train
+    ({"train": {"a": 1, "b": 1, "c": 1}, "val": {"a": 1, "c": 1}},
+     "classes of {root}/val differ from those of {root}/train, so its labels would not match: "
+     "missing in val: b"),
+    ({"train": {"a": 1, "b": 1}, "val": {"a": 1, "b": 1, "z": 1}}, "not in train: z"),
+    ({"train": {"a": 2}, "val": {"a": 1}},
+     "ImageFolder tree {root}/train has 1 class (a); a classifier needs at least 2"),
+])
+def test_imagefolder_class_lists_must_match(tmp_path, capsys, classes, message):
+    root = tmp_path / "tree"
+    _image_tree(root, classes)
+    with pytest.raises(SystemExit, match=re.escape(message.format(root=root))) as err:
+        cli(["train", "--recipe", "alexnet-bn-lars-8k", "--data", str(root),
+             "--out", str(tmp_path / "out")])
+    assert err.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+_SLOW_SAVE = """
+import io, sys, time
+import torch
+
+real_save = torch.save
+calls = 0
+
+
+def slow_save(obj, f, *args, **kwargs):  # the second checkpoint stalls halfway through
+    global calls
+    calls += 1
+    if calls == 1:
+        return real_save(obj, f, *args, **kwargs)
+    buffer = io.BytesIO()
+    real_save(obj, buffer, *args, **kwargs)
+    data = buffer.getvalue()
+    own = not hasattr(f, "write")
+    handle = open(f, "wb") if own else f
+    handle.write(data[: len(data) // 2])
+    handle.flush()
+    print("halfway", flush=True)
+    time.sleep(120)
+
+
+torch.save = slow_save
+from largebatch.recipes.cli import main
+
+main(sys.argv[1:])
+"""
+
+
+def test_checkpoint_survives_a_kill_in_the_middle_of_its_rewrite(tmp_path):
+    import signal
+
+    args = [*TINY, "--epochs", "2", "--out", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "halfway":
+                break
+        else:
+            pytest.fail(f"the run ended before its second checkpoint: {proc.stderr.read()}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The epoch-1 checkpoint is whole and resumes; the killed write's leftover goes away.
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["epoch"] == 1
+    assert [json.loads(line)["epoch"] for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert cli([*args, "--resume"]) == 0
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
+    assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
+
+
+def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    from largebatch.recipes.outputs import atomic_write
+
+    path = tmp_path / "summary.json"
+    atomic_write(path, "old\n")
+
+    def fail_midway(f):
+        f.write(b"new, half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, fail_midway)
+    assert path.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [path]
+    atomic_write(path, b"new\n")
+    assert path.read_bytes() == b"new\n" and path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_resume_refuses_other_settings_and_a_finished_run_says_so(tmp_path, capsys):
+    args = [*TINY, "--epochs", "2", "--out", str(tmp_path)]
+    assert cli([*args, "--stop-after", "1"]) == 0
+    capsys.readouterr()
+    for flags, setting in [
+        (["--recipe", "fmnist-sgd-384"], "--recipe fmnist-sgd-128, not fmnist-sgd-384"),
+        (["--batch-size", "256"], "--batch-size 128, not 256"),
+        (["--epochs", "3"], "--epochs 2, not 3"),
+        (["--lr", "0.2"], "--lr 0.4, not 0.2"),
+        (["--seed", "1"], "--seed 0, not 1"),
+        (["--subset", "1024"], "--subset 2048, not 1024"),
+        (["--precision", "bf16"], "--precision fp32, not bf16"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(setting)) as err:
+            cli([*args, *flags, "--resume"])
+        assert err.value.code == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("largebatch train: --resume: ") and stderr.count("\n") == 1, stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 1
+    assert cli([*args, "--resume"]) == 0
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert cli([*args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"largebatch train: {tmp_path} already finished: 2 of 2 epochs; nothing to do\n"
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path, capsys):
+    import fcntl
+
+    tmp_path.joinpath(".lock").write_text("4242\n")
+    with open(tmp_path / ".lock", "r+") as held:  # another run's lock on the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match=re.escape(
+                f"--out {tmp_path} is in use by another run (process 4242)")) as err:
+            cli([*TINY, "--epochs", "1", "--out", str(tmp_path)])
+    assert err.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_with_epochs_scales_warmup_and_milestones():
+    goyal = get_recipe("resnet50-goyal-8k")
+    assert goyal.with_epochs(90) is goyal
+    short = goyal.with_epochs(9)
+    assert (short.epochs, short.warmup_epochs, short.milestones) == (9, 0.5, (3, 6, 8))
+    assert short.schedule_text == "0.5-epoch warmup, x0.1 at 3/6/8"
+    assert get_recipe("fmnist-lars-1536").with_epochs(1).warmup_epochs == pytest.approx(0.3)
+
+
+def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkeypatch):
+    # The default recipe (3 of 10 epochs of warmup) in 1 epoch of 4 steps: the warmup
+    # takes 0.3 epochs (1 step) and poly decay fills the rest; the recipe's 3 epochs
+    # unscaled would make the whole run warmup, ending at the peak.
+    from largebatch.recipes import train
+
+    schedules = []
+
+    def spy(*args, **kwargs):
+        schedules.append(train_make_schedule(*args, **kwargs))
+        return schedules[-1]
+
+    train_make_schedule = train.make_schedule
+    monkeypatch.setattr(train, "make_schedule", spy)
+    assert cli(["train", "--subset", "6144", "--epochs", "1", "--out", str(tmp_path)]) == 0
+    (schedule,) = schedules
+    lrs = [schedule(step) for step in range(5)]
+    peak = get_recipe("fmnist-lars-1536").peak_lr
+    assert lrs[1] == pytest.approx(peak) and lrs[2] < 0.5 * peak and lrs[4] == 0.0, lrs
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("schedule 0.3-epoch warmup, poly 2 (the recipe's 3-epoch warmup, "
+                           "poly 2 over 10 epochs, scaled to 1)"), header
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["schedule"] == "0.3-epoch warmup, poly 2"

@@ -3,6 +3,9 @@
 Each command is a row of :data:`COMMANDS`: a module with ``add_arguments(parser)`` and
 ``main(args) -> int``. Only the chosen command's module is imported, so ``largebatch
 --help`` loads no framework. Adding a command is adding a row.
+
+A user error (:class:`largebatch.recipes.outputs.CommandError`) is printed as one line on
+stderr, ``largebatch COMMAND: ...``, and ends the command with exit status 2.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import largebatch
+from largebatch.recipes.outputs import CommandError
 
 __all__ = ["COMMANDS", "main"]
 
@@ -32,14 +36,25 @@ def _load(name: str):  # noqa: ANN202
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        raise SystemExit(
-            f"largebatch {name} needs {err.name!r}: pip install 'largebatch[recipes]'"
-        ) from err
+        raise CommandError(
+            name, f"needs {err.name}, not installed: pip install 'largebatch[recipes]'"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status.
+
+    A user error prints its one line on stderr and raises :class:`CommandError`, a
+    ``SystemExit`` with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except CommandError as err:
+        print(err.message, file=sys.stderr, flush=True)
+        raise
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="largebatch", description="Large-minibatch training: LARS, LAMB, warmup schedules."
     )

@@ -93,6 +93,19 @@ class Recipe:
             return self.lr * batch_size / self.batch_size
         return self.base_lr * batch_size / self.base_batch
 
+    def with_epochs(self, epochs: int) -> Recipe:
+        """This recipe over ``epochs`` epochs, its schedule stretched or shrunk to match:
+        warmup and milestones scale by ``epochs / self.epochs``, so a shortened run keeps
+        the recipe's shape (warmup, then decay) instead of ending inside its warmup."""
+        if not (isinstance(epochs, int) and epochs > 0):
+            raise ValueError(f"Invalid epochs: {epochs!r} (must be a positive integer)")
+        if epochs == self.epochs:
+            return self
+        scale = epochs / self.epochs
+        return dataclasses.replace(
+            self, epochs=epochs, warmup_epochs=self.warmup_epochs * scale,
+            milestones=tuple(m * scale for m in self.milestones))
+
     @property
     def imagenet_batch(self) -> int:
         return imagenet_equivalent(self.batch_size, TRAIN_IMAGES[self.data])

@@ -22,8 +22,11 @@ the full study's results), at B = 128, 1536 and 3072. ``make demo`` runs it.
 
 Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). Every
 finished run is appended to ``OUT/runs.jsonl``; running the same command again reuses them,
-so an interrupted study continues where it stopped. The end writes ``OUT/study.md`` (the
-tables), ``OUT/study.json`` and ``OUT/study.png``.
+so an interrupted study continues where it stopped (a line cut short by the interruption is
+skipped with a warning, and its run is redone). SIGTERM or Ctrl-C stops the workers with
+the study, and a worker whose parent is gone exits by itself. One study at a time holds
+``OUT`` (a lock on ``OUT/.lock``). The end writes ``OUT/study.md`` (the tables),
+``OUT/study.json`` and ``OUT/study.png``, each replaced atomically.
 """
 
 from __future__ import annotations
@@ -35,12 +38,18 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from largebatch.recipes.outputs import (
+    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
+)
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent
 
 __all__ = ["StudyConfig", "RunSpec", "pair_plan", "plan", "run_one", "run_study", "summarize",
@@ -195,11 +204,23 @@ def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(threads: int, data: str | None, device: str) -> None:
+def _init_worker(threads: int, data: str | None, device: str, parent: int | None = None) -> None:
+    """Set up a worker (or this process, for ``--jobs 1``). With ``parent`` (the study's
+    process id), a watchdog thread ends the worker as soon as that process is gone, so a
+    killed study never leaves its workers running."""
     import torch
 
     torch.set_num_threads(threads)
     _WORKER.update(threads=threads, data=data, device=device, cache={})
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
+                         name="largebatch-parent-watch").start()
+
+
+def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
 
 
 def _tensors(phase: str, subset: int | None) -> tuple[Any, Any, Any, Any]:
@@ -293,13 +314,55 @@ def _accuracy(model: Any, x: Any, y: Any) -> float:
 
 
 def _load_results(path: Path) -> dict[str, dict[str, Any]]:
+    """The finished runs in ``path`` by :attr:`RunSpec.key`. A line that holds no complete
+    run (cut short when a study was killed mid-write) is skipped with a warning naming the
+    file and the line; its run is planned again."""
     results = {}
     if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
                 row = json.loads(line)
                 results[RunSpec(**row["spec"]).key] = row
+            except (ValueError, TypeError, KeyError) as err:
+                reason = " ".join(f"{type(err).__name__}: {err}".split())
+                print(f"largebatch study: warning: {path}, line {number}: not a complete run "
+                      f"record ({reason}); skipped, its run is planned again",
+                      file=sys.stderr, flush=True)
     return results
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    """Append one run to ``path`` on a line of its own, flushed to disk."""
+    with path.open("ab") as f:
+        if f.tell() > 0:
+            with path.open("rb") as r:
+                r.seek(-1, os.SEEK_END)
+                if r.read(1) != b"\n":  # the previous writer was cut short mid-line
+                    f.write(b"\n")
+        f.write((json.dumps(row) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Stopped(BaseException):
+    """SIGTERM reached the study: unwinds it like Ctrl-C does."""
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """End the pool's worker processes now, mid-run if need be."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+    else:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _cpus() -> int:
@@ -310,8 +373,13 @@ def run_study(cfg: StudyConfig = StudyConfig(),
               print_fn: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every planned run (reusing those in ``OUT/runs.jsonl``), then summarize."""
     _check(cfg)
+    with lock_folder(cfg.out, "study") as out:
+        remove_stale_temporaries(out, ("study.json", "study.md", "study.png"))
+        return _run_study(cfg, print_fn)
+
+
+def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, Any]:
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
     results = _load_results(log)
     jobs = cfg.jobs or (1 if cfg.device == "cuda" else _cpus())
@@ -325,10 +393,13 @@ def run_study(cfg: StudyConfig = StudyConfig(),
     start, done = time.perf_counter(), 0
     pool = (concurrent.futures.ProcessPoolExecutor(
         jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-        initargs=(threads, cfg.data, cfg.device)) if jobs > 1 else None)
+        initargs=(threads, cfg.data, cfg.device, os.getpid())) if jobs > 1 else None)
     if pool is None:
         _init_worker(threads, cfg.data, cfg.device)
     submit = pool.submit if pool is not None else _run_inline
+    previous = (signal.signal(signal.SIGTERM, _raise_stopped)
+                if threading.current_thread() is threading.main_thread() else None)
+    finished_cleanly = False
     try:
         in_flight: dict[concurrent.futures.Future, RunSpec] = {}
         while True:
@@ -345,25 +416,36 @@ def run_study(cfg: StudyConfig = StudyConfig(),
                 spec = in_flight.pop(future)
                 row = future.result()
                 results[spec.key] = row
-                with log.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                _append(log, row)
                 done += 1
                 print_fn(f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
                          f"{'val' if spec.phase == 'tune' else 'test'} "
                          f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
                          f"({row['seconds']:.0f}s)")
+        finished_cleanly = True
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            if finished_cleanly:
+                pool.shutdown(cancel_futures=True)
+            else:  # SIGTERM, Ctrl-C or a failed run: the workers go now, not after their runs
+                _stop_workers(pool)
     summary = summarize(cfg, results)
-    (out / "study.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write(out / "study.json", json.dumps(summary, indent=2) + "\n")
     text = study_markdown(summary)
-    (out / "study.md").write_text(text)
-    _plot(summary, out / "study.png")
+    atomic_write(out / "study.md", text)
+    wrote = [out / "study.md", out / "study.json"]
+    try:
+        _plot(summary, out / "study.png")
+        wrote.append(out / "study.png")
+    except Exception as err:  # noqa: BLE001 -- a plot failure costs the plot only
+        reason = " ".join(f"{type(err).__name__}: {err}".split())
+        print(f"largebatch study: warning: no plot written to {out / 'study.png'} ({reason})",
+              file=sys.stderr, flush=True)
     print_fn("")
     print_fn(text)
-    print_fn(f"wrote {out / 'study.md'}, {out / 'study.json'}, {out / 'study.png'} "
-             f"({time.perf_counter() - start:.0f}s)")
+    print_fn(f"wrote {', '.join(map(str, wrote))} ({time.perf_counter() - start:.0f}s)")
     return summary
 
 
@@ -488,6 +570,15 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    try:
+        _draw(summary, left, right)
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
+    finally:
+        plt.close(fig)
+
+
+def _draw(summary: dict[str, Any], left: Any, right: Any) -> None:
     rows = summary["rows"]
     for optimizer in dict.fromkeys(r["optimizer"] for r in rows):
         mine = [r for r in rows if r["optimizer"] == optimizer]
@@ -515,9 +606,6 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     right.set_xlabel("step")
     right.set_ylabel("test accuracy (%), seed 0")
     right.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- command line
@@ -567,7 +655,22 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(cfg)
     except ValueError as err:
-        raise SystemExit(f"largebatch study: {err}") from None
-    run_study(cfg)
+        raise CommandError("study", str(err)) from None
+    require("study", ("torch", "matplotlib"))
+    if cfg.data is not None and not Path(cfg.data).is_dir():
+        raise CommandError("study", f"data directory not found: {cfg.data}")
+    from largebatch.recipes.data import fashion_mnist_dir
+
+    try:
+        fashion_mnist_dir(cfg.data)
+    except FileNotFoundError as err:
+        raise CommandError("study", str(err)) from None
+    try:
+        run_study(cfg)
+    except _Stopped:
+        print(f"largebatch study: stopped by SIGTERM; the finished runs are in "
+              f"{Path(cfg.out) / 'runs.jsonl'}, and the same command continues from them",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     return 0
 

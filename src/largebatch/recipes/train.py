@@ -3,12 +3,19 @@
 One process, or many under ``torchrun`` (``RANK``/``WORLD_SIZE`` set): gloo on CPU,
 NCCL on CUDA, ``DistributedDataParallel``, the recipe's global batch split evenly across
 processes, gradient accumulation when ``--micro-batch`` is smaller than a process's share.
+Before every evaluation the processes average their batch-norm running statistics, so
+the test accuracy and the checkpoint are those of one model.
 
 Every epoch appends a line to ``OUT/metrics.jsonl`` (train loss, test accuracy, lr,
 images/s, min/median/max trust ratio over the adapted layers) and rewrites
-``OUT/checkpoint.pt`` (model, optimizer, scheduler, GradScaler, epoch, RNG) and
-``OUT/plot.png``; the run ends with ``OUT/summary.json``. ``--resume`` continues from the
-checkpoint and gives the same parameters as an uninterrupted run.
+``OUT/checkpoint.pt`` (model, optimizer, scheduler, GradScaler, epoch, RNG, the run's
+settings) and ``OUT/plot.png``; the run ends with ``OUT/summary.json``. Every file is
+replaced atomically (``largebatch.recipes.outputs.atomic_write``), and a lock on ``OUT``
+keeps a second run out of it. ``--resume`` continues from the checkpoint, refuses
+settings other than the run's own, and gives the same parameters as an uninterrupted run.
+
+``--epochs`` other than the recipe's scales the recipe's warmup and milestones with it
+(``Recipe.with_epochs``).
 
 The trust ratio is recomputed here from params and gradients with the optimizer's own
 formula (DESIGN §2) at the last step of each epoch; for SGD it is the ratio LARS would
@@ -22,8 +29,11 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from largebatch.recipes.outputs import (
+    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
+)
 from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
 )
@@ -42,8 +55,8 @@ __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_argum
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _fail(message: str) -> SystemExit:
-    return SystemExit(f"largebatch train: {message}")
+def _fail(message: str) -> CommandError:
+    return CommandError("train", message)
 
 
 # --------------------------------------------------------------------------- models
@@ -162,6 +175,52 @@ class _Data:
     n_train: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Unreadable:
+    """Stands for a sample whose image file could not be read; it crosses data-loader
+    worker processes intact, and the training loop turns it into a one-line error."""
+
+    path: str
+    reason: str
+
+
+class _CheckedFolder(torch.utils.data.Dataset):
+    """An ImageFolder whose unreadable images come back as :class:`_Unreadable`."""
+
+    def __init__(self, folder: Any) -> None:
+        self.folder = folder
+        self.classes = folder.classes
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.folder[index]
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: unidentified, truncated
+            return _Unreadable(self.folder.samples[index][0], f"{type(err).__name__}: {err}")
+
+
+def _collate(items: list[Any]) -> Any:
+    bad = next((item for item in items if isinstance(item, _Unreadable)), None)
+    return bad if bad is not None else torch.utils.data.default_collate(items)
+
+
+def _checked(batch: Any) -> Any:
+    if isinstance(batch, _Unreadable):
+        raise _fail(f"cannot read image {batch.path}: {batch.reason}")
+    return batch
+
+
+def _image_folder(path: Path, transform: Any) -> Any:
+    from torchvision import datasets
+
+    try:
+        return _CheckedFolder(datasets.ImageFolder(path, transform))
+    except (FileNotFoundError, OSError) as err:  # a class without images, no class folder
+        raise _fail(f"ImageFolder tree {path}: {err}") from None
+
+
 def _load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> _Data:
     if recipe.data == "fashion-mnist":
         from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
@@ -171,7 +230,7 @@ def _load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> _Dat
         try:
             train = fashion_mnist_tensors(*load_fashion_mnist("train", data_dir), subset)
             test = fashion_mnist_tensors(*load_fashion_mnist("test", data_dir), subset)
-        except FileNotFoundError as err:
+        except (OSError, ValueError, EOFError) as err:  # missing, corrupt (checksum), unreadable
             raise _fail(str(err)) from None
         return _Data(train, test, 10, len(train[1]))
     # ImageNet recipes: an ImageFolder tree DIR/train/<class>/*.jpeg and DIR/val/<class>/*.
@@ -182,13 +241,24 @@ def _load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> _Dat
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise _fail(f"data directory not found: {root / split}")
-    from torchvision import datasets, transforms as T
+    from torchvision import transforms as T
 
     norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    train = datasets.ImageFolder(root / "train", T.Compose(
+    train = _image_folder(root / "train", T.Compose(
         [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), norm]))
-    test = datasets.ImageFolder(root / "val", T.Compose(
+    if len(train.classes) < 2:
+        raise _fail(f"ImageFolder tree {root / 'train'} has {len(train.classes)} class "
+                    f"({', '.join(train.classes)}); a classifier needs at least 2")
+    test = _image_folder(root / "val", T.Compose(
         [T.Resize(256), T.CenterCrop(224), T.ToTensor(), norm]))
+    if test.classes != train.classes:
+        missing = sorted(set(train.classes) - set(test.classes))
+        extra = sorted(set(test.classes) - set(train.classes))
+        raise _fail(
+            f"the classes of {root / 'val'} differ from those of {root / 'train'}, so its "
+            "labels would not match: " + "; ".join(
+                [f"missing in val: {', '.join(missing)}"] * bool(missing)
+                + [f"not in train: {', '.join(extra)}"] * bool(extra)))
     num_classes = len(train.classes)
     if subset is not None:
         train = torch.utils.data.Subset(train, range(min(subset, len(train))))
@@ -204,8 +274,10 @@ def _batches(data: Any, sampler: Any, batch: int, workers: int):  # noqa: ANN202
             idx = order[i * batch : (i + 1) * batch]
             yield data[0][idx], data[1][idx]
     else:
-        yield from torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler,
-                                               drop_last=True, num_workers=workers)
+        for item in torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler,
+                                                drop_last=True, num_workers=workers,
+                                                collate_fn=_collate):
+            yield _checked(item)
 
 
 @torch.no_grad()
@@ -218,7 +290,8 @@ def _evaluate(model: nn.Module, data: Any, dtype: torch.dtype, device: torch.dev
         chunks = zip(x.split(1000), y.split(1000))
     else:
         shard = torch.utils.data.Subset(data, range(rank, len(data), world))
-        chunks = torch.utils.data.DataLoader(shard, batch_size=256, num_workers=workers)
+        chunks = map(_checked, torch.utils.data.DataLoader(
+            shard, batch_size=256, num_workers=workers, collate_fn=_collate))
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     for xb, yb in chunks:
         xb, yb = xb.to(device, dtype), yb.to(device)
@@ -228,6 +301,21 @@ def _evaluate(model: nn.Module, data: Any, dtype: torch.dtype, device: torch.dev
         dist.all_reduce(counts)
     model.train()
     return float(counts[0] / counts[1])
+
+
+@torch.no_grad()
+def _sync_buffers(model: nn.Module, world: int) -> None:
+    """Average the floating buffers (batch-norm running mean and variance) over the
+    processes; the others (``num_batches_tracked``) take rank 0's values. Params are equal
+    on every rank already; after this the whole model is."""
+    if world == 1:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer)
+            buffer.div_(world)
+        else:
+            dist.broadcast(buffer, 0)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -241,43 +329,91 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
     ep = [h["epoch"] for h in history]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
-              ("lr (end of epoch)", ["lr"]),
-              ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
-    for ax, (label, keys) in zip(axes.flat, panels):
-        for key in keys:
-            values = [h.get(key) for h in history]
-            if any(v is not None for v in values):
-                ax.plot(ep, [float("nan") if v is None else v for v in values], marker="o",
-                        label=key.removeprefix("trust_ratio_"))
-        ax.set_title(label)
-        ax.set_xlabel("epoch")
-        if label == "trust ratio":
-            ax.set_yscale("log")
-            ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    try:
+        panels = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
+                  ("lr (end of epoch)", ["lr"]),
+                  ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
+        for ax, (label, keys) in zip(axes.flat, panels):
+            for key in keys:
+                values = [h.get(key) for h in history]
+                if any(v is not None for v in values):
+                    ax.plot(ep, [float("nan") if v is None else v for v in values], marker="o",
+                            label=key.removeprefix("trust_ratio_"))
+            ax.set_title(label)
+            ax.set_xlabel("epoch")
+            if label == "trust ratio":
+                ax.set_yscale("log")
+                ax.legend()
+        fig.suptitle(title)
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
+    finally:
+        plt.close(fig)
+
+
+class _Plotter:
+    """Rewrites the plot; a failure (say, matplotlib missing) is a warning, printed once,
+    and never costs the run its other outputs."""
+
+    def __init__(self, path: Path, title: str) -> None:
+        self.path, self.title, self.failed = path, title, False
+
+    def __call__(self, history: list[dict[str, Any]]) -> None:
+        if self.failed:
+            return
+        try:
+            _plot(history, self.path, self.title)
+        except Exception as err:  # noqa: BLE001 -- any plotting failure only costs the plot
+            self.failed = True
+            reason = " ".join(f"{type(err).__name__}: {err}".split())
+            print(f"largebatch train: warning: no plot written to {self.path} ({reason}); "
+                  "the metrics, checkpoint and summary are unaffected", file=sys.stderr,
+                  flush=True)
+
+
+def _sha256(tensors: Any) -> str:
+    digest = hashlib.sha256()
+    for name, t in tensors:
+        digest.update(name.encode())
+        t = t.detach().cpu()
+        digest.update((t.float() if t.is_floating_point() else t).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _params_sha256(model: nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, p in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().float().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return _sha256(model.named_parameters())
+
+
+def _buffers_sha256(model: nn.Module) -> str:
+    return _sha256(model.named_buffers())
 
 
 # --------------------------------------------------------------------------- training
 
 
-def _distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
+def _device(device_arg: str | None) -> str:
+    """The ``--device`` value checked against this machine: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if device_arg is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device_arg == "cpu":
+        return device_arg
+    match = re.fullmatch(r"cuda(?::(\d+))?", device_arg)
+    if match is None:
+        raise _fail(f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise _fail(f"--device {device_arg}: no CUDA GPU is available here "
+                    "(torch.cuda.is_available() is False); use --device cpu")
+    if match[1] is not None and int(match[1]) >= torch.cuda.device_count():
+        raise _fail(f"--device {device_arg}: this machine has {torch.cuda.device_count()} "
+                    "CUDA GPU(s)")
+    return device_arg
+
+
+def _distributed(name: str) -> tuple[int, int, torch.device]:
     """``(rank, world_size, device)``; joins the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    name = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(f"cuda:{local}" if name == "cuda" and world > 1 else name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -286,17 +422,54 @@ def _distributed(device_arg: str | None) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+_OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
+# The settings a checkpoint records and ``--resume`` must match, with their flags.
+_SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--epochs",
+             "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision"}
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+def _read_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint to resume from, after checking that it was made with ``settings``."""
+    if not path.is_file():
+        raise _fail(f"--resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 -- any unreadable checkpoint is a user error
+        raise _fail(f"--resume: cannot read {path} ({type(err).__name__}: {err})") from None
+    saved = state.get("settings") or {"recipe": state.get("recipe")}
+    for key, flag in _SETTINGS.items():
+        if key in saved and saved[key] != settings[key]:
+            raise _fail(f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
+                        f"{_show(settings[key])}; resume it with its own settings, or start "
+                        "a new run in another --out")
+    return state
+
+
+def _read_summary(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.recipe`` with the command-line overrides; returns the summary (all ranks)."""
     try:
         recipe = get_recipe(args.recipe)
     except ValueError as err:
         raise _fail(str(err)) from None
+    if recipe.data == "imagenet" or recipe.model != "small_cnn":
+        require("train", ("torchvision",))
     batch = args.batch_size or recipe.batch_size
     epochs = args.epochs or recipe.epochs
     precision = args.precision or recipe.precision
     lr = args.lr if args.lr is not None else recipe.lr_for(batch)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     if batch % world:
         raise _fail(f"batch size {batch} is not divisible by the world size {world}")
     local_batch = batch // world
@@ -304,8 +477,32 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if micro > local_batch or local_batch % micro:
         raise _fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
                     f"(batch {batch} / world size {world})")
+    device_name = _device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
-    rank, world, device = _distributed(args.device)
+    settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
+                "seed": args.seed, "subset": args.subset, "precision": precision}
+    with contextlib.ExitStack() as held:
+        if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
+            held.enter_context(lock_folder(out, "train"))
+            remove_stale_temporaries(out, _OUTPUTS)
+        state = _read_checkpoint(out / "checkpoint.pt", settings) if args.resume else None
+        done, stop = (state["epoch"] if state else 0), min(epochs, args.stop_after or epochs)
+        if done >= stop and (out / "summary.json").is_file():
+            if rank == 0:
+                print(f"largebatch train: {out} "
+                      + (f"already finished: {done} of {epochs} epochs" if done >= epochs else
+                         f"is already at epoch {done} of {epochs} (--stop-after {stop})")
+                      + "; nothing to do", flush=True)
+            return _read_summary(out / "summary.json")
+        return _fit(args, recipe, settings, out, state, device_name, micro)
+
+
+def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
+         state: dict[str, Any] | None, device_name: str, micro: int) -> dict[str, Any]:
+    batch, epochs, lr = settings["batch_size"], settings["epochs"], settings["lr"]
+    precision = settings["precision"]
+    rank, world, device = _distributed(device_name)
+    local_batch = batch // world
     data = _load_data(recipe, args.data, args.subset)
     steps_per_epoch = data.n_train // world // local_batch
     if steps_per_epoch < 1:
@@ -321,13 +518,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = build_optimizer(recipe, model, lr, precision)
     except ValueError as err:
         raise _fail(str(err)) from None
+    # The recipe's schedule, its warmup and milestones scaled to --epochs.
+    shape = recipe.with_epochs(epochs)
     total = epochs * steps_per_epoch
+    warmup_steps = min(round(shape.warmup_epochs * steps_per_epoch), total)
     schedule = make_schedule(
-        recipe.schedule, peak_lr=lr, total_steps=total,
-        warmup_steps=min(round(recipe.warmup_epochs * steps_per_epoch), total),
-        power=recipe.power,
-        milestones=[round(m * steps_per_epoch) for m in recipe.milestones
-                    if round(m * steps_per_epoch) < total],
+        shape.schedule, peak_lr=lr, total_steps=total, warmup_steps=warmup_steps,
+        power=shape.power,
+        milestones=sorted({round(m * steps_per_epoch) for m in shape.milestones
+                           if warmup_steps <= round(m * steps_per_epoch) < total}),
     )
     scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
@@ -338,13 +537,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     start_epoch, history = 0, []
     checkpoint = out / "checkpoint.pt"
-    if args.resume:
-        if not checkpoint.is_file():
-            raise _fail(f"--resume: no checkpoint at {checkpoint}")
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
-        if state["recipe"] != recipe.name:
-            raise _fail(f"--resume: {checkpoint} is from recipe {state['recipe']!r}, "
-                        f"not {recipe.name!r}")
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -357,18 +550,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         start_epoch, history = state["epoch"], state["history"]
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
+    stop = min(epochs, args.stop_after or epochs)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        scaled = (f" (the recipe's {recipe.schedule_text} over {recipe.epochs} epochs, "
+                  f"scaled to {epochs})" if shape.schedule_text != recipe.schedule_text else "")
+        span = (f"epochs {start_epoch + 1}-{stop} of {epochs}" if start_epoch < stop else
+                f"{start_epoch} of {epochs} epochs done, writing the summary")
         print(f"{recipe.name}: {recipe.model} on {recipe.data} ({data.n_train:,} images), batch "
               f"{batch:,} (ImageNet-equivalent {nominal:,}) "
               f"= {world} x {local_batch // micro} x {micro}, {recipe.optimizer} peak lr {lr:g}, "
-              f"{precision}, epochs {start_epoch + 1}-{epochs} of {epochs} x "
-              f"{steps_per_epoch} steps")
+              f"{precision}, {span} x {steps_per_epoch} steps; "
+              f"schedule {shape.schedule_text}{scaled}", flush=True)
 
     from tqdm import tqdm
 
+    plot = _Plotter(out / "plot.png", f"{recipe.name} (batch {batch:,})")
     accumulate = local_batch // micro
-    stop = min(epochs, args.stop_after or epochs)
     acc = history[-1]["test_accuracy"] if history else float("nan")
     for epoch in range(start_epoch, stop):
         sampler.set_epoch(epoch)
@@ -402,6 +599,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if world > 1:
             dist.all_reduce(loss_sum)
             loss_sum /= world
+        _sync_buffers(model, world)  # one model: evaluated, checkpointed and summarized
         acc = _evaluate(model, data.test, dtype, device, rank, world, args.workers)
         row = {
             "epoch": epoch + 1, "train_loss": float(loss_sum) / steps_per_epoch,
@@ -421,25 +619,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             print(f"epoch {epoch + 1:>3}/{epochs}  train loss {row['train_loss']:.4f}  "
                   f"test acc {acc:.2%}  lr {row['lr']:.4g}  "
                   f"{row['images_per_second']:,.0f} img/s", flush=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict() if scaler else None,
                         "epoch": epoch + 1, "rng": rng, "history": history,
-                        "recipe": recipe.name}, checkpoint)
-            (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
-            _plot(history, out / "plot.png", f"{recipe.name} (batch {batch:,})")
+                        "recipe": recipe.name, "settings": settings}
+            atomic_write(checkpoint, lambda f: torch.save(snapshot, f))
+            atomic_write(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+            if epoch + 1 < stop:  # the last plot comes after the summary
+                plot(history)
 
     summary = {
         "recipe": recipe.name, "test_accuracy": acc, "epochs": len(history),
         "batch_size": batch, "imagenet_equivalent_batch": nominal,
         "world_size": world, "precision": precision, "peak_lr": lr,
-        "published_top1": recipe.published_top1, "params_sha256": _params_sha256(model),
+        "schedule": shape.schedule_text, "published_top1": recipe.published_top1,
+        "params_sha256": _params_sha256(model), "buffers_sha256": _buffers_sha256(model),
         "images_per_second": statistics.mean(h["images_per_second"] for h in history)
         if history else None,
     }
     print(f"rank {rank}/{world}: params sha256 {summary['params_sha256']}", flush=True)
+    print(f"rank {rank}/{world}: buffers sha256 {summary['buffers_sha256']}", flush=True)
     if rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        plot(history)
     return summary
 
 
@@ -453,16 +656,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", type=int, default=None, help="global batch (default: the recipe's)")
     add("--micro-batch", type=int, default=None,
         help="per-process micro-batch; smaller than the per-process batch: gradient accumulation")
-    add("--epochs", type=int, default=None, help="epochs (default: the recipe's)")
+    add("--epochs", type=int, default=None, help="epochs (default: the recipe's; another number "
+        "scales the recipe's warmup and milestones with it)")
     add("--lr", type=float, default=None,
         help="peak lr (default: the recipe's, scaled to the batch)")
     add("--precision", choices=PRECISIONS, default=None, help="default: the recipe's")
-    add("--out", default=None, metavar="DIR", help="output folder (default runs/RECIPE)")
-    add("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    add("--out", default=None, metavar="DIR", help="output folder (default runs/RECIPE); "
+        "one run at a time")
+    add("--resume", action="store_true", help="continue from OUT/checkpoint.pt (same settings)")
     add("--stop-after", type=int, default=None, metavar="EPOCH",
         help="stop after this epoch (the schedule still spans --epochs); --resume continues")
     add("--seed", type=int, default=0)
-    add("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images")
     add("--workers", type=int, default=4, help="data-loader workers for ImageFolder data")
 
@@ -472,6 +677,11 @@ def main(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise _fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
+    if args.workers < 0:
+        raise _fail(f"invalid --workers {args.workers} (must be >= 0)")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise _fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
+    require("train", ("tqdm", "matplotlib"))
     try:
         train(args)
     finally:

@@ -1,0 +1,147 @@
+"""User errors of ``largebatch train`` and ``largebatch study``: one line on stderr naming
+the command and the value, exit status 2, no traceback; missing extras; a failing plot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from largebatch.recipes.cli import main as cli
+from largebatch.recipes.data import FASHION_MNIST_FILES, fashion_mnist_dir
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TINY = ["train", "--recipe", "fmnist-sgd-128", "--subset", "2048", "--epochs", "1"]
+
+
+def _user_error(argv: list[str], capsys) -> str:
+    """Run ``largebatch ARGV`` in this process; its one stderr line, after checking the rest."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as err:
+        cli(argv)
+    stderr = capsys.readouterr().err
+    assert err.value.code == 2, (err.value.code, stderr)
+    assert stderr.count("\n") == 1 and stderr.endswith("\n"), stderr
+    assert stderr.startswith(f"largebatch {argv[0]}: ") and "Traceback" not in stderr, stderr
+    assert str(err.value) == stderr.rstrip("\n")
+    return stderr.rstrip("\n")
+
+
+def _image_tree(root, counts: dict[str, int]) -> None:
+    from PIL import Image
+
+    rng = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for cls, n in counts.items():
+            (root / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = torch.randint(0, 256, (8, 8, 3), dtype=torch.uint8, generator=rng)
+                Image.fromarray(pixels.numpy()).save(root / split / cls / f"{i}.png")
+
+
+def test_corrupt_fashion_mnist_fails_its_checksum(tmp_path, capsys):
+    for name in FASHION_MNIST_FILES:
+        shutil.copy(fashion_mnist_dir() / name, tmp_path / name)
+    target = tmp_path / "train-labels-idx1-ubyte.gz"
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    target.write_bytes(bytes(raw))
+    line = _user_error([*TINY, "--data", str(tmp_path), "--out", str(tmp_path / "out")], capsys)
+    assert f"Checksum mismatch for {target}: sha256 " in line, line
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lr", "nan"], "invalid --lr nan (must be a finite number > 0)"),
+    (["--lr", "-1"], "invalid --lr -1.0 (must be a finite number > 0)"),
+    (["--device", "tpu"], "invalid --device 'tpu' (cpu, cuda or cuda:N)"),
+    (["--workers", "-1"], "invalid --workers -1 (must be >= 0)"),
+])
+def test_bad_flag_values(tmp_path, capsys, flags, message):
+    line = _user_error([*TINY, *flags, "--out", str(tmp_path)], capsys)
+    assert line == f"largebatch train: {message}"
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_device_cuda_without_a_gpu(tmp_path, capsys):
+    line = _user_error([*TINY, "--device", "cuda", "--out", str(tmp_path)], capsys)
+    assert "--device cuda: no CUDA GPU is available here" in line, line
+
+
+def test_an_image_folder_class_without_images(tmp_path, capsys):
+    _image_tree(tmp_path / "tree", {"a": 1, "b": 1})
+    for image in (tmp_path / "tree" / "train" / "b").iterdir():
+        image.unlink()
+    line = _user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
+                        str(tmp_path / "tree"), "--out", str(tmp_path / "out")], capsys)
+    assert f"ImageFolder tree {tmp_path / 'tree' / 'train'}: Found no valid file for the " \
+           "classes b" in line, line
+
+
+def test_an_unreadable_image_is_named(tmp_path, capsys):
+    _image_tree(tmp_path / "tree", {"a": 2, "b": 2})
+    broken = tmp_path / "tree" / "train" / "b" / "1.png"
+    broken.write_bytes(b"not a png")  # in the first (and only) batch: no step runs
+    line = _user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
+                        str(tmp_path / "tree"), "--batch-size", "4", "--epochs", "1",
+                        "--workers", "0", "--device", "cpu", "--out", str(tmp_path / "out")],
+                       capsys)
+    assert line.startswith(f"largebatch train: cannot read image {broken}: "), line
+
+
+def test_an_unwritable_out_is_refused_before_the_data_loads(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "run"
+    # The data folder is missing too: the --out check comes first.
+    line = _user_error([*TINY, "--data", str(tmp_path / "absent"), "--out", str(out)], capsys)
+    assert line == f"largebatch train: cannot create --out {out}: Not a directory"
+
+
+def test_study_with_a_missing_data_folder(tmp_path, capsys):
+    line = _user_error(["study", "--quick", "--data", str(tmp_path / "absent"),
+                        "--out", str(tmp_path / "out")], capsys)
+    assert line == f"largebatch study: data directory not found: {tmp_path / 'absent'}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_user_error_in_a_subprocess_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "largebatch", *TINY, "--device", "tpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc
+    assert proc.stderr == "largebatch train: invalid --device 'tpu' (cpu, cuda or cuda:N)\n"
+
+
+def test_missing_matplotlib_is_named_before_any_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as with largebatch[torch] only
+    line = _user_error([*TINY, "--out", str(tmp_path)], capsys)
+    assert line == ("largebatch train: needs matplotlib, not installed: "
+                    "pip install 'largebatch[recipes]'")
+    assert not list(tmp_path.iterdir())
+    line = _user_error(["study", "--quick", "--out", str(tmp_path / "study")], capsys)
+    assert line == ("largebatch study: needs matplotlib, not installed: "
+                    "pip install 'largebatch[recipes]'")
+
+
+def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_outputs(tmp_path, capsys,
+                                                                    monkeypatch):
+    from largebatch.recipes import train
+
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("no display backend")
+
+    monkeypatch.setattr(train, "_plot", broken_plot)
+    assert cli([*TINY, "--epochs", "2", "--out", str(tmp_path)]) == 0
+    stderr = capsys.readouterr().err
+    assert stderr.count("warning: no plot written") == 1, stderr  # once, not every epoch
+    assert "RuntimeError: no display backend" in stderr and "Traceback" not in stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["epochs"] == 2
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
+    assert not (tmp_path / "plot.png").exists()
