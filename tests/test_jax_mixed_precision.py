@@ -235,6 +235,49 @@ def test_bad_input_raises_value_error(make, match):
         make()
 
 
+def test_dynamic_loss_scale_takes_numpy_and_jax_scalars():
+    """0-dim NumPy and JAX numbers are numbers: stored as Python ones, the rule unchanged."""
+    ls = DynamicLossScale(
+        loss_scale=jnp.float32(2**15), min_loss_scale=jnp.float32(2**14),
+        period=jnp.int32(2), factor=np.float32(2.0), counter=np.int64(1),
+    )
+    assert (ls.period, ls.factor, ls.min_loss_scale) == (2, 2.0, 2.0**14)
+    assert all(type(v) in (int, float) for v in (ls.period, ls.factor, ls.min_loss_scale))
+    same = DynamicLossScale(2.0**15, counter=1, period=2, factor=2.0, min_loss_scale=2.0**14)
+    assert jax.tree.structure(ls) == jax.tree.structure(same)  # the same static fields
+    backed_off = jax.jit(lambda s: s.adjust(False).adjust(False))(ls)
+    assert float(backed_off.loss_scale) == 2.0**14  # floored at min_loss_scale
+    grown = jax.jit(lambda s: s.adjust(True))(ls)
+    assert float(grown.loss_scale) == 2.0**16 and int(grown.counter) == 0
+    assert float(DynamicLossScale(np.float64(4.0), min_loss_scale=np.int32(4)).loss_scale) == 4.0
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(min_loss_scale=True), TypeError, r"min_loss_scale: True \(a bool"),
+        (dict(min_loss_scale=jnp.bool_(True)), TypeError, "min_loss_scale: .*True"),
+        (dict(min_loss_scale=None), TypeError, "min_loss_scale: None"),
+        (dict(min_loss_scale=jnp.ones(2)), TypeError, "min_loss_scale"),
+        (dict(min_loss_scale=jnp.float32(float("nan"))), ValueError, "min_loss_scale: nan"),
+        (dict(min_loss_scale=np.float32(0.0)), ValueError, "min_loss_scale: 0.0"),
+        (dict(min_loss_scale=jnp.float32(2.0**127)), ValueError, "min_loss_scale: 1.7"),
+        (dict(min_loss_scale=jnp.float32(16.0)), ValueError, "min_loss_scale: 16.0 > loss_scale"),
+        (dict(period=jnp.float32(2.5)), ValueError, "period: 2.5"),
+        (dict(period=True), TypeError, "period: True"),
+        (dict(factor=np.bool_(True)), TypeError, "factor: .*True"),
+        (dict(factor=jnp.float32(1.0)), ValueError, "factor: 1.0"),
+        (dict(loss_scale=True), TypeError, "loss_scale: True"),
+        (dict(loss_scale="8"), TypeError, "loss_scale: '8'"),
+        (dict(counter=True), TypeError, "counter: True"),
+    ],
+)
+def test_dynamic_loss_scale_refuses_bools_nan_and_out_of_range(kw, error, match):
+    with pytest.raises(error, match=match) as info:
+        DynamicLossScale(**{"loss_scale": 8.0, **kw})
+    assert " it " not in str(info.value)  # the message states the rule, not a pronoun
+
+
 # ---------------------------------------------------------------------------------------
 # all_finite and select_tree.
 

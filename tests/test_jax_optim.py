@@ -275,6 +275,34 @@ def test_prefix_and_callable_masks_match_full_masks(make):
     assert_trees_close(flat(a), expected, RTOL[np.float32])
 
 
+HUGE_TINY_SHAPES = {"huge": (5, 4), "tiny": (3, 3), "huge_g": (4, 2), "plain": (6,)}
+
+
+@pytest.mark.parametrize(
+    "make, case",
+    [("lars", "wd_eps_tc"), ("lars", "trust_clip"), ("lars", "exclusion"),
+     ("lamb", "wd"), ("lamb", "max_grad_norm"), ("lamb", "exclusion")],
+)
+def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
+    """Weights of 1e19 and gradients of 1e20 square past float32's range, weights of 1e-25
+    square to zero; the trust ratios and the global gradient norm still follow the
+    float64 reference."""
+    params, grads = make_problem(np.float32, seed=3, shapes=HUGE_TINY_SHAPES)
+    params["huge"] *= np.float32(1e19)
+    params["tiny"] *= np.float32(1e-25)
+    for g in grads:  # Adam squares LAMB's gradients: huge ones only where they are clipped
+        if make == "lars" or case == "max_grad_norm":
+            g["huge_g"] *= np.float32(1e21)
+    kw = dict((LARS_CASES if make == "lars" else LAMB_CASES)[case])
+    run_reference = run_reference_lars if make == "lars" else run_reference_lamb
+    expected = run_reference(params, grads, **kw)
+    lr = kw.pop("lr")
+    actual = run_jax((lars if make == "lars" else lamb)(lr, **kw), params, grads, jit=True)
+    for k, leaf in actual.items():
+        assert np.isfinite(np.asarray(leaf)).all(), k
+    assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
+
+
 # ------------------------------------------------------------------------------ optax
 
 
@@ -392,6 +420,52 @@ def test_bfloat16_params_stay_bfloat16(opt):
 def test_bad_hyperparameters_raise_on_build(build, value):
     with pytest.raises(ValueError, match=value.replace(".", r"\.").replace("+", r"\+")):
         build()
+
+
+@pytest.mark.parametrize(
+    "build, error, value",
+    [
+        (lambda: lars(0.1, nesterov=True, momentum=0.0), ValueError, "momentum=0.0"),
+        (lambda: lars(0.1, nesterov=True, momentum=0), ValueError, "momentum=0"),
+        (lambda: lars(0.1, nesterov=True, momentum=jnp.float32(0)), ValueError, "momentum="),
+        (lambda: lars(0.1, weight_decay=True), TypeError, "weight_decay: True"),
+        (lambda: lars(True), TypeError, "learning_rate: True"),
+        (lambda: lars(0.1, momentum=np.bool_(False)), TypeError, "momentum: np.False_"),
+        (lambda: lars(0.1, eps=jnp.array(True)), TypeError, "eps: Array\\(True"),
+        (lambda: lamb(0.1, max_grad_norm=True), TypeError, "max_grad_norm: True"),
+        (lambda: lamb(0.1, b1=False), TypeError, "b1: False"),
+        (lambda: lars(0.1, nesterov="False"), TypeError, "nesterov: 'False'"),
+        (lambda: lars(0.1, trust_clip="yes"), TypeError, "trust_clip: 'yes'"),
+        (lambda: lars(0.1, nesterov=1), TypeError, "nesterov: 1"),
+        (lambda: lamb(0.1, bias_correction="False"), TypeError, "bias_correction: 'False'"),
+        (lambda: lamb(0.1, bias_correction=None), TypeError, "bias_correction: None"),
+        (lambda: lars(None), TypeError, "learning_rate: None"),
+        (lambda: lars(0.1, momentum=None), TypeError, "momentum: None"),
+        (lambda: lars(0.1, trust_coefficient=None), TypeError, "trust_coefficient: None"),
+        (lambda: lamb(0.1, eps=None), TypeError, "eps: None"),
+        (lambda: lamb(0.1, weight_decay="0.01"), TypeError, "weight_decay: '0.01'"),
+        (lambda: lamb(0.1, b2=jnp.ones(2)), TypeError, "b2: Array"),
+        (lambda: lamb(0.1, b1=1 + 0j), TypeError, "b1: \\(1\\+0j\\)"),
+        (lambda: lars(0.1, momentum=jnp.float32(1.5)), ValueError, "momentum: Array\\(1.5"),
+    ],
+)
+def test_wrong_types_and_nesterov_without_momentum_raise(build, error, value):
+    """Bools are not numbers, only True/False are flags, None is no number, and Nesterov
+    needs momentum (as in largebatch.torch.LARS)."""
+    with pytest.raises(error, match=value):
+        build()
+
+
+def test_numpy_and_jax_scalars_are_numbers_and_flags():
+    opts = [
+        lars(np.float32(0.1), momentum=jnp.float32(0.9), nesterov=np.bool_(True), eps=np.int64(0)),
+        lamb(jnp.float32(0.01), b1=np.float64(0.9), max_grad_norm=jnp.int32(1),
+             bias_correction=np.bool_(False)),
+    ]
+    params = {"w": jnp.ones((2, 2))}
+    for opt in opts:
+        updates, _ = opt.update(params, opt.init(params), params)
+        assert np.isfinite(np.asarray(updates["w"])).all()
 
 
 def test_update_needs_params():

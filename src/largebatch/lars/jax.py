@@ -22,10 +22,26 @@ decay from leaves that keep their trust ratio: a leaf is decayed where both mask
 True. (``optax.lars`` applies its two masks independently, so an excluded leaf there is
 still decayed.)
 
-Dtypes. Updates have the dtype of the params (bf16 params get bf16 updates). The state
-(LARS momentum, LAMB moments) has the dtype of the params too, as in optax; keep fp32
-master params (``largebatch.mixed_precision``) to train in bf16. Norms, trust ratios and
-the clipping divisor are computed in float32, or float64 for float64 params.
+Dtypes. Updates have the dtype of the incoming updates (bf16 gradients of bf16 params
+get bf16 updates), and every state leaf keeps the dtype ``init`` gave it, whatever the
+dtype of the hyperparameters: the LARS momentum and the LAMB moments have the dtype of
+the params, as in optax; keep fp32 master params (``largebatch.mixed_precision``) to
+train in bf16. Norms, trust ratios and the clipping divisor are computed in float32, or
+float64 for float64 params.
+
+Norms. Every L2 norm (per leaf, and LAMB's global gradient norm) first divides the leaf
+by a power of two taken from its largest magnitude, so the sum of squares neither
+overflows (``||w||`` above about ``1.8e19`` in float32) nor underflows (magnitudes below
+about ``1e-19``); the division and the multiplication back are exact.
+
+Complex params. Norms use ``|x|^2 = re^2 + im^2``, so the trust ratios are real and a
+complex leaf steps as the pair of real leaves (re, im) would; LAMB's second moment is
+``|g|^2``, as in ``optax.scale_by_adam``.
+
+Traced hyperparameters. Every numeric hyperparameter may be a JAX array, traced or not,
+so ``optax.inject_hyperparams(lars)(learning_rate=0.1, momentum=0.9, ...)`` works under
+``jit`` (pass callable masks in ``static_args``). Concrete values are checked when the
+optimizer is built; traced ones cannot be and are not.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from largebatch.schedules import Schedule
@@ -66,10 +83,61 @@ def _compute_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _norm(x: jax.Array) -> jax.Array:
-    """The L2 norm of ``x``, accumulated in at least float32."""
+def _abs_sq(x: jax.Array) -> jax.Array:
+    """``|x|^2``, real: ``re^2 + im^2`` for complex ``x``."""
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real) + jnp.square(x.imag)
+    return jnp.square(x)
+
+
+def _powers_of_two(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(2**-k, 2**k)`` with ``2**k <= magnitude < 2**(k + 1)`` for a normal ``magnitude``.
+
+    Read from the exponent bits, so both are exact; ``k`` is clipped so that both are
+    normal numbers (zero and subnormal magnitudes give the smallest ``k``, inf and NaN
+    the largest).
+    """
+    info = jnp.finfo(magnitude.dtype)
+    bias = 2 ** (info.nexp - 1) - 1
+    uint = {32: jnp.uint32, 64: jnp.uint64}[info.bits]
+    biased = (jax.lax.bitcast_convert_type(magnitude, uint) >> info.nmant) & (2 * bias + 1)
+    biased = jnp.clip(biased, 1, 2 * bias - 1)
+    down = jax.lax.bitcast_convert_type((2 * bias - biased) << info.nmant, magnitude.dtype)
+    up = jax.lax.bitcast_convert_type(biased << info.nmant, magnitude.dtype)
+    return down, up
+
+
+def _norm_of(x: jax.Array) -> jax.Array:
     x = x.astype(_compute_dtype(x))
-    return jnp.sqrt(jnp.sum(x * x))
+    parts = (x.real, x.imag) if jnp.iscomplexobj(x) else (x,)  # |x|^2 = re^2 + im^2
+    magnitude = jnp.abs(parts[0]) if len(parts) == 1 else jnp.maximum(*map(jnp.abs, parts))
+    down, up = _powers_of_two(jnp.max(magnitude, initial=0.0))
+    return jnp.sqrt(jnp.sum(sum(jnp.square(p * down) for p in parts))) * up
+
+
+_norm_of_jit = jax.jit(_norm_of)
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    """The L2 norm of ``x`` (real, at least float32), safe from overflow and underflow.
+
+    ``x`` is multiplied by ``2**-k``, with ``2**k`` the power of two at or below
+    ``max |x|`` (``max(|re|, |im|)`` for complex ``x``), before squaring: the scaled
+    squares are below 8 and their sum cannot overflow, nor can a tensor of small values
+    square to zero. Powers of two scale exactly, so this is ``sqrt(sum |x|^2)`` up to
+    the rounding of the sum. Non-finite elements give a non-finite norm.
+    """
+    x = jnp.asarray(x)
+    # Outside jit one compiled call per norm instead of an op-by-op dispatch; inside
+    # jit the operations are traced in place.
+    return _norm_of(x) if isinstance(x, jax.core.Tracer) else _norm_of_jit(x)
+
+
+def _global_norm(leaves: list[jax.Array]) -> jax.Array:
+    """The L2 norm of all ``leaves`` together: the norm of their norms, each overflow-safe."""
+    norms = [_norm(x) for x in leaves]
+    dtype = jnp.result_type(*norms)
+    return _norm(jnp.stack([n.astype(dtype) for n in norms]))
 
 
 def _safe_ratio(numerator, denominator, w_norm, other_norm):
@@ -126,16 +194,66 @@ def _masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTr
     return inner if mask is None else optax.masked(inner, mask)
 
 
+def _as_real(name: str, value: Any, rule: str) -> float | None:
+    """``value`` as a Python float, or None when it is traced (its value is unknown).
+
+    A real number is a Python or NumPy int or float, or a 0-dim NumPy or JAX array of an
+    integer or floating dtype. Anything else, bools included, raises a TypeError naming
+    ``value``.
+    """
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"Invalid {name}: {value!r} (a bool; must be a number {rule})")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+        if jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating):
+            return float(value)
+    raise TypeError(f"Invalid {name}: {value!r} (must be a number {rule})")
+
+
 def _check(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> None:
-    """Raise a ValueError naming ``value`` unless it is a finite real scalar passing ``ok``."""
-    scalar = isinstance(value, numbers.Real) or (isinstance(value, jax.Array) and value.ndim == 0)
-    if not (scalar and math.isfinite(float(value)) and ok(float(value))):
+    """Check a numeric hyperparameter before anything is built.
+
+    A TypeError names ``value`` unless it is a real number (see :func:`_as_real`), a
+    ValueError unless it is finite and passes ``ok``. Traced values pass unchecked.
+    """
+    number = _as_real(name, value, rule)
+    if number is not None and not (math.isfinite(number) and ok(number)):
         raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: only ``True`` and ``False`` (or NumPy's) are flags."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"Invalid {name}: {value!r} (must be True or False)")
 
 
 def _check_learning_rate(learning_rate: Any) -> None:
     if not callable(learning_rate):
         _check("learning_rate", learning_rate, lambda x: x >= 0.0, ">= 0, or a schedule")
+
+
+def _is_zero(value: Any) -> bool:
+    """True for a Python number equal to 0 (a static zero: the term can be left out)."""
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` with its updates in the incoming updates' dtypes and its state in the
+    dtypes ``init`` gave it, so that float32 hyperparameters (injected, or passed as
+    arrays) never promote bf16 updates or state, and ``jit`` sees the same state types
+    at every step."""
+
+    def update_fn(updates, state, params=None):
+        new_updates, new_state = inner.update(updates, state, params)
+        new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
+        new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
+        return new_updates, new_state
+
+    return optax.GradientTransformation(inner.init, update_fn)
 
 
 # ------------------------------------------------------------------- transformations
@@ -165,8 +283,8 @@ def scale_by_lars_trust_ratio(
     decay is part of this transformation rather than an ``add_decayed_weights`` before
     it. ``clip_learning_rate`` (a float or a schedule of the step count) turns on LARC's
     clipping: the local rate ``lr_t * ratio`` never exceeds ``lr_t``. Norms and the
-    ratio are computed in float32 (float64 for float64 leaves); the update keeps the
-    leaf's dtype.
+    ratio are real and computed in float32 (float64 for float64 leaves), safe from
+    overflow; the update keeps the leaf's dtype. The hyperparameters may be traced.
     """
     _check("weight_decay", weight_decay, lambda x: x >= 0.0, ">= 0")
     _check("trust_coefficient", trust_coefficient, lambda x: x > 0.0, "> 0")
@@ -188,8 +306,8 @@ def scale_by_lars_trust_ratio(
             w_norm, g_norm = _norm(w32), _norm(g32)
             ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
             if lr is not None:
-                ratio = jnp.minimum(ratio / jnp.asarray(lr, dtype), 1.0)
-            d = g32 + wd * w32 if wd else g32
+                ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
+            d = g32 if _is_zero(wd) else g32 + wd * w32
             return (ratio * d).astype(g.dtype)
 
         updates = jax.tree.map(leaf, updates, params)
@@ -202,8 +320,8 @@ def scale_by_lamb_trust_ratio() -> optax.GradientTransformation:
     """Scale each leaf ``u`` by the LAMB trust ratio ``||w|| / ||u||``.
 
     The ratio is 1 where ``||w|| == 0`` or ``||u|| == 0``; no bounds, no coefficient
-    (``optax.scale_by_trust_ratio()`` at its defaults, with the norms in float32 or
-    wider and the update in the leaf's dtype).
+    (``optax.scale_by_trust_ratio()`` at its defaults, with overflow-safe real norms in
+    float32 or wider and the update in the leaf's dtype).
     """
 
     def update_fn(updates, state, params=None):
@@ -226,7 +344,8 @@ def divide_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     The same rule as ``optax.clip_by_global_norm`` (which multiplies by
     ``max_norm / norm`` above the threshold), written as NVIDIA's LAMB and the torch
-    optimizers write it; the global norm is accumulated in float32 or wider.
+    optimizers write it; the global norm is the norm of the per-leaf norms, each
+    computed in float32 or wider and safe from overflow.
     """
     _check("max_norm", max_norm, lambda x: x > 0.0, "> 0")
 
@@ -235,8 +354,7 @@ def divide_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         leaves = jax.tree.leaves(updates)
         if not leaves:
             return updates, state
-        squares = [jnp.sum(jnp.square(x.astype(_compute_dtype(x)))) for x in leaves]
-        divisor = jnp.maximum(1.0, jnp.sqrt(sum(squares)) / max_norm)
+        divisor = jnp.maximum(1.0, _global_norm(leaves) / max_norm)
         updates = jax.tree.map(lambda g: (g / divisor).astype(g.dtype), updates)
         return updates, state
 
@@ -249,8 +367,9 @@ def scale_by_uncorrected_adam(
     """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.
 
     ``m = b1 * m + (1 - b1) * g`` and ``v = b2 * v + (1 - b2) * g^2``, as
-    ``optax.scale_by_adam`` but without dividing by ``1 - b^t``; the state is an
-    ``optax.ScaleByAdamState``, so a checkpoint fits either setting.
+    ``optax.scale_by_adam`` but without dividing by ``1 - b^t`` (``g^2`` is ``|g|^2``
+    for complex ``g``); the state is an ``optax.ScaleByAdamState``, so a checkpoint
+    fits either setting.
     """
 
     def init_fn(params):
@@ -263,7 +382,7 @@ def scale_by_uncorrected_adam(
     def update_fn(updates, state, params=None):
         del params
         mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
-        nu = jax.tree.map(lambda g, v: (1 - b2) * (g * g) + b2 * v, updates, state.nu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
         count = optax.safe_increment(state.count)
         return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
@@ -325,9 +444,14 @@ def lars(
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
 
+    Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
+
     Raises:
       ValueError: naming the value, for a negative rate or weight decay, momentum
-        outside [0, 1), ``trust_coefficient <= 0`` or ``eps < 0``.
+        outside [0, 1), ``trust_coefficient <= 0``, ``eps < 0``, a non-finite number,
+        or ``nesterov=True`` with ``momentum=0``.
+      TypeError: naming the value, for a non-number (a bool, a string, None) where a
+        number belongs, or anything but ``True``/``False`` for a flag.
 
     Example::
 
@@ -350,23 +474,33 @@ def lars(
     """
     _check_learning_rate(learning_rate)
     _check("momentum", momentum, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
+    _check("weight_decay", weight_decay, lambda x: x >= 0.0, ">= 0")
+    _check("trust_coefficient", trust_coefficient, lambda x: x > 0.0, "> 0")
+    _check("eps", eps, lambda x: x >= 0.0, ">= 0")
+    nesterov = _check_flag("nesterov", nesterov)
+    trust_clip = _check_flag("trust_clip", trust_clip)
+    if nesterov and _as_real("momentum", momentum, "") == 0.0:
+        raise ValueError(f"Invalid nesterov=True with momentum={momentum!r} (needs momentum > 0)")
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
     def adapt(wd):
         return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip)
 
-    if weight_decay_mask is None or weight_decay == 0.0:
+    # The structure of the chain depends on the masks only, never on a value.
+    if weight_decay_mask is None:
         adapted = [_masked(adapt(weight_decay), trust_ratio_mask)]
     else:  # decayed where both masks hold; adapted but not decayed where only the first does
         adapted = [
             optax.masked(adapt(weight_decay), _mask_and(trust_ratio_mask, weight_decay_mask)),
             optax.masked(adapt(0.0), _mask_and(trust_ratio_mask, weight_decay_mask, True)),
         ]
-    return optax.chain(
-        *adapted,
-        optax.scale_by_learning_rate(learning_rate),
-        optax.trace(decay=momentum, nesterov=nesterov),
+    return _keep_dtypes(
+        optax.chain(
+            *adapted,
+            optax.scale_by_learning_rate(learning_rate),
+            optax.trace(decay=momentum, nesterov=nesterov),
+        )
     )
 
 
@@ -418,9 +552,13 @@ def lamb(
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
 
+    Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
+
     Raises:
       ValueError: naming the value, for a negative rate, eps or weight decay, betas
-        outside [0, 1) or ``max_grad_norm <= 0``.
+        outside [0, 1), ``max_grad_norm <= 0`` or a non-finite number.
+      TypeError: naming the value, for a non-number (a bool, a string) where a number
+        belongs, or anything but ``True``/``False`` for ``bias_correction``.
 
     Example::
 
@@ -447,15 +585,18 @@ def lamb(
     _check("b2", b2, lambda x: 0.0 <= x < 1.0, "in [0, 1)")
     _check("eps", eps, lambda x: x >= 0.0, ">= 0")
     _check("weight_decay", weight_decay, lambda x: x >= 0.0, ">= 0")
+    bias_correction = _check_flag("bias_correction", bias_correction)
     if max_grad_norm is not None:
         _check("max_grad_norm", max_grad_norm, lambda x: x > 0.0, "> 0 or None")
     learning_rate = _as_optax_schedule(learning_rate)
     clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm)]
     moments = (optax.scale_by_adam if bias_correction else scale_by_uncorrected_adam)(b1, b2, eps)
-    return optax.chain(
-        *clip,
-        moments,
-        optax.add_decayed_weights(weight_decay, _mask_and(trust_ratio_mask, weight_decay_mask)),
-        _masked(scale_by_lamb_trust_ratio(), trust_ratio_mask),
-        optax.scale_by_learning_rate(learning_rate),
+    return _keep_dtypes(
+        optax.chain(
+            *clip,
+            moments,
+            optax.add_decayed_weights(weight_decay, _mask_and(trust_ratio_mask, weight_decay_mask)),
+            _masked(scale_by_lamb_trust_ratio(), trust_ratio_mask),
+            optax.scale_by_learning_rate(learning_rate),
+        )
     )

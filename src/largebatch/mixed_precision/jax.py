@@ -117,17 +117,50 @@ class _LossScaleMethods:
         return _scale_tree(tree, 1.0 / self.loss_scale)
 
 
-def _check_number(name: str, value: Any, ok, rule: str, kind: type = numbers.Real) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not ok(value):
-        raise ValueError(f"Invalid {name}: {value} (need {rule})")
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, (bool, np.bool_)) or np.dtype(getattr(x, "dtype", object)) == np.bool_
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check_number(name: str, value: Any, ok, rule: str, integral: bool = False) -> float | int:
+    """``value`` as a Python number, checked; raises naming ``value`` otherwise.
+
+    A number is a Python or NumPy int or float, or a 0-dim NumPy or JAX array of an
+    integer or floating dtype (an integer one where ``integral``). Bools, strings, None
+    and traced values raise a TypeError; a number that fails ``ok`` a ValueError.
+    """
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"Invalid {name}: a traced value (need a concrete number, {rule})")
+    if _is_bool(value):
+        raise TypeError(f"Invalid {name}: {value!r} (a bool; need {rule})")
+    if isinstance(value, numbers.Real):
+        number, shown = value, value
+    elif isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+        if not _is_real_dtype(value.dtype):
+            raise TypeError(f"Invalid {name}: {value!r} (need {rule})")
+        number = value.item()
+        shown = f"{number} ({value.dtype})"
+    else:
+        raise TypeError(f"Invalid {name}: {value!r} (need {rule})")
+    if integral and not isinstance(number, numbers.Integral):
+        raise ValueError(f"Invalid {name}: {shown} (need {rule})")
+    if isinstance(number, numbers.Real) and (np.isnan(number) or not ok(number)):
+        raise ValueError(f"Invalid {name}: {shown} (need {rule})")
+    return number
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
-    value = _concrete(loss_scale)
-    if value is None:
+    rule = "need a number, 0 < loss_scale <= 2**126"
+    if isinstance(loss_scale, jax.core.Tracer):
         return
+    value = np.asarray(loss_scale)
+    if _is_bool(loss_scale) or not _is_real_dtype(value.dtype):
+        raise TypeError(f"Invalid loss_scale: {loss_scale!r} ({rule})")
     if not (np.all(np.isfinite(value)) and np.all(value > 0) and np.all(value <= MAX_LOSS_SCALE)):
-        raise ValueError(f"Invalid loss_scale: {loss_scale} (need 0 < loss_scale <= 2**126)")
+        raise ValueError(f"Invalid loss_scale: {loss_scale} ({rule})")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,24 +206,31 @@ class DynamicLossScale(_LossScaleMethods):
     min_loss_scale: float = 1.0
 
     def __post_init__(self):
-        _check_number("period", self.period, lambda v: v >= 1, "an integer >= 1", numbers.Integral)
-        _check_number("factor", self.factor, lambda v: 1 < v < np.inf, "a finite number > 1")
+        period = _check_number(
+            "period", self.period, lambda v: v >= 1, "an integer >= 1", integral=True
+        )
+        factor = _check_number(
+            "factor", self.factor, lambda v: 1 < v < np.inf, "a finite number > 1"
+        )
         in_range = lambda v: 0 < v <= MAX_LOSS_SCALE  # noqa: E731
-        _check_number("min_loss_scale", self.min_loss_scale, in_range, "0 < it <= 2**126")
+        rule = "a number, 0 < min_loss_scale <= 2**126"
+        min_loss_scale = _check_number("min_loss_scale", self.min_loss_scale, in_range, rule)
         _check_loss_scale(self.loss_scale)
         scale = _concrete(self.loss_scale)
-        if scale is not None and np.any(scale < self.min_loss_scale):
+        if scale is not None and np.any(scale < min_loss_scale):
             raise ValueError(
-                f"Invalid min_loss_scale: {self.min_loss_scale} > loss_scale {self.loss_scale}"
+                f"Invalid min_loss_scale: {min_loss_scale} > loss_scale {self.loss_scale}"
             )
+        if _is_bool(self.counter):
+            raise TypeError(f"Invalid counter: {self.counter!r} (a bool; need an integer >= 0)")
         counter = _concrete(self.counter)
         if counter is not None and np.any(counter < 0):
             raise ValueError(f"Invalid counter: {self.counter} (need >= 0)")
         object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
         object.__setattr__(self, "counter", jnp.asarray(self.counter, jnp.int32))
-        object.__setattr__(self, "period", int(self.period))
-        object.__setattr__(self, "factor", float(self.factor))
-        object.__setattr__(self, "min_loss_scale", float(self.min_loss_scale))
+        object.__setattr__(self, "period", int(period))
+        object.__setattr__(self, "factor", float(factor))
+        object.__setattr__(self, "min_loss_scale", float(min_loss_scale))
 
     def _static(self) -> tuple[tuple[str, Any], ...]:
         return tuple((name, getattr(self, name)) for name in ("period", "factor", "min_loss_scale"))
