@@ -208,6 +208,15 @@ def _optax(name: str, **kwargs):  # noqa: ANN001, ANN202
     return optax_jit(factory)
 
 
+def _ours_jax(name: str, **kwargs):  # noqa: ANN001, ANN202
+    def factory():  # noqa: ANN202
+        from largebatch import jax as lb
+
+        return getattr(lb, name)(LR, **kwargs)
+
+    return optax_jit(factory)
+
+
 @dataclasses.dataclass(frozen=True)
 class Provider:
     name: str
@@ -227,6 +236,8 @@ PROVIDERS: list[Provider] = [
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
     Provider("optax lars (jit)", "lars",
              _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
+    Provider("ours lars (jax, jit)", "lars",
+             _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
@@ -235,6 +246,7 @@ PROVIDERS: list[Provider] = [
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
              needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
     Provider("foreach SGD-momentum (floor)", "sgd", foreach_sgd_momentum),
 ]
 

@@ -492,11 +492,13 @@ def test_param_groups_refuses_bad_weight_decay(wd):
 
 @cases
 @impls
-def test_huge_weights_do_not_overflow_the_norms(case, impl):
-    """||w|| of 1e19-sized weights overflows an fp32 sum of squares; the step must stay
-    finite and equal the float64 spec."""
+@pytest.mark.parametrize("size", [1e19, 1e22])
+def test_huge_weights_do_not_overflow_the_norms(case, impl, size):
+    """||w|| of 1e19-sized weights overflows an fp32 sum of squares (at 1e22, so does
+    LAMB's ||u|| through weight decay); the step must stay finite and equal the float64
+    spec."""
     _, cls, kwargs = case
-    w = torch.nn.Parameter(torch.full((8,), 1e19) * torch.linspace(1, 2, 8))
+    w = torch.nn.Parameter(torch.full((8,), size) * torch.linspace(1, 2, 8))
     opt = cls([w], **{**kwargs, "max_grad_norm": None} if cls is LAMB else kwargs, **IMPLS[impl])
     w0 = w.detach().double().numpy().copy()
     g = torch.linspace(-1, 1, 8) * 1e18

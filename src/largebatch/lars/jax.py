@@ -29,10 +29,11 @@ the params, as in optax; keep fp32 master params (``largebatch.mixed_precision``
 train in bf16. Norms, trust ratios and the clipping divisor are computed in float32, or
 float64 for float64 params.
 
-Norms. Every L2 norm (per leaf, and LAMB's global gradient norm) first divides the leaf
-by a power of two taken from its largest magnitude, so the sum of squares neither
-overflows (``||w||`` above about ``1.8e19`` in float32) nor underflows (magnitudes below
-about ``1e-19``); the division and the multiplication back are exact.
+Norms. Every L2 norm (per leaf, and LAMB's global gradient norm) is one pass in the
+common case; a leaf whose plain sum of squares overflows (``||w||`` above about
+``1.8e19`` in float32) or is tiny (elements below about ``1e-19`` square to zero) is
+measured again after dividing it by a power of two taken from its largest magnitude
+(exact), inside a ``lax.cond``.
 
 Complex params. Norms use ``|x|^2 = re^2 + im^2``, so the trust ratios are real and a
 complex leaf steps as the pair of real leaves (re, im) would; LAMB's second moment is
@@ -107,12 +108,26 @@ def _powers_of_two(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
     return down, up
 
 
-def _norm_of(x: jax.Array) -> jax.Array:
+def _exact_norm(x: jax.Array) -> jax.Array:
+    """The norm of ``x`` (real, at least float32) after an exact power-of-two scaling:
+    ``x`` is multiplied by ``2**-k``, with ``2**k`` the power of two at or below
+    ``max |x|`` (``max(|re|, |im|)`` for complex ``x``), before squaring, so the scaled
+    squares are below 8 and their sum cannot overflow. Two passes over ``x``."""
     x = x.astype(_compute_dtype(x))
     parts = (x.real, x.imag) if jnp.iscomplexobj(x) else (x,)  # |x|^2 = re^2 + im^2
     magnitude = jnp.abs(parts[0]) if len(parts) == 1 else jnp.maximum(*map(jnp.abs, parts))
     down, up = _powers_of_two(jnp.max(magnitude, initial=0.0))
     return jnp.sqrt(jnp.sum(sum(jnp.square(p * down) for p in parts))) * up
+
+
+def _norm_of(x: jax.Array) -> jax.Array:
+    x = x.astype(_compute_dtype(x))
+    squares = jnp.sum(_abs_sq(x))
+    # One pass in the common case. The scaled pass runs only where the plain sum of
+    # squares may be wrong: past the float range (||x|| > ~1.8e19 in float32), or so
+    # small that squares of its elements may have rounded to zero (zero tensors too).
+    fast = jnp.isfinite(squares) & (squares >= jnp.finfo(squares.dtype).tiny * 2.0**30)
+    return jax.lax.cond(fast, lambda: jnp.sqrt(squares), lambda: _exact_norm(x))
 
 
 _norm_of_jit = jax.jit(_norm_of)
@@ -121,11 +136,11 @@ _norm_of_jit = jax.jit(_norm_of)
 def _norm(x: jax.Array) -> jax.Array:
     """The L2 norm of ``x`` (real, at least float32), safe from overflow and underflow.
 
-    ``x`` is multiplied by ``2**-k``, with ``2**k`` the power of two at or below
-    ``max |x|`` (``max(|re|, |im|)`` for complex ``x``), before squaring: the scaled
-    squares are below 8 and their sum cannot overflow, nor can a tensor of small values
-    square to zero. Powers of two scale exactly, so this is ``sqrt(sum |x|^2)`` up to
-    the rounding of the sum. Non-finite elements give a non-finite norm.
+    The sum of squares is formed in one pass; where it overflows (``||x|| > ~1.8e19`` in
+    float32) or is tiny (below ~1e-29: elements' squares may have rounded to zero), the
+    norm is taken again from ``x`` scaled by a power of two (:func:`_exact_norm`), inside
+    a ``lax.cond``, so the common case pays nothing more. Non-finite elements give a
+    non-finite norm.
     """
     x = jnp.asarray(x)
     # Outside jit one compiled call per norm instead of an op-by-op dispatch; inside

@@ -135,10 +135,18 @@ def _norm(tensor: Tensor) -> Tensor:
 
 
 def _compiled_norm(tensor: Tensor) -> Tensor:
-    """The norm inside a compiled body: fp64 accumulation, which costs a compiled kernel
-    no more than fp32 and cannot overflow; the result in fp32 (fp64 for fp64 tensors)."""
+    """The norm inside a compiled body: fp64 accumulation, which cannot overflow and, on
+    a kernel that only loads its input, costs no more than fp32; the result in fp32
+    (fp64 for fp64 tensors)."""
     out = torch.float64 if tensor.dtype == torch.float64 else torch.float32
     return torch.linalg.vector_norm(tensor, 2, dtype=torch.float64).to(out)
+
+
+def _compiled_plain_norm(tensor: Tensor) -> Tensor:
+    """The norm inside a compiled body, accumulated in fp32 (fp64 for fp64 tensors):
+    the caller handles a result that overflowed."""
+    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(tensor, 2, dtype=dtype)
 
 
 def _safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_norm: Tensor) -> Tensor:
@@ -408,7 +416,12 @@ def _compiled_body(body: Callable[..., None]) -> Callable[..., None]:
     on-disk cache may serve a float baked in as a constant by another process with other
     values. Flags stay Python bools; they choose the graph's code and so its cache key.
     """
-    return torch.compile(functools.partial(body, norm=_compiled_norm), dynamic=True, fullgraph=True)
+    return torch.compile(body, dynamic=True, fullgraph=True)
+
+
+# The norms a compiled body is called with (each body keeps its own code object, and so
+# its own compiled variants, because these go in as arguments).
+_COMPILED_NORMS = dict(norm=_compiled_norm, plain_norm=_compiled_plain_norm)
 
 
 def _as_tensors(*values: Any) -> tuple[Tensor, ...]:
@@ -634,7 +647,7 @@ def _lars_ratio(w_norm, g_norm, *, lr, weight_decay, trust_coefficient, eps, tru
 
 def _lars_one(
     p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
-    nesterov, trust_clip, trust_ratio, norm=_norm,  # noqa: ANN001
+    nesterov, trust_clip, trust_ratio, norm=_norm, plain_norm=_norm,  # noqa: ANN001
 ) -> None:
     """LARS on one tensor (``weight_decay`` already 0 for excluded groups). The numbers
     are floats, or 0-dim tensors when this body runs compiled."""
@@ -669,7 +682,10 @@ def _single_tensor_lars(
     compiled_numbers = _as_tensors(*numbers) if compiled else None
     for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
         body, tensors = _pick_body(_lars_one, compiled_body, (p, grad, buf, master))
-        body(*tensors, grad_scale, *(numbers if body is _lars_one else compiled_numbers), **flags)
+        if body is _lars_one:
+            body(*tensors, grad_scale, *numbers, **flags)
+        else:
+            body(*tensors, grad_scale, *compiled_numbers, **flags, **_COMPILED_NORMS)
         step.add_(1)
 
 
@@ -874,11 +890,15 @@ def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction:
 
 def _lamb_one(
     p, grad, m, v, master, grad_divisor, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
-    trust_ratio, norm=_norm,  # noqa: ANN001
-) -> None:
+    trust_ratio, norm=_norm, plain_norm=_norm,  # noqa: ANN001
+) -> Tensor | None:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already 0 for excluded groups). The numbers are floats, or 0-dim tensors when this
-    body runs compiled."""
+    body runs compiled. Returns ``||u||`` (None without trust ratio).
+
+    ``norm`` never overflows. ``plain_norm`` (for ``||u||``, which a compiled body then
+    forms in the same pass as ``||w||``) may: an infinite ``||u||`` gives ratio 0 and
+    leaves ``w`` as it was, for :func:`_lamb_after_overflow` to finish."""
     w = p if master is None else master
     g = _unscaled(grad, w, grad_divisor)
     m.mul_(b1).add_(g * (1.0 - b1))
@@ -886,12 +906,26 @@ def _lamb_one(
     u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         u.add_(w * weight_decay)
+    u_norm = None
     if trust_ratio:
-        w_norm, u_norm = norm(w), norm(u)
+        w_norm, u_norm = norm(w), plain_norm(u)
         ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
     else:
         ratio = 1.0
     w.sub_(u.mul_(lr * ratio))
+    if master is not None:
+        p.copy_(master)
+    return u_norm
+
+
+def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> None:  # noqa: ANN001
+    """The update of a tensor whose ``||u||`` overflowed an fp32 sum of squares (finite u,
+    ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
+    ``w`` unchanged: u again from the new moments, its norm by :func:`_norm`."""
+    w = p if master is None else master
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).add_(w, alpha=weight_decay)
+    w_norm, u_norm = _norm(w), _norm(u)
+    w.sub_(u.mul_(lr * _safe_ratio(w_norm, u_norm, w_norm, u_norm)))
     if master is not None:
         p.copy_(master)
 
@@ -907,8 +941,13 @@ def _single_tensor_lamb(
         step.add_(1)
         bcs = _bias_corrections(step, betas, bias_correction)
         body, tensors = _pick_body(_lamb_one, compiled_body, (p, grad, m, v, master))
-        args = (*numbers, *bcs) if body is _lamb_one else (*compiled_numbers, *_as_tensors(*bcs))
-        body(*tensors, grad_divisor, *args, trust_ratio=trust_ratio)
+        if body is _lamb_one:
+            body(*tensors, grad_divisor, *numbers, *bcs, trust_ratio=trust_ratio)
+            continue
+        u_norm = body(*tensors, grad_divisor, *compiled_numbers, *_as_tensors(*bcs),
+                      trust_ratio=trust_ratio, **_COMPILED_NORMS)
+        if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
+            _lamb_after_overflow(p, m, v, master, numbers[0], numbers[3], numbers[4], *bcs)
 
 
 def _foreach_lamb(

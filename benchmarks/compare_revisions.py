@@ -1,0 +1,85 @@
+"""Time the torch optimizer step of this tree against an earlier revision, in one process.
+
+    .venv/bin/python benchmarks/compare_revisions.py --base HEAD~3 --optimizer LAMB
+    .venv/bin/python benchmarks/compare_revisions.py --base main --path foreach --steps 60
+
+``src/largebatch/lars/torch.py`` of ``--base`` (read with ``git show``) is loaded as a
+second module beside this tree's, both optimizers are built on the same ResNet-50
+parameter shapes, and their steps alternate, so that both see the same machine: on a
+shared 2-core CPU, separate runs of the same code differ by up to 2x, alternating steps
+by a few percent. Prints the median and the minimum ms per step of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import optimizer_step as bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = "src/largebatch/lars/torch.py"
+PATHS = {"compiled": dict(compiled=True), "foreach": dict(foreach=True, compiled=False),
+         "loop": dict(foreach=False, compiled=False)}
+
+
+def _load(path: Path, alias: str):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(alias, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="git revision to compare against")
+    parser.add_argument("--optimizer", choices=["LARS", "LAMB"], default="LAMB")
+    parser.add_argument("--path", choices=sorted(PATHS), default="compiled")
+    parser.add_argument("--model", choices=sorted(bench.MODELS), default="resnet50")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps of each (default 40)")
+    args = parser.parse_args(argv)
+
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{MODULE}"],
+                            capture_output=True, text=True)
+    if source.returncode != 0:
+        parser.error(f"cannot read {MODULE} at {args.base!r}: {source.stderr.strip()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        base_file = Path(tmp) / "base_lars_torch.py"
+        base_file.write_text(source.stdout)
+        modules = {"this tree": _load(ROOT / MODULE, "this_lars_torch"),
+                   args.base: _load(base_file, "base_lars_torch")}
+        shapes = bench.MODELS[args.model]()
+        kwargs = dict(bench._LAMB if args.optimizer == "LAMB" else bench._LARS, **PATHS[args.path])
+        opts = {}
+        for name, module in modules.items():
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+            for p in params:
+                p.grad = torch.randn_like(p) * 0.01
+            opts[name] = getattr(module, args.optimizer)(params, **kwargs)
+        for opt in opts.values():  # compile and warm up
+            for _ in range(3):
+                opt.step()
+        times: dict[str, list[float]] = {name: [] for name in opts}
+        for _ in range(args.steps):
+            for name, opt in opts.items():
+                start = time.perf_counter()
+                opt.step()
+                times[name].append(time.perf_counter() - start)
+    print(f"{args.model}, {args.optimizer} {args.path}, {args.steps} alternating steps each")
+    for name, ts in times.items():
+        print(f"  {name:<12} median {statistics.median(ts) * 1e3:7.2f} ms   min {min(ts) * 1e3:7.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
