@@ -114,10 +114,12 @@ def _exact_norm(x: jax.Array) -> jax.Array:
     ``max |x|`` (``max(|re|, |im|)`` for complex ``x``), before squaring, so the scaled
     squares are below 8 and their sum cannot overflow. Two passes over ``x``."""
     x = x.astype(_compute_dtype(x))
-    parts = (x.real, x.imag) if jnp.iscomplexobj(x) else (x,)  # |x|^2 = re^2 + im^2
-    magnitude = jnp.abs(parts[0]) if len(parts) == 1 else jnp.maximum(*map(jnp.abs, parts))
+    if jnp.iscomplexobj(x):
+        magnitude = jnp.maximum(jnp.abs(x.real), jnp.abs(x.imag))
+    else:
+        magnitude = jnp.abs(x)
     down, up = _powers_of_two(jnp.max(magnitude, initial=0.0))
-    return jnp.sqrt(jnp.sum(sum(jnp.square(p * down) for p in parts))) * up
+    return jnp.sqrt(jnp.sum(_abs_sq(x * down))) * up
 
 
 def _norm_of(x: jax.Array) -> jax.Array:

@@ -157,6 +157,13 @@ def _safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_no
 
 # --------------------------------------------------------------------------- shared base
 
+
+def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
+    """Where a param's step count lives: on its device for the fused kernels (which count
+    on the device), on the CPU otherwise (read on the host for bias corrections)."""
+    return param.device if group["fused"] else torch.device("cpu")
+
+
 # Chosen by the constructor, kept by load_state_dict: which path runs and whether fp16/bf16
 # params get fp32 masters are settings of this optimizer, not of the checkpoint.
 _CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled")
@@ -198,8 +205,7 @@ class _LayerwiseOptimizer(Optimizer):
         _check_range("eps value", group["eps"], 0.0, math.inf)
         for name in (*self._flags, "trust_ratio", "master_weights"):
             _check_flag(name, group[name])
-        for name in ("foreach", "fused", "compiled"):
-            _check_flag(name, group[name], allow_none=True)
+        _check_paths(group["foreach"], group["fused"], group["compiled"])
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults, state and groups only: keep the count of applied
@@ -254,8 +260,9 @@ class _LayerwiseOptimizer(Optimizer):
         for pid, saved in state_dict["state"].items():
             param = by_id[pid]
             self.state[param] = self._loaded_state(param, groups[param], saved)
-        steps = [int(s["step"]) for s in self.state.values() if "step" in s]
-        self._applied = torch.tensor(float(extra.get("num_steps", max(steps, default=0))))
+        if "num_steps" not in extra:  # a state dict of another version: the longest count
+            extra["num_steps"] = max((int(s["step"]) for s in self.state.values()), default=0)
+        self._applied = torch.tensor(float(extra["num_steps"]))
         if "max_grad_norm" in extra:
             self.max_grad_norm = extra["max_grad_norm"]
 
@@ -309,8 +316,9 @@ class _LayerwiseOptimizer(Optimizer):
         """One param's state from its saved entry, in this optimizer's layout (copies)."""
         step = saved["step"]
         step = step.detach().reshape(()) if isinstance(step, Tensor) else torch.tensor(float(step))
-        step_device = param.device if group["fused"] else torch.device("cpu")
-        state: dict[str, Any] = {"step": step.to(device=step_device, dtype=torch.float32, copy=True)}
+        state: dict[str, Any] = {
+            "step": step.to(device=_step_device(param, group), dtype=torch.float32, copy=True)
+        }
         if group["master_weights"] and param.dtype in _LOW_PRECISION:
             master = saved.get("master_param")
             master = param.detach() if master is None else master
@@ -339,8 +347,7 @@ class _LayerwiseOptimizer(Optimizer):
                     master = p.detach().float().clone(memory_format=torch.preserve_format)
                     state["master_param"] = master
                 like = p if master is None else master
-                step_device = p.device if group["fused"] else torch.device("cpu")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_step_device(p, group))
                 for key in self._state_keys:
                     state[key] = torch.zeros_like(like, memory_format=torch.preserve_format)
             out["params"].append(p)
@@ -477,6 +484,11 @@ def _write_back(params: list[Tensor], masters: list[Tensor | None]) -> None:
 
 # --------------------------------------------------------------------------- LARS
 
+# Each group's hyperparameters besides lr (LAMB: besides lr and betas).
+_LARS_HYPER = ("momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip", "trust_ratio")
+_LAMB_HYPER = ("eps", "weight_decay", "bias_correction", "trust_ratio")
+
+
 
 class LARS(_LayerwiseOptimizer):
     r"""LARS: SGD with momentum and a layer-wise trust ratio (You, Gitman, Ginsburg 2017).
@@ -532,8 +544,7 @@ class LARS(_LayerwiseOptimizer):
     """
 
     _state_keys = ("momentum_buffer",)
-    _group_keys = ("lr", "momentum", "weight_decay", "trust_coefficient", "eps", "nesterov",
-                   "trust_clip", "trust_ratio")
+    _group_keys = ("lr", *_LARS_HYPER)
     _flags = ("nesterov", "trust_clip")
 
     def __init__(
@@ -593,7 +604,6 @@ class LARS(_LayerwiseOptimizer):
                     grad_scale=grad_scale, found_inf=found_inf)
 
 
-_LARS_HYPER = ("momentum", "weight_decay", "trust_coefficient", "eps", "nesterov", "trust_clip", "trust_ratio")
 
 
 def _lars_kwargs(group: dict[str, Any]) -> dict[str, Any]:
@@ -758,7 +768,7 @@ class LAMB(_LayerwiseOptimizer):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
-    _group_keys = ("lr", "betas", "eps", "weight_decay", "bias_correction", "trust_ratio")
+    _group_keys = ("lr", "betas", *_LAMB_HYPER)
     _flags = ("bias_correction",)
     _extra_state = ("_applied", "max_grad_norm")
 
@@ -838,7 +848,6 @@ class LAMB(_LayerwiseOptimizer):
                     max_grad_norm=self.max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
 
 
-_LAMB_HYPER = ("eps", "weight_decay", "bias_correction", "trust_ratio")
 
 
 def _lamb_kwargs(group: dict[str, Any]) -> dict[str, Any]:
@@ -888,6 +897,14 @@ def _bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction:
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
 
 
+def _lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN001
+    """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor."""
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        u.add_(w * weight_decay)
+    return u
+
+
 def _lamb_one(
     p, grad, m, v, master, grad_divisor, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
     trust_ratio, norm=_norm, plain_norm=_norm,  # noqa: ANN001
@@ -903,9 +920,7 @@ def _lamb_one(
     g = _unscaled(grad, w, grad_divisor)
     m.mul_(b1).add_(g * (1.0 - b1))
     v.mul_(b2).add_(g * g * (1.0 - b2))
-    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
-    if isinstance(weight_decay, Tensor) or weight_decay != 0:
-        u.add_(w * weight_decay)
+    u = _lamb_direction(w, m, v, eps, weight_decay, bc1, bc2)
     u_norm = None
     if trust_ratio:
         w_norm, u_norm = norm(w), plain_norm(u)
@@ -923,7 +938,7 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
     ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
     ``w`` unchanged: u again from the new moments, its norm by :func:`_norm`."""
     w = p if master is None else master
-    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).add_(w, alpha=weight_decay)
+    u = _lamb_direction(w, m, v, eps, weight_decay, bc1, bc2)
     w_norm, u_norm = _norm(w), _norm(u)
     w.sub_(u.mul_(lr * _safe_ratio(w_norm, u_norm, w_norm, u_norm)))
     if master is not None:
