@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-__all__ = ["LOCK_NAME", "CommandError", "atomic_write", "lock_folder", "remove_stale_temporaries",
+__all__ = ["LOCK_NAME", "CommandError", "atomic_write", "figure", "lock_folder", "plot_or_warn",
+           "remove_stale_temporaries",
            "require", "writable_folder"]
 
 LOCK_NAME = ".lock"
@@ -147,3 +149,38 @@ def lock_folder(folder: str | os.PathLike, command: str, flag: str = "--out") ->
         yield folder
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextlib.contextmanager
+def figure(path: str | os.PathLike, *grid: int, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """``(fig, axes)`` of a new matplotlib figure (Agg backend; ``grid`` and ``subplots``
+    go to ``plt.subplots``); when the ``with`` block ends without an error the figure
+    replaces ``path`` atomically as a PNG. The figure is closed either way. matplotlib is
+    imported here, when a plot is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(*grid, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
+    finally:
+        plt.close(fig)
+
+
+def plot_or_warn(command: str, path: str | os.PathLike, plot: Callable[[], object],
+                 note: str = "") -> bool:
+    """Run ``plot`` (which writes ``path``); any failure, matplotlib missing included, is a
+    one-line warning of ``largebatch COMMAND`` and costs the plot only. Returns whether
+    the plot was written."""
+    try:
+        plot()
+    except Exception as err:  # noqa: BLE001 -- any plotting failure only costs the plot
+        reason = " ".join(f"{type(err).__name__}: {err}".split())
+        print(f"largebatch {command}: warning: no plot written to {path} ({reason}){note}",
+              file=sys.stderr, flush=True)
+        return False
+    return True

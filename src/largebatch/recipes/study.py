@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from largebatch.recipes.outputs import (
-    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
+    CommandError, atomic_write, figure, lock_folder, plot_or_warn, remove_stale_temporaries,
+    require,
 )
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent
 
@@ -436,13 +437,8 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     text = study_markdown(summary)
     atomic_write(out / "study.md", text)
     wrote = [out / "study.md", out / "study.json"]
-    try:
-        _plot(summary, out / "study.png")
+    if plot_or_warn("study", out / "study.png", lambda: _plot(summary, out / "study.png")):
         wrote.append(out / "study.png")
-    except Exception as err:  # noqa: BLE001 -- a plot failure costs the plot only
-        reason = " ".join(f"{type(err).__name__}: {err}".split())
-        print(f"largebatch study: warning: no plot written to {out / 'study.png'} ({reason})",
-              file=sys.stderr, flush=True)
     print_fn("")
     print_fn(text)
     print_fn(f"wrote {', '.join(map(str, wrote))} ({time.perf_counter() - start:.0f}s)")
@@ -564,18 +560,8 @@ def _grid_cell(run: dict[str, Any] | None, lr: float, best: bool) -> str:
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    try:
+    with figure(path, 1, 2, figsize=(12, 4.5)) as (_, (left, right)):
         _draw(summary, left, right)
-        fig.tight_layout()
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
-    finally:
-        plt.close(fig)
 
 
 def _draw(summary: dict[str, Any], left: Any, right: Any) -> None:

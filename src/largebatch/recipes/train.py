@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from largebatch.recipes.outputs import (
-    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
+    CommandError, atomic_write, figure, lock_folder, plot_or_warn, remove_stale_temporaries,
+    require,
 )
 from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
@@ -322,14 +323,8 @@ def _sync_buffers(model: nn.Module, world: int) -> None:
 
 
 def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ep = [h["epoch"] for h in history]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    try:
+    with figure(path, 2, 2, figsize=(10, 7)) as (fig, axes):
         panels = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
                   ("lr (end of epoch)", ["lr"]),
                   ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
@@ -345,10 +340,6 @@ def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
                 ax.set_yscale("log")
                 ax.legend()
         fig.suptitle(title)
-        fig.tight_layout()
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=80))
-    finally:
-        plt.close(fig)
 
 
 class _Plotter:
@@ -359,16 +350,10 @@ class _Plotter:
         self.path, self.title, self.failed = path, title, False
 
     def __call__(self, history: list[dict[str, Any]]) -> None:
-        if self.failed:
-            return
-        try:
-            _plot(history, self.path, self.title)
-        except Exception as err:  # noqa: BLE001 -- any plotting failure only costs the plot
-            self.failed = True
-            reason = " ".join(f"{type(err).__name__}: {err}".split())
-            print(f"largebatch train: warning: no plot written to {self.path} ({reason}); "
-                  "the metrics, checkpoint and summary are unaffected", file=sys.stderr,
-                  flush=True)
+        if not self.failed:
+            self.failed = not plot_or_warn(
+                "train", self.path, lambda: _plot(history, self.path, self.title),
+                "; the metrics, checkpoint and summary are unaffected")
 
 
 def _sha256(tensors: Any) -> str:
