@@ -69,6 +69,11 @@ def build(case, impl, params=None, **extra):
     return params, cls(groups_of(params), **{**kwargs, **IMPLS[impl], **extra})
 
 
+def twin(case, impl, params):
+    """A second optimizer of ``case`` on copies of ``params``: (params, optimizer)."""
+    return build(case, impl, params=[torch.nn.Parameter(p.detach().clone()) for p in params])
+
+
 def grads_for(step: int, params, only=None) -> None:
     gen = torch.Generator().manual_seed(1000 + step)
     for i, p in enumerate(params):
@@ -196,7 +201,7 @@ def test_state_dict_is_deterministic_and_round_trips(case, impl):
     run(opt, params, 2)
     sd = opt.state_dict()
     assert_state_dicts_equal(sd, opt.state_dict())
-    params2, opt2 = build(case, impl, params=[torch.nn.Parameter(p.detach().clone()) for p in params])
+    params2, opt2 = twin(case, impl, params)
     saved = copy.deepcopy(sd)
     opt2.load_state_dict(sd)
     assert_state_dicts_equal(saved, sd)  # the loaded dict is not changed
@@ -216,7 +221,7 @@ def test_load_state_dict_with_plain_number_steps(case, impl):
     plain = copy.deepcopy(sd)
     for entry in plain["state"].values():
         entry["step"] = int(entry["step"])
-    params2, opt2 = build(case, impl, params=[torch.nn.Parameter(p.detach().clone()) for p in params])
+    params2, opt2 = twin(case, impl, params)
     opt2.load_state_dict(plain)
     run(opt, params, 1, start=2)
     run(opt2, params2, 1, start=2)
