@@ -1,0 +1,233 @@
+"""LARS and LAMB hyperparameters: their names, defaults and valid values, stated once.
+
+Every implementation takes its defaults and its checks from here: the float64 reference
+(``reference.py``), the torch optimizers and functionals, the Triton kernels (whose
+per-group tables have one column per :attr:`OptimizerSpec.columns` entry, by name) and
+the optax factories. The update rules themselves are ``reference.py``.
+
+Names are the torch ones. The optax factories follow optax for two of them: the
+learning rate is ``learning_rate`` and LAMB's ``betas`` are two arguments ``b1, b2``
+(:attr:`Hyper.parts`, also the kernels' column names).
+
+Checks. A number is a Python or NumPy int or float, or a 0-dim array of an integer or
+floating dtype (NumPy or JAX); it must be finite and inside its range. Anything else,
+``bool`` included, is a TypeError; a flag is only ``True`` or ``False`` (NumPy's too).
+Messages name the argument and its value: ``Invalid momentum: 1.0 (must be in [0, 1))``.
+A value the caller cannot read (a JAX tracer) is passed as :data:`UNKNOWN` and is not
+checked.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "UNKNOWN", "as_number"]
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN: Any = _Unknown()  # a value not known when checked (traced under jit)
+
+
+def as_number(name: str, value: Any, rule: str) -> float | None:
+    """``value`` as a float, None for :data:`UNKNOWN`; a TypeError naming it otherwise."""
+    if value is UNKNOWN:
+        return None
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # NumPy and JAX dtypes
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or kind == "b":
+        raise TypeError(f"Invalid {name}: {value!r} (a bool; must be a number {rule})")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and kind in ("i", "u", "f"):
+        return float(value)
+    raise TypeError(f"Invalid {name}: {value!r} (must be a number {rule})")
+
+
+def as_flag(name: str, value: Any) -> bool | None:
+    """``value`` as a bool: only True and False (or NumPy's) are flags."""
+    if value is UNKNOWN:
+        return None
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"Invalid {name}: {value!r} (must be True or False)")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One hyperparameter: a real number in ``[low, high)`` (``(low, high)`` if
+    ``low_open``), a flag, or a pair of reals (``parts`` names the two)."""
+
+    name: str
+    default: Any
+    doc: str
+    kind: str = "real"  # "real", "flag" or "pair"
+    low: float = 0.0
+    high: float = math.inf
+    low_open: bool = False
+    optional: bool = False  # None is allowed (and means "off")
+    parts: tuple[str, ...] = ()
+
+    @property
+    def rule(self) -> str:
+        if self.kind == "flag":
+            return "True or False"
+        if self.high == math.inf:
+            text = f"> {_num(self.low)}" if self.low_open else f">= {_num(self.low)}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)})"
+        return f"{text} or None" if self.optional else text
+
+    def check(self, value: Any, name: str | tuple[str, ...] | None = None) -> Any:
+        """``value`` checked; returns it as a float, bool or pair of floats (UNKNOWN kept).
+        ``name`` is the argument's name in messages (for a pair: the two names)."""
+        name = name or self.name
+        if self.optional and value is None:
+            return None
+        if self.kind == "flag":
+            flag = as_flag(name, value)
+            return value if flag is None else flag
+        if self.kind == "pair":
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                raise ValueError(f"Invalid {self.name}: {value!r} (must be a pair ({', '.join(self.parts)}))")
+            parts = name if isinstance(name, tuple) else [f"{name}[{i}]" for i in range(2)]
+            return tuple(self._real(x, part) for x, part in zip(value, parts))
+        return self._real(value, name)
+
+    def _real(self, value: Any, name: str) -> Any:
+        number = as_number(name, value, self.rule)
+        if number is None:
+            return value
+        above = number > self.low if self.low_open else number >= self.low
+        if not (math.isfinite(number) and above and number < self.high):
+            raise ValueError(f"Invalid {name}: {value!r} (must be {self.rule})")
+        return number
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer's hyperparameters (per param group, ``lr`` first), its optimizer-wide
+    options and the names of its per-param state tensors."""
+
+    name: str
+    hypers: tuple[Hyper, ...]
+    options: tuple[Hyper, ...]
+    state: tuple[str, ...]
+    rules: Callable[[Mapping[str, Any]], None] = lambda values: None  # checks across values
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Every hyperparameter and option with its default."""
+        return {h.name: h.default for h in (*self.hypers, *self.options)}
+
+    @property
+    def group_keys(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.hypers)
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(h.name for h in self.hypers if h.kind == "flag")
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The per-group table of the fused kernels: every hyperparameter but ``lr``, a
+        pair as its two parts."""
+        out: list[str] = []
+        for h in self.hypers[1:]:
+            out.extend(h.parts or (h.name,))
+        return tuple(out)
+
+    def hyper(self, name: str) -> Hyper:
+        for h in (*self.hypers, *self.options):
+            if h.name == name:
+                return h
+        raise KeyError(f"{self.name} has no hyperparameter {name!r}; it has {list(self.defaults)}")
+
+    def check(self, values: Mapping[str, Any], names: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Check ``values`` (any subset of the hyperparameters and options, unknown keys
+        refused); returns them normalized. ``names`` renames arguments in messages."""
+        names = names or {}
+        unknown = set(values) - set(self.defaults)
+        if unknown:
+            raise TypeError(f"{self.name} has no hyperparameter {sorted(unknown)}; it has {list(self.defaults)}")
+        out = {k: self.hyper(k).check(v, names.get(k)) for k, v in values.items()}
+        self.rules(out)
+        return out
+
+    def row(self, values: Mapping[str, Any]) -> tuple[float, ...]:
+        """A group's numbers in :attr:`columns` order, as applied: an excluded group
+        (``trust_ratio=False``) has no weight decay."""
+        flat: dict[str, Any] = {}
+        for h in self.hypers[1:]:
+            value = values[h.name]
+            flat.update(zip(h.parts, value) if h.parts else [(h.name, value)])
+        flat["weight_decay"] = applied_weight_decay(values)
+        return tuple(float(flat[c]) for c in self.columns)
+
+
+def applied_weight_decay(values: Mapping[str, Any]) -> Any:
+    """The weight decay a group applies: none where the trust ratio is off (biases and
+    normalization params: plain momentum SGD / Adam, as MLPerf does)."""
+    return values["weight_decay"] if values.get("trust_ratio", True) else 0.0
+
+
+def _lars_rules(values: Mapping[str, Any]) -> None:
+    if values.get("nesterov") is True and values.get("momentum", 1.0) == 0.0:
+        raise ValueError(f"Invalid nesterov=True with momentum={values['momentum']!r} (needs momentum > 0)")
+
+
+
+
+def _lr(default: float) -> Hyper:
+    return Hyper("lr", default, "the learning rate (a float, a one-element tensor or a schedule)")
+
+
+_WEIGHT_DECAY = Hyper("weight_decay", 0.0, "wd: L2 weight decay, inside the trust ratio")
+_TRUST_RATIO = Hyper(
+    "trust_ratio", True, "adapt this group; False: ratio 1 and no weight decay", kind="flag"
+)
+
+LARS_SPEC = OptimizerSpec(
+    name="LARS",
+    hypers=(
+        _lr(1.0),
+        Hyper("momentum", 0.9, "the momentum coefficient", high=1.0),
+        _WEIGHT_DECAY,
+        Hyper("trust_coefficient", 0.001, "tc (eta in the paper)", low_open=True),
+        Hyper("eps", 0.0, "added to the trust-ratio denominator"),
+        Hyper("nesterov", False, "Nesterov momentum", kind="flag"),
+        Hyper("trust_clip", False, "LARC: min(ratio / lr, 1)", kind="flag"),
+        _TRUST_RATIO,
+    ),
+    options=(),
+    state=("momentum_buffer",),
+    rules=_lars_rules,
+)
+
+LAMB_SPEC = OptimizerSpec(
+    name="LAMB",
+    hypers=(
+        _lr(1e-3),
+        Hyper("betas", (0.9, 0.999), "the moments' decay rates, each in [0, 1)", kind="pair",
+              high=1.0, parts=("b1", "b2")),
+        Hyper("eps", 1e-6, "added to sqrt(v_hat)"),
+        _WEIGHT_DECAY,
+        Hyper("bias_correction", True, "divide the moments by 1 - b^t", kind="flag"),
+        _TRUST_RATIO,
+    ),
+    options=(
+        Hyper("max_grad_norm", None, "clip all grads by their global norm first", low_open=True,
+              optional=True),
+    ),
+    state=("exp_avg", "exp_avg_sq"),
+)
