@@ -1,11 +1,12 @@
-# make demo | make test | make bench -- each sets up .venv first (Python 3.10+).
+# make demo | make test | make bench | make docs -- each sets up .venv first (Python 3.10+).
+# make docs builds the documentation site (mkdocs, --strict: a warning fails) into site/.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test bench data setup clean
+.PHONY: demo test bench docs data setup clean
 
 setup: $(STAMP)
 
@@ -38,5 +39,8 @@ demo: $(STAMP) data
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info src/*.egg-info

@@ -70,8 +70,9 @@ def linear_scaling(base_lr: float, batch_size: int, base_batch_size: int = 256) 
       ValueError: naming the bad argument: ``base_lr`` not a finite number >= 0, a batch
         size not a positive integer (bools are neither), or a product too large for a float.
 
-    >>> linear_scaling(0.1, 8192)
-    3.2
+    Examples:
+      >>> linear_scaling(0.1, 8192)
+      3.2
     """
     _check_nonneg("base_lr", base_lr)
     _check_positive_int("batch_size", batch_size)
@@ -203,9 +204,10 @@ def make_schedule(
         milestones that are not a sequence of integers, out of order, or given to a
         schedule other than ``step``; and for any bool or ``None`` given as a number.
 
-    >>> sched = make_schedule("poly", peak_lr=3.2, total_steps=100, warmup_steps=10)
-    >>> sched(0), sched(5), sched(10), sched(100)
-    (0.0, 1.6, 3.2, 0.0)
+    Examples:
+      >>> sched = make_schedule("poly", peak_lr=3.2, total_steps=100, warmup_steps=10)
+      >>> sched(0), sched(5), sched(10), sched(100)
+      (0.0, 1.6, 3.2, 0.0)
     """
     if not (isinstance(name, str) and name in SCHEDULES):
         raise ValueError(f"Unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")

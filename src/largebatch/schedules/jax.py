@@ -72,10 +72,11 @@ def make_schedule(
     ``poly``, ``cosine`` or ``step`` decay until ``total_steps`` (see
     :mod:`largebatch.schedules` for the formulas and the arguments).
 
-    >>> import jax
-    >>> sched = make_schedule("poly", peak_lr=3.2, total_steps=100, warmup_steps=10)
-    >>> [round(float(jax.jit(sched)(t)), 4) for t in (0, 5, 10, 100)]
-    [0.0, 1.6, 3.2, 0.0]
+    Examples:
+      >>> import jax
+      >>> sched = make_schedule("poly", peak_lr=3.2, total_steps=100, warmup_steps=10)
+      >>> [round(float(jax.jit(sched)(t)), 4) for t in (0, 5, 10, 100)]
+      [0.0, 1.6, 3.2, 0.0]
     """
     return as_optax_schedule(
         _schedules.make_schedule(

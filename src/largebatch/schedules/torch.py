@@ -38,7 +38,7 @@ class ScheduleLR(LRScheduler):
     ``optimizer.num_steps`` (LARS and LAMB count only the steps they applied), so a step
     skipped by ``torch.amp.GradScaler`` on overflow does not advance the schedule.
 
-    Example:
+    Examples:
       >>> sched = ScheduleLR(opt, make_schedule("poly", peak_lr=3.2, total_steps=T, warmup_steps=W))
       >>> for batch in data:
       ...     loss_fn(batch).backward(); opt.step(); opt.zero_grad(); sched.step()
