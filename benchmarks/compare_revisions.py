@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/compare_revisions.py --base HEAD~3 --optimizer LAMB
     .venv/bin/python benchmarks/compare_revisions.py --base main --path foreach --steps 60
 
-``src/largebatch/lars/torch.py`` of ``--base`` (read with ``git show``) is loaded as a
-second module beside this tree's, both optimizers are built on the same ResNet-50
+The ``largebatch`` package of ``--base`` (read with ``git archive``) is loaded as a second
+package, ``largebatch_base``, beside this tree's; both optimizers are built on the same ResNet-50
 parameter shapes, and their steps alternate, so that both see the same machine: on a
 shared 2-core CPU, separate runs of the same code differ by up to 2x, alternating steps
 by a few percent. Prints the median and the minimum ms per step of each.
@@ -13,7 +13,8 @@ by a few percent. Prints the median and the minimum ms per step of each.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import re
 import statistics
 import subprocess
 import sys
@@ -27,16 +28,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 import optimizer_step as bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE = "src/largebatch/lars/torch.py"
+PACKAGE = "src/largebatch"
 PATHS = {"compiled": dict(compiled=True), "foreach": dict(foreach=True, compiled=False),
          "loop": dict(foreach=False, compiled=False)}
 
 
-def _load(path: Path, alias: str):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(alias, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _load_base(revision: str, tmp: Path):  # noqa: ANN202
+    """``largebatch.torch`` of ``revision``, imported as ``largebatch_base.torch``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, PACKAGE],
+                             capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"cannot read {PACKAGE} at {revision!r}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    package = tmp / "src" / "largebatch_base"
+    (tmp / PACKAGE).rename(package)
+    for source in package.rglob("*.py"):
+        source.write_text(re.sub(r"\blargebatch\b", "largebatch_base", source.read_text()))
+    sys.path.insert(0, str(tmp / "src"))
+    return importlib.import_module("largebatch_base.torch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,15 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each (default 40)")
     args = parser.parse_args(argv)
 
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{MODULE}"],
-                            capture_output=True, text=True)
-    if source.returncode != 0:
-        parser.error(f"cannot read {MODULE} at {args.base!r}: {source.stderr.strip()}")
     with tempfile.TemporaryDirectory() as tmp:
-        base_file = Path(tmp) / "base_lars_torch.py"
-        base_file.write_text(source.stdout)
-        modules = {"this tree": _load(ROOT / MODULE, "this_lars_torch"),
-                   args.base: _load(base_file, "base_lars_torch")}
+        modules = {"this tree": importlib.import_module("largebatch.torch"),
+                   args.base: _load_base(args.base, Path(tmp))}
         shapes = bench.MODELS[args.model]()
         kwargs = dict(bench._LAMB if args.optimizer == "LAMB" else bench._LARS, **PATHS[args.path])
         opts = {}

@@ -97,35 +97,34 @@ MODELS: dict[str, Callable[[], Shapes]] = {
 # optimizers keep fp32 master weights (master_weights=True); the peers have no such
 # option and update the fp16 params directly.
 PRECISION = {"fp32": np.float32, "fp16": np.float16}
-_precision = ["fp32"]
 
 
-def _random_arrays(shapes: Shapes, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _random_arrays(shapes: Shapes, seed: int, precision: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
-    dtype = PRECISION[_precision[0]]
+    dtype = PRECISION[precision]
     weights = [(rng.standard_normal(s, dtype=np.float32) * 0.05).astype(dtype) for s in shapes]
     grads = [(rng.standard_normal(s, dtype=np.float32) * 1e-3).astype(dtype) for s in shapes]
     return weights, grads
 
 
-def torch_optimizer(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]):  # noqa: ANN201
-    """A provider's ``make`` for a torch.optim.Optimizer built by ``factory(params)``."""
+def torch_optimizer(factory: Callable[..., torch.optim.Optimizer]):  # noqa: ANN201
+    """A provider's ``make`` for a torch.optim.Optimizer built by ``factory(params, precision)``."""
 
-    def make(shapes: Shapes, device: str, seed: int) -> Step:
-        weights, grads = _random_arrays(shapes, seed)
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
+        weights, grads = _random_arrays(shapes, seed, precision)
         params = []
         for w, g in zip(weights, grads):
             p = torch.nn.Parameter(torch.from_numpy(w).to(device))
             p.grad = torch.from_numpy(g).to(device)
             params.append(p)
-        return factory(params).step
+        return factory(params, precision).step
 
     return make
 
 
-def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int) -> Step:
+def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
     """The floor: momentum SGD as three ``torch._foreach_*`` calls, no norms."""
-    weights, grads = _random_arrays(shapes, seed)
+    weights, grads = _random_arrays(shapes, seed, precision)
     ws = [torch.from_numpy(w).to(device) for w in weights]
     gs = [torch.from_numpy(g).to(device) for g in grads]
     vs = [torch.zeros_like(w) for w in ws]
@@ -141,13 +140,13 @@ def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int) -> Step:
 def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
     """A provider's ``make`` for an optax transformation, jitted with donated params and state."""
 
-    def make(shapes: Shapes, device: str, seed: int) -> Step:
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
         import jax
         import optax
 
         platform_name = "gpu" if device.startswith("cuda") else "cpu"
         target = jax.devices(platform_name)[0]
-        weights, grads = _random_arrays(shapes, seed)
+        weights, grads = _random_arrays(shapes, seed, precision)
         params = [jax.device_put(w, target) for w in weights]
         gs = [jax.device_put(g, target) for g in grads]
         tx = factory()
@@ -169,11 +168,10 @@ def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
 
 
 def _ours(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory(params):  # noqa: ANN001, ANN202
+    def factory(params, precision):  # noqa: ANN001, ANN202
         from largebatch import torch as lb
 
-        masters = _precision[0] != "fp32"
-        return getattr(lb, name)(params, master_weights=masters, **kwargs)
+        return getattr(lb, name)(params, master_weights=precision != "fp32", **kwargs)
 
     return torch_optimizer(factory)
 
@@ -185,7 +183,7 @@ _FUSED = dict(fused=True)
 
 
 def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory(params):  # noqa: ANN001, ANN202
+    def factory(params, precision):  # noqa: ANN001, ANN202
         import timm.optim
 
         return getattr(timm.optim, name)(params, **kwargs)
@@ -193,7 +191,7 @@ def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
     return torch_optimizer(factory)
 
 
-def _torch_optimizer_lamb(params):  # noqa: ANN001, ANN202
+def _torch_optimizer_lamb(params, precision):  # noqa: ANN001, ANN202
     import torch_optimizer
 
     return torch_optimizer.Lamb(params, lr=LR, weight_decay=LAMB_WD)
@@ -221,7 +219,7 @@ def _ours_jax(name: str, **kwargs):  # noqa: ANN001, ANN202
 class Provider:
     name: str
     family: str  # "sgd", "lars" or "lamb": bytes per param and the baseline of "vs ours"
-    make: Callable[[Shapes, str, int], Step]  # builds tensors and state, returns one step
+    make: Callable[[Shapes, str, int, str], Step]  # (shapes, device, seed, precision) -> one step
     needs: str = "torch"  # the module it imports; a provider whose module is missing is skipped
     cuda_only: bool = False
 
@@ -340,7 +338,7 @@ def _versions() -> dict[str, str]:
 
 def run(
     model: str, device: str, steps: int, warmup: int, names: list[str] | None,
-    rounds: int = 1, seed: int = 0,
+    rounds: int = 1, seed: int = 0, precision: str = "fp32",
 ) -> dict:
     """Time every selected provider; return the results as a JSON-ready dict.
 
@@ -371,7 +369,7 @@ def run(
     for r in range(rounds):
         copy_bws.append(copy_bandwidth(device))
         for provider in runnable:
-            step = provider.make(shapes, device, seed)
+            step = provider.make(shapes, device, seed, precision)
             times[provider.name] += time_steps(step, device, warmup, steps)
             if r == 0:
                 launches[provider.name] = (
@@ -396,7 +394,7 @@ def run(
         base = ms.get(baseline[r["family"]])
         r["vs_ours"] = r["ms"] / base if base else None
     return dict(
-        model=model, tensors=len(shapes), params=n_params, device=device, precision=_precision[0],
+        model=model, tensors=len(shapes), params=n_params, device=device, precision=precision,
         device_name=(
             torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
         ),
@@ -463,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
             ).strip()
     names = [n for n in args.providers.split(",") if n] if args.providers else None
-    _precision[0] = args.precision
-    result = run(args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds)
+    result = run(args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds,
+                 precision=args.precision)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

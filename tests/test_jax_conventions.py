@@ -256,7 +256,7 @@ def test_complex_lars_is_lars_on_the_real_view(name):
         w, v = real_view(params[k]), np.zeros(real_view(params[k]).shape)
         for g in grads:
             (w,), (v,) = reference.lars_step(
-                [w], [real_view(g[k])], [v], lr=kw["learning_rate"], trust_ratio_enabled=adapt[k],
+                [w], [real_view(g[k])], [v], lr=kw["learning_rate"], trust_ratio=adapt[k],
                 **{**ref_kw, "weight_decay": ref_kw.get("weight_decay", 0.0) * decay[k]},
             )
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())

@@ -15,26 +15,22 @@ import numpy as np
 import pytest
 import torch
 
-import largebatch.lars.torch as lars_torch
+from largebatch.lars.torch import _paths
 from largebatch.lars.torch import COMPILE_MIN_NUMEL
 from largebatch.torch import LAMB, LARS
-from torch_cases import (
-    AWKWARD_SHAPES,
-    assert_close,
-    make_problem,
-    run_reference_lamb,
-    run_reference_lars,
-    run_torch,
-)
+from cases import CASES, SHAPES, make_problem, run_torch
 
-LRS = [0.5, 1.0, 2.0, 0.25]
-EXCLUDED = [{}, {"weight_decay": 0.0, "trust_ratio": False}]
-CASES = [
-    (LARS, dict(weight_decay=1e-3, nesterov=True), EXCLUDED),
-    (LARS, dict(weight_decay=1e-3, trust_clip=True, eps=1e-3), [{}, {}]),
-    (LAMB, dict(weight_decay=1e-2, max_grad_norm=0.5), EXCLUDED),
-    (LAMB, dict(bias_correction=False), [{}, {}]),
-]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-nesterov", "lamb-max-grad-norm")],
+                         ids=lambda c: c.id)
+def test_compiled_path_takes_every_tensor_of_two_or_more_elements(case, compiled_calls):
+    """The compiled body runs for each such tensor and step (its match with the spec is
+    tests/test_reference_paths.py), the size-0 and size-1 ones go through the eager body."""
+    params, grads = make_problem(np.float32)
+    run_torch(case, params, grads, dtype=torch.float32, compiled=True)
+    n_compiled = sum(1 for s in SHAPES if np.prod(s) >= 2)
+    assert compiled_calls == [f"_{case.optimizer}_one"] * (n_compiled * len(grads))
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +38,9 @@ def compiled_calls(monkeypatch):
     """Send every tensor of 2+ elements to the compiled body (by default only tensors of
     COMPILE_MIN_TENSOR+ elements go there, the rest through foreach), and count the
     calls of the compiled bodies."""
-    monkeypatch.setattr(lars_torch, "COMPILE_MIN_TENSOR", 2)
+    monkeypatch.setattr(_paths, "COMPILE_MIN_TENSOR", 2)
     calls = []
-    real = lars_torch._compiled_body
+    real = _paths.compiled_body
 
     def counting(body):
         compiled = real(body)
@@ -55,23 +51,8 @@ def compiled_calls(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(lars_torch, "_compiled_body", counting)
+    monkeypatch.setattr(_paths, "compiled_body", counting)
     return calls
-
-
-@pytest.mark.parametrize("cls,kwargs,group_opts", CASES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(CASES)])
-def test_compiled_matches_reference(cls, kwargs, group_opts, compiled_calls):
-    params, grads = make_problem(AWKWARD_SHAPES, len(LRS))
-    ours, opt = run_torch(cls, params, grads, dtype=torch.float32, group_opts=group_opts,
-                          sizes=[5, 2], lrs=LRS, compiled=True, **kwargs)
-    assert opt.param_groups[0]["compiled"] is True
-    run_ref = run_reference_lars if cls is LARS else run_reference_lamb
-    ref = run_ref(params, grads, group_opts=group_opts, sizes=[5, 2], lrs=LRS, **kwargs)[0]
-    assert_close(ours, ref, torch.float32)
-    assert opt.num_steps == len(LRS)
-    # Every tensor of 2+ elements took the compiled body (the size-1 and size-0 ones did not).
-    n_compiled = sum(1 for s in AWKWARD_SHAPES if np.prod(s) >= 2)
-    assert compiled_calls == [f"_{cls.__name__.lower()}_one"] * (n_compiled * len(LRS))
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
@@ -101,9 +82,9 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_call
 
 
 def test_split_sends_small_and_strided_tensors_to_foreach(monkeypatch):
-    monkeypatch.setattr(lars_torch, "COMPILE_MIN_TENSOR", 100)
+    monkeypatch.setattr(_paths, "COMPILE_MIN_TENSOR", 100)
     ps = [torch.zeros(100), torch.zeros(99), torch.zeros(10, 20).t(), torch.zeros(300)]
-    large, small = lars_torch._split_for_compile((ps, list(range(4))))
+    large, small = _paths.split_for_compile((ps, list(range(4))))
     assert large[1] == [0, 3] and small[1] == [1, 2]
 
 

@@ -21,12 +21,13 @@ import torch
 pytest.importorskip("triton")
 
 from largebatch.lars import reference as ref  # noqa: E402
-from largebatch.lars import triton_kernels as tk  # noqa: E402
-from largebatch.lars.triton_kernels import (  # noqa: E402
+from largebatch.lars.kernels import (  # noqa: E402
     FusedGroup,
     fused_lamb_step_,
     fused_lars_step_,
 )
+from largebatch.lars.kernels import plan as kplan  # noqa: E402
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC  # noqa: E402
 
 # (rtol, atol) of a result of this dtype against the float64 reference. Each new value is
 # a sum of terms bounded by |old| + |new|, so rtol applies to that (cancellation-proof).
@@ -42,6 +43,7 @@ CAST_TOL = {torch.float16: 0.0, torch.bfloat16: 2**-7}
 
 STATE = {"lars": ("momentum_buffer",), "lamb": ("exp_avg", "exp_avg_sq")}
 STEP = {"lars": fused_lars_step_, "lamb": fused_lamb_step_}
+SPEC = {"lars": LARS_SPEC, "lamb": LAMB_SPEC}
 
 # Awkward sizes: one element, tails, an exact chunk, three chunks, an all-zero weight
 # (index 3), a zero-size tensor, odd shapes, an all-zero grad (index 8).
@@ -59,10 +61,10 @@ CASES = {
         ),
         {},
     ),
-    "lamb": ("lamb", dict(beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=1e-2), {}),
+    "lamb": ("lamb", dict(betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2), {}),
     "lamb_no_bias_correction_clipped": (
         "lamb",
-        dict(beta1=0.8, beta2=0.99, eps=1e-4, weight_decay=1e-1, bias_correction=False),
+        dict(betas=(0.8, 0.99), eps=1e-4, weight_decay=1e-1, bias_correction=False),
         dict(max_grad_norm=1.0),
     ),
     "lamb_clip_inactive": ("lamb", dict(weight_decay=1e-2), dict(max_grad_norm=1e6)),
@@ -131,10 +133,10 @@ def snapshot(groups):
 
 def reference_step(kind, groups, grads, max_grad_norm=None, **override):
     """The float64 reference applied to the fused tensors as they are now: (inputs, outputs)."""
-    divisor = ref.lamb_grad_divisor([x for gs in grads for x in gs], max_grad_norm)
+    divisor = ref.clip_divisor([x for gs in grads for x in gs], max_grad_norm)
     before, out = [], []
     for g, gs in zip(groups, grads):
-        h = {**(tk.LARS_DEFAULTS if kind == "lars" else tk.LAMB_DEFAULTS), **g.hyper, **override}
+        h = {**SPEC[kind].defaults, **g.hyper, **override}
         w = [x.double().numpy() for x in weights(g)]
         s = [[x.double().numpy() for x in g.state[k]] for k in STATE[kind]]
         lr = float(g.lr)
@@ -144,16 +146,16 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
                 ref.lars_step(
                     w, gs, s[0], lr=lr, momentum=h["momentum"], weight_decay=h["weight_decay"],
                     trust_coefficient=h["trust_coefficient"], eps=h["eps"], nesterov=h["nesterov"],
-                    trust_clip=h["trust_clip"], trust_ratio_enabled=h["trust_ratio"],
+                    trust_clip=h["trust_clip"], trust_ratio=h["trust_ratio"],
                 )
             )  # fmt: skip
         else:  # each tensor at its own step count
             per_tensor = [
                 ref.lamb_step(
                     [w[j]], [gs[j]], [s[0][j]], [s[1][j]], step=int(g.steps[j]) + 1, lr=lr,
-                    betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"],
-                    bias_correction=h["bias_correction"], trust_ratio_enabled=h["trust_ratio"],
-                    grad_divisor=divisor,
+                    betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"],
+                    bias_correction=h["bias_correction"], trust_ratio=h["trust_ratio"],
+                    grad_scale=divisor,
                 )
                 for j in range(len(w))
             ]  # fmt: skip
@@ -247,11 +249,14 @@ def test_resnet50_tensor_count(kind):
     run_steps(kind, groups, steps=1)
 
 
-def test_wrong_hyperparameter_is_caught():
-    """The comparison can fail: a reference with another momentum must not match."""
-    groups = two_groups("lars", CASES["lars"][1])
+@pytest.mark.parametrize(
+    "kind, wrong", [("lars", dict(momentum=0.85)), ("lamb", dict(betas=(0.85, 0.999)))]
+)
+def test_wrong_hyperparameter_is_caught(kind, wrong):
+    """The comparison can fail: a reference with another momentum / b1 must not match."""
+    groups = two_groups(kind, CASES[kind][1])
     with pytest.raises(AssertionError, match="differ beyond"):
-        run_steps("lars", groups, steps=2, momentum=0.85)
+        run_steps(kind, groups, steps=2, **wrong)
 
 
 @pytest.mark.parametrize("kind", ["lars", "lamb"])
@@ -342,7 +347,7 @@ def test_masters_for_some_params_of_a_group(kind):
 
 
 def last_plan():
-    return next(reversed(tk._PLANS.values()))
+    return next(reversed(kplan._PLANS.values()))
 
 
 def test_new_grad_tensors_and_cached_plans():
@@ -390,8 +395,15 @@ def test_views_at_unaligned_offsets(kind):
 
 def test_invalid_inputs_are_named():
     g = two_groups("lars", {})[0]
-    with pytest.raises(ValueError, match="Unknown hyperparameters"):
+    with pytest.raises(ValueError, match=r"Unknown hyperparameters \['betas'\]"):
         fused_lars_step_([FusedGroup(**{**vars(g), "hyper": {"betas": (0.9, 0.99)}})])
+    lamb = two_groups("lamb", {})[0]
+    with pytest.raises(ValueError, match=r"Unknown hyperparameters \['beta1', 'beta2'\]"):
+        fused_lamb_step_([FusedGroup(**{**vars(lamb), "hyper": {"beta1": 0.9, "beta2": 0.99}})])
+    with pytest.raises(ValueError, match=r"Invalid group 0 betas\[1\]: 1\.0"):
+        fused_lamb_step_([FusedGroup(**{**vars(lamb), "hyper": {"betas": (0.9, 1.0)}})])
+    with pytest.raises(ValueError, match="Invalid group 0 momentum: 1.0"):
+        fused_lars_step_([FusedGroup(**{**vars(g), "hyper": {"momentum": 1.0}})])
     g.grads[2] = g.grads[2].half()
     with pytest.raises(ValueError, match=r"grads\[2\]"):
         fused_lars_step_([g], grad_scale=None, found_inf=None)
@@ -401,14 +413,14 @@ COMPILE_CHECK = """
 import re, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from largebatch.lars import triton_kernels as tk
+from largebatch.lars.kernels import common, lamb, lars
 
 TYPES = dict(chunks="*i64", meta="*i64", gaddr="*i64", steps="*i64", hyper="*fp64",
              acc="*fp64", ws="*fp64", max_grad_norm="fp32", n_steps="i32")  # others: *fp32
 FLAGS = dict(W_SQ=True, G_SQ=True, GLOBAL_SQ=True, HAS_SCALE=True, HAS_FOUND_INF=True,
              CLIP=True, HAS_MASTER=True, BLOCK=1024, TILES=4)
-KERNELS = [tk._grad_check_kernel, tk._lars_apply_kernel, tk._lamb_moments_kernel,
-           tk._lamb_apply_kernel, tk._count_step_kernel]
+KERNELS = [common._grad_check_kernel, lars._lars_apply_kernel, lamb._lamb_moments_kernel,
+           lamb._lamb_apply_kernel, common._count_step_kernel]
 for p_dtype, w_dtype, aligned in [(tl.float32, tl.float32, True), (tl.bfloat16, tl.float32, False)]:
     consts = dict(FLAGS, P_DTYPE=p_dtype, W_DTYPE=w_dtype, ALIGNED=aligned)
     for fn in KERNELS:
@@ -417,7 +429,7 @@ for p_dtype, w_dtype, aligned in [(tl.float32, tl.float32, True), (tl.bfloat16, 
         src = ASTSource(fn, sig, {p.name: consts[p.name] for p in fn.params if p.is_constexpr})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         vector = bool(re.search(r"ld[.]global[.]v4", ptx))
-        assert vector == (aligned and fn is not tk._count_step_kernel), (fn.__name__, aligned)
+        assert vector == (aligned and fn is not common._count_step_kernel), (fn.__name__, aligned)
 """
 
 

@@ -20,6 +20,18 @@ from largebatch.lars.jax import (
     scale_by_lars_trust_ratio,
     scale_by_uncorrected_adam,
 )
+from largebatch.mixed_precision.jax import (
+    MAX_LOSS_SCALE,
+    DynamicLossScale,
+    NoOpLossScale,
+    Policy,
+    SkipIfNonfiniteState,
+    StaticLossScale,
+    all_finite,
+    get_policy,
+    select_tree,
+    skip_if_nonfinite,
+)
 from largebatch.schedules import SCHEDULES, Schedule
 from largebatch.schedules.jax import OptaxSchedule, as_optax_schedule, linear_scaling, make_schedule
 
@@ -41,24 +53,7 @@ __all__ = [
     "as_optax_schedule",
     "linear_scaling",
     "make_schedule",
-]
-
-# ---- mixed precision (largebatch.mixed_precision.jax) -------------------------------
-# Its imports go here, and its names are appended to __all__ below them.
-from largebatch.mixed_precision.jax import (  # noqa: E402
-    MAX_LOSS_SCALE,
-    DynamicLossScale,
-    NoOpLossScale,
-    Policy,
-    SkipIfNonfiniteState,
-    StaticLossScale,
-    all_finite,
-    get_policy,
-    select_tree,
-    skip_if_nonfinite,
-)
-
-__all__ += [
+    # mixed precision (largebatch.mixed_precision.jax)
     "DynamicLossScale",
     "StaticLossScale",
     "NoOpLossScale",

@@ -3,7 +3,7 @@
 >>> from largebatch.torch import LARS, LAMB, make_schedule, ScheduleLR, param_groups
 """
 
-from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups
+from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups, trust_ratios
 from largebatch.mixed_precision.torch import to_half
 from largebatch.schedules import Schedule, linear_scaling, make_schedule
 from largebatch.schedules.torch import ScheduleLR
@@ -15,6 +15,7 @@ __all__ = [
     "lamb",
     "param_groups",
     "default_exclude",
+    "trust_ratios",
     "Schedule",
     "make_schedule",
     "linear_scaling",

@@ -24,6 +24,9 @@ LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = iden
 
 A tensor excluded from adaptation (``trust_ratio=False``: biases, normalization
 parameters) gets ratio 1 and no weight decay, in both rules.
+
+The hyperparameters' names, defaults and valid values are ``largebatch.lars.spec``;
+these functions take the same names and do not check values.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["lars_step", "lamb_step", "lamb_grad_divisor", "global_norm", "trust_ratio"]
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, applied_weight_decay
+
+__all__ = ["lars_step", "lamb_step", "clip_divisor", "global_norm", "safe_ratio"]
+
+_LARS = LARS_SPEC.defaults
+_LAMB = LAMB_SPEC.defaults
 
 
 def _f64(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -44,7 +52,7 @@ def global_norm(tensors: Sequence[np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.sum(np.square(x))) for x in _f64(tensors))))
 
 
-def trust_ratio(numerator: float, denominator: float, w_norm: float, other_norm: float) -> float:
+def safe_ratio(numerator: float, denominator: float, w_norm: float, other_norm: float) -> float:
     """``numerator / denominator``, or 1 where ``w_norm`` or ``other_norm`` is zero."""
     if w_norm == 0.0 or other_norm == 0.0:
         return 1.0
@@ -57,22 +65,22 @@ def lars_step(
     momentum_buffers: Sequence[np.ndarray],
     *,
     lr: float,
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
-    trust_coefficient: float = 0.001,
-    eps: float = 0.0,
-    nesterov: bool = False,
-    trust_clip: bool = False,
-    trust_ratio_enabled: bool = True,
+    momentum: float = _LARS["momentum"],
+    weight_decay: float = _LARS["weight_decay"],
+    trust_coefficient: float = _LARS["trust_coefficient"],
+    eps: float = _LARS["eps"],
+    nesterov: bool = _LARS["nesterov"],
+    trust_clip: bool = _LARS["trust_clip"],
+    trust_ratio: bool = _LARS["trust_ratio"],
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
     new_params, new_bufs = [], []
-    wd = weight_decay if trust_ratio_enabled else 0.0
+    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
     for w, g, v in zip(_f64(params), _f64(grads), _f64(momentum_buffers)):
-        if trust_ratio_enabled:
+        if trust_ratio:
             w_norm = float(np.linalg.norm(w))
             g_norm = float(np.linalg.norm(g))
-            ratio = trust_ratio(
+            ratio = safe_ratio(
                 trust_coefficient * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm
             )
             if trust_clip:
@@ -95,33 +103,33 @@ def lamb_step(
     *,
     step: int,
     lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
-    weight_decay: float = 0.0,
-    bias_correction: bool = True,
-    trust_ratio_enabled: bool = True,
-    grad_divisor: float = 1.0,
+    betas: tuple[float, float] = _LAMB["betas"],
+    eps: float = _LAMB["eps"],
+    weight_decay: float = _LAMB["weight_decay"],
+    bias_correction: bool = _LAMB["bias_correction"],
+    trust_ratio: bool = _LAMB["trust_ratio"],
+    grad_scale: float = 1.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.
 
-    ``step`` is the step number t >= 1 after this update. ``grad_divisor`` is the
-    global clipping divisor ``max(1, global_norm / max_grad_norm)``, computed over every
-    group (see :func:`lamb_grad_divisor`).
+    ``step`` is the step number t >= 1 after this update. Every grad is divided by
+    ``grad_scale`` first: the global clipping divisor ``max(1, global_norm /
+    max_grad_norm)``, computed over every group (see :func:`clip_divisor`).
     """
     b1, b2 = betas
     bc1 = 1.0 - b1**step if bias_correction else 1.0
     bc2 = 1.0 - b2**step if bias_correction else 1.0
-    wd = weight_decay if trust_ratio_enabled else 0.0
+    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
     new_params, new_m, new_v = [], [], []
     for w, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
-        g = g / grad_divisor
+        g = g / grad_scale
         m = b1 * m + (1.0 - b1) * g
         v = b2 * v + (1.0 - b2) * g * g
         u = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * w
-        if trust_ratio_enabled:
+        if trust_ratio:
             w_norm = float(np.linalg.norm(w))
             u_norm = float(np.linalg.norm(u))
-            ratio = trust_ratio(w_norm, u_norm, w_norm, u_norm)
+            ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)
         else:
             ratio = 1.0
         new_params.append(w - lr * ratio * u)
@@ -130,7 +138,7 @@ def lamb_step(
     return new_params, new_m, new_v
 
 
-def lamb_grad_divisor(grads: Sequence[np.ndarray], max_grad_norm: float | None) -> float:
+def clip_divisor(grads: Sequence[np.ndarray], max_grad_norm: float | None) -> float:
     """``max(1, ||all grads|| / max_grad_norm)``, or 1 when ``max_grad_norm`` is None."""
     if max_grad_norm is None:
         return 1.0

@@ -41,7 +41,7 @@ def as_number(name: str, value: Any, rule: str) -> float | None:
     if value is UNKNOWN:
         return None
     kind = getattr(getattr(value, "dtype", None), "kind", None)  # NumPy and JAX dtypes
-    if isinstance(value, bool) or type(value).__name__ == "bool_" or kind == "b":
+    if isinstance(value, bool) or kind == "b":
         raise TypeError(f"Invalid {name}: {value!r} (a bool; must be a number {rule})")
     if isinstance(value, numbers.Real):
         return float(value)
@@ -54,9 +54,14 @@ def as_flag(name: str, value: Any) -> bool | None:
     """``value`` as a bool: only True and False (or NumPy's) are flags."""
     if value is UNKNOWN:
         return None
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or _is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"Invalid {name}: {value!r} (must be True or False)")
+
+
+def _is_numpy_bool(value: Any) -> bool:
+    """A NumPy bool scalar (``np.True_``; its type is ``bool_``, named "bool" in NumPy 2)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,10 @@ def _lr(default: float) -> Hyper:
     return Hyper("lr", default, "the learning rate (a float, a one-element tensor or a schedule)")
 
 
-_WEIGHT_DECAY = Hyper("weight_decay", 0.0, "wd: L2 weight decay, inside the trust ratio")
+_WEIGHT_DECAY = Hyper(
+    "weight_decay", 0.0, "wd: added to the update direction (g + wd * w for LARS, r + wd * w for "
+    "LAMB), so it enters the trust ratio's denominator"
+)
 _TRUST_RATIO = Hyper(
     "trust_ratio", True, "adapt this group; False: ratio 1 and no weight decay", kind="flag"
 )

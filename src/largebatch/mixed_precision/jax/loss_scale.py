@@ -1,51 +1,16 @@
-"""Mixed precision for JAX: loss scaling as a pytree, finiteness checks, step skipping
-and a precision policy.
-
-Training in float16 keeps float32 *master* parameters, runs the forward and backward
-pass in half precision and multiplies the loss by a scale ``S`` so that small
-gradients do not flush to zero in float16 (Micikevicius et al. 2018)::
-
-    grads = unscale(grad(S * loss)(params))       unscale(g) = g * (1 / S), in float32
-    finite = all_finite(grads)
-    S, opt_state, params updated only from finite gradients (skip_if_nonfinite)
-    S = adjust(S, finite)
-
-:class:`DynamicLossScale` follows ``torch.amp.GradScaler``'s rule and defaults: start
-at ``2**16``, halve on every step whose gradients hold an inf or a NaN, double after
-``2000`` finite steps in a row. Every object here is a pytree or a pure function, so
-the whole step, the scale's update included, lives inside one ``jax.jit`` with no
-host synchronisation. bfloat16 has float32's exponent range and normally trains
-without loss scaling (:class:`NoOpLossScale`; Kalamkar et al. 2019).
-
-References:
-  Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018.
-  Kalamkar et al., `A Study of BFLOAT16 for Deep Learning Training
-  <https://arxiv.org/abs/1905.12322>`_, 2019.
-"""
+"""Loss scales as pytrees: dynamic (``torch.amp.GradScaler``'s rule), static and none."""
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-__all__ = [
-    "MAX_LOSS_SCALE",
-    "DynamicLossScale",
-    "StaticLossScale",
-    "NoOpLossScale",
-    "all_finite",
-    "select_tree",
-    "skip_if_nonfinite",
-    "SkipIfNonfiniteState",
-    "Policy",
-    "get_policy",
-]
+from largebatch.mixed_precision.jax.finite import _is_float
 
 #: The largest loss scale :class:`DynamicLossScale` grows to. ``1 / MAX_LOSS_SCALE``
 #: is float32's smallest normal number, so unscaling never multiplies by a reciprocal
@@ -53,39 +18,11 @@ __all__ = [
 MAX_LOSS_SCALE = 2.0**126
 
 
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _concrete(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array, or None when it is traced (its value is not known)."""
     if isinstance(x, jax.core.Tracer):
         return None
     return np.asarray(x)
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """True (a scalar ``bool`` array) when no floating leaf of ``tree`` holds inf or NaN.
-
-    Non-floating leaves are ignored; an empty tree is finite. Works under ``jit``:
-    the answer stays on the device.
-    """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
-    if not leaves:
-        return jnp.array(True)
-    return jnp.all(jnp.stack(leaves))
-
-
-def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
-    """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
-
-    For state outside the optimizer (batch-norm statistics, an EMA of the weights) that
-    must also stay put on a skipped step. Both trees need the same structure and dtypes.
-    """
-    pred = jnp.asarray(pred)
-    if pred.shape != ():
-        raise ValueError(f"pred must be a scalar, got shape {pred.shape}")
-    return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
 
 
 def _scale_tree(tree: Any, factor: jax.Array) -> Any:
@@ -327,177 +264,3 @@ class NoOpLossScale:
 jax.tree_util.register_pytree_node(
     NoOpLossScale, lambda ls: ((), None), lambda aux, children: NoOpLossScale()
 )
-
-
-# ---------------------------------------------------------------------------------------
-# Skipping non-finite steps.
-
-
-class SkipIfNonfiniteState(NamedTuple):
-    """State of :func:`skip_if_nonfinite`.
-
-    Attributes:
-      inner_state: the wrapped transformation's state, as of the last finite step.
-      skipped: how many steps were skipped since ``init`` (int32).
-      last_finite: whether the last step's gradients were all finite.
-    """
-
-    inner_state: Any
-    skipped: jax.Array
-    last_finite: jax.Array
-
-
-def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    r"""Wrap ``inner`` so that a step whose gradients hold an inf or a NaN does nothing.
-
-    .. math::
-
-        (u, s') = \begin{cases} \text{inner.update}(g, s, w) & \text{all of } g \text{ finite} \\
-                                (-0, s) & \text{otherwise} \end{cases}
-
-    On a skipped step the updates are negative zeros (``w + (-0) == w`` bitwise for
-    every ``w``, ``-0.0`` included, which ``+0`` would flip) and the inner state is
-    returned as it was: momentum, moments and step counts (LAMB's bias correction
-    included) do not move, so ``optax.apply_updates`` leaves the parameters
-    bit-for-bit unchanged. The choice is made with ``jax.lax.cond`` on the device,
-    with no host synchronisation; the inner update is not computed on a skipped step.
-
-    Unlike ``optax.apply_if_finite`` it never gives up and applies a non-finite
-    update: with :class:`DynamicLossScale` an overflow is resolved by lowering the
-    scale, so every bad step is skipped.
-
-    Args:
-      inner: the transformation to protect, e.g. ``largebatch.jax.lamb(...)``.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` with :class:`SkipIfNonfiniteState`.
-    """
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params):
-        return SkipIfNonfiniteState(
-            inner_state=inner.init(params),
-            skipped=jnp.zeros((), jnp.int32),
-            last_finite=jnp.array(True),
-        )
-
-    def update_fn(updates, state, params=None, **extra_args):
-        finite = all_finite(updates)
-
-        def apply(_):
-            return inner.update(updates, state.inner_state, params, **extra_args)
-
-        new_updates_shape, _ = jax.eval_shape(apply, None)
-
-        def skip(_):
-            zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), new_updates_shape)
-            return zeros, state.inner_state
-
-        new_updates, inner_state = jax.lax.cond(finite, apply, skip, None)
-        skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-        return new_updates, SkipIfNonfiniteState(inner_state, skipped, finite)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# ---------------------------------------------------------------------------------------
-# Precision policy.
-
-_DTYPE_NAMES = {
-    "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
-    "single": jnp.float32, "full": jnp.float32,
-    "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
-    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-}  # fmt: skip
-_POLICY_KEYS = {
-    "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
-    "compute": "compute_dtype", "c": "compute_dtype",
-    "output": "output_dtype", "o": "output_dtype",
-}  # fmt: skip
-
-
-def _as_float_dtype(dtype: Any, field: str) -> np.dtype:
-    if isinstance(dtype, str):
-        if dtype.strip().lower() not in _DTYPE_NAMES:
-            raise ValueError(f"Unknown {field} name: {dtype!r} (known: {sorted(_DTYPE_NAMES)})")
-        dtype = _DTYPE_NAMES[dtype.strip().lower()]
-    try:
-        dtype = jnp.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"Invalid {field}: {dtype!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"Invalid {field}: {dtype} is not a floating dtype")
-    return dtype
-
-
-def _cast_floats(tree: Any, dtype: np.dtype) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """Which dtype parameters are stored in, computed in, and returned in.
-
-    Only floating leaves that carry a dtype (arrays) are cast: integer leaves, keys and
-    Python scalars pass through. The usual float16 policy is
-    ``Policy(float32, float16, float32)``: float32 master parameters (the optimizer,
-    LARS/LAMB norms included, runs in float32), a float16 forward and backward, and a
-    float32 output so that the loss is scaled in float32. ``str(policy)`` gives the
-    string :func:`get_policy` reads back.
-
-    Args:
-      param_dtype: dtype of the stored (master) parameters and of the optimizer.
-      compute_dtype: dtype of the forward and backward pass.
-      output_dtype: dtype of the model's output (the loss).
-    """
-
-    param_dtype: Any = jnp.float32
-    compute_dtype: Any = jnp.float32
-    output_dtype: Any = jnp.float32
-
-    def __post_init__(self):
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, field, _as_float_dtype(getattr(self, field), field))
-
-    def cast_to_param(self, tree: Any) -> Any:
-        """Floating leaves to ``param_dtype``."""
-        return _cast_floats(tree, self.param_dtype)
-
-    def cast_to_compute(self, tree: Any) -> Any:
-        """Floating leaves to ``compute_dtype``."""
-        return _cast_floats(tree, self.compute_dtype)
-
-    def cast_to_output(self, tree: Any) -> Any:
-        """Floating leaves to ``output_dtype``."""
-        return _cast_floats(tree, self.output_dtype)
-
-    def __str__(self) -> str:
-        names = (self.param_dtype.name, self.compute_dtype.name, self.output_dtype.name)
-        return "params={},compute={},output={}".format(*names)
-
-
-def get_policy(spec: str) -> Policy:
-    """Read a :class:`Policy` from ``"params=float32,compute=bfloat16,output=float32"``.
-
-    Keys: ``params``/``param``/``p``, ``compute``/``c``, ``output``/``o``; a key left
-    out is float32. Dtypes: ``float32`` (``f32``, ``fp32``, ``single``, ``full``),
-    ``float16`` (``f16``, ``fp16``, ``half``), ``bfloat16`` (``bf16``). Unknown or
-    repeated keys and unknown dtypes raise ``ValueError``.
-    """
-    if not isinstance(spec, str):
-        raise ValueError(f"Invalid policy: {spec!r} (need a string like 'compute=float16')")
-    fields: dict[str, Any] = {}
-    for item in spec.split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        key = key.strip().lower()
-        if not sep or key not in _POLICY_KEYS:
-            raise ValueError(
-                f"Invalid policy item: {item.strip()!r} in {spec!r} (keys: params, compute, output)"
-            )
-        field = _POLICY_KEYS[key]
-        if field in fields:
-            raise ValueError(f"Repeated policy key: {key!r} in {spec!r}")
-        fields[field] = _as_float_dtype(value, field)
-    return Policy(**fields)

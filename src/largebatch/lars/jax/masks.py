@@ -1,0 +1,63 @@
+"""Which leaves LARS and LAMB adapt and decay: optax masks, combined leaf by leaf.
+
+A mask is ``None`` (every leaf), a pytree of bools with the structure of the params (or
+a prefix of it), or a callable returning one, as in ``optax.masked``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Mask = Any  # None, a pytree (or prefix) of bools, or a callable params -> such a pytree
+
+
+def exclusion_mask(params: Any) -> Any:
+    """True for leaves that get the trust ratio and weight decay, False for ``ndim <= 1``.
+
+    Pass it as ``trust_ratio_mask``: vectors (biases, normalization scales and shifts)
+    and scalars are excluded, as MLPerf does. It decides by shape alone. The default
+    rule of ``largebatch.torch.param_groups`` also excludes a param whose *name* ends
+    in ``.bias``, whatever its shape; so the two splits differ only for a bias of
+    ``ndim >= 2``, which this mask adapts and decays. To exclude such leaves too, pass
+    a mask that also reads the path, e.g.::
+
+        def mask(params):
+            return jax.tree_util.tree_map_with_path(
+                lambda path, p: jnp.ndim(p) > 1 and "bias" not in jax.tree_util.keystr(path),
+                params,
+            )
+    """
+    return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
+
+
+def _full_mask(mask: Mask, tree: Any) -> Any:
+    """``mask`` resolved against ``tree``: a pytree of bools with its full structure."""
+    if mask is None:
+        return jax.tree.map(lambda _: True, tree)
+    if callable(mask):
+        mask = mask(tree)
+    return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask, tree)
+
+
+def _mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
+    """The leaf-wise ``a and b`` (or ``a and not b``) of two optax masks, as a callable."""
+    if b is None and not negate_b:
+        return a
+
+    def mask_fn(tree):
+        return jax.tree.map(
+            lambda x, y: bool(x) and (bool(y) != negate_b),
+            _full_mask(a, tree),
+            _full_mask(b, tree),
+        )
+
+    return mask_fn
+
+
+def _masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTransformation:
+    """``inner`` on the leaves where ``mask`` holds (on every leaf for ``None``)."""
+    return inner if mask is None else optax.masked(inner, mask)

@@ -1,0 +1,262 @@
+"""``lars()`` and ``lamb()``: the optax optimizers, as short ``optax.chain``\\ s of optax's
+transformations and those of :mod:`largebatch.lars.jax.transforms`.
+
+Defaults, valid values and error messages come from :mod:`largebatch.lars.spec`; the
+names follow optax (``learning_rate``; LAMB's betas as ``b1, b2``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from largebatch.lars.jax.masks import Mask, _mask_and, _masked
+from largebatch.lars.jax.transforms import (
+    ScalarOrSchedule,
+    _keep_dtypes,
+    _known,
+    divide_by_global_norm,
+    scale_by_lamb_trust_ratio,
+    scale_by_lars_trust_ratio,
+    scale_by_uncorrected_adam,
+)
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
+from largebatch.schedules import Schedule
+from largebatch.schedules.jax import as_optax_schedule
+
+_LARS, _LAMB = LARS_SPEC.defaults, LAMB_SPEC.defaults
+
+
+def _as_optax_schedule(learning_rate: Any) -> ScalarOrSchedule:
+    """A :class:`largebatch.schedules.Schedule` becomes its jit-traceable JAX twin."""
+    if isinstance(learning_rate, Schedule):
+        return as_optax_schedule(learning_rate)
+    return learning_rate
+
+
+def _rate_to_check(learning_rate: Any) -> dict[str, Any]:
+    """The spec's ``lr`` entry for ``learning_rate``: none for a schedule (a callable)."""
+    return {} if callable(learning_rate) else {"lr": _known(learning_rate)}
+
+
+def lars(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = _LARS["momentum"],
+    weight_decay: float = _LARS["weight_decay"],
+    trust_coefficient: float = _LARS["trust_coefficient"],
+    eps: float = _LARS["eps"],
+    nesterov: bool = _LARS["nesterov"],
+    trust_clip: bool = _LARS["trust_clip"],
+    weight_decay_mask: Mask = None,
+    trust_ratio_mask: Mask = None,
+) -> optax.GradientTransformation:
+    r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
+
+    Per leaf ``w`` with gradient ``g``, at step ``t``::
+
+        ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)   (1 if ||w|| == 0 or ||g|| == 0)
+        ratio = min(ratio / lr_t, 1)                      (trust_clip: LARC)
+        d = g + wd * w
+        v = momentum * v + lr_t * ratio * d               (v starts at 0)
+        w = w - v            nesterov: w = w - (momentum * v + lr_t * ratio * d)
+
+    The variant: the learning rate sits *inside* the momentum buffer (a change of rate
+    affects only new contributions), the trust-ratio denominator is
+    ``||g|| + wd * ||w|| + eps`` (not ``||g + wd * w||``), a zero norm gives ratio 1, and
+    ``trust_clip`` is LARC's clip (apex, timm), which keeps the local rate at or below
+    ``lr_t``. Leaves where ``trust_ratio_mask`` is False get ratio 1 and no weight decay
+    (plain momentum SGD); see the package docstring for how the two masks combine.
+
+    The chain: ``scale_by_lars_trust_ratio`` (masked) -> ``optax.scale_by_learning_rate``
+    -> ``optax.trace``. Differences from ``optax.lars``: optax divides by
+    ``||g + wd * w|| + eps``, decays leaves whose trust ratio is masked out, and has no
+    trust clip. At ``weight_decay=0`` the two give the same numbers. timm's ``Lars`` keeps
+    the rate outside its buffer (``w -= lr_t * v``) and adapts only with weight decay or
+    ``always_adapt=True``; where it adapts, it gives the same numbers at a constant rate.
+
+    Args:
+      learning_rate: ``lr_t``: a float >= 0 or a schedule (a callable of the step
+        count, e.g. ``largebatch.jax.make_schedule(...)``).
+      momentum: the momentum coefficient, in [0, 1).
+      weight_decay: ``wd`` >= 0, in two places: the direction ``d = g + wd * w`` and
+        the term ``wd * ||w||`` of the trust-ratio denominator.
+      trust_coefficient: ``tc`` > 0 (eta in the paper).
+      eps: >= 0, added to the trust-ratio denominator.
+      nesterov: Nesterov momentum.
+      trust_clip: LARC's clipping ``min(ratio / lr_t, 1)``.
+      weight_decay_mask: optax mask; False removes weight decay from a leaf.
+      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
+        ``exclusion_mask`` gives the usual choice.
+
+    Returns:
+      An ``optax.GradientTransformation``; ``update`` needs ``params``.
+
+    Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
+
+    Raises:
+      ValueError: naming the value, for a negative rate or weight decay, momentum
+        outside [0, 1), ``trust_coefficient <= 0``, ``eps < 0``, a non-finite number,
+        or ``nesterov=True`` with ``momentum=0``.
+      TypeError: naming the value, for a non-number (a bool, a string, None) where a
+        number belongs, or anything but ``True``/``False`` for a flag.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from largebatch.jax import lars, exclusion_mask
+        >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+        >>> opt = lars(0.1, weight_decay=1e-4, trust_ratio_mask=exclusion_mask)
+        >>> state = opt.init(params)
+        >>> grads = jax.tree.map(jnp.ones_like, params)
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = optax.apply_updates(params, updates)
+        >>> round(float(params["b"][0]), 4)  # excluded: plain SGD step, -0.1 * 1
+        -0.1
+
+    References:
+      You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks",
+      https://arxiv.org/abs/1708.03888.
+      Goyal et al. 2017 (linear scaling, warmup), https://arxiv.org/abs/1706.02677.
+      LARC (the trust clip): NVIDIA apex, ``apex/parallel/LARC.py``.
+    """
+    checked = LARS_SPEC.check(
+        {
+            **_rate_to_check(learning_rate),
+            "momentum": _known(momentum),
+            "weight_decay": _known(weight_decay),
+            "trust_coefficient": _known(trust_coefficient),
+            "eps": _known(eps),
+            "nesterov": nesterov,  # a flag is never traced: a traced one is a TypeError
+            "trust_clip": trust_clip,
+        },
+        names={"lr": "learning_rate"},
+    )
+    nesterov, trust_clip = checked["nesterov"], checked["trust_clip"]
+    learning_rate = _as_optax_schedule(learning_rate)
+    clip = learning_rate if trust_clip else None
+
+    def adapt(wd):
+        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip)
+
+    # The structure of the chain depends on the masks only, never on a value.
+    if weight_decay_mask is None:
+        adapted = [_masked(adapt(weight_decay), trust_ratio_mask)]
+    else:  # decayed where both masks hold; adapted but not decayed where only the first does
+        adapted = [
+            optax.masked(adapt(weight_decay), _mask_and(trust_ratio_mask, weight_decay_mask)),
+            optax.masked(adapt(0.0), _mask_and(trust_ratio_mask, weight_decay_mask, True)),
+        ]
+    return _keep_dtypes(
+        optax.chain(
+            *adapted,
+            optax.scale_by_learning_rate(learning_rate),
+            optax.trace(decay=momentum, nesterov=nesterov),
+        )
+    )
+
+
+def lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float = _LAMB["betas"][0],
+    b2: float = _LAMB["betas"][1],
+    eps: float = _LAMB["eps"],
+    weight_decay: float = _LAMB["weight_decay"],
+    bias_correction: bool = _LAMB["bias_correction"],
+    max_grad_norm: float | None = _LAMB["max_grad_norm"],
+    weight_decay_mask: Mask = None,
+    trust_ratio_mask: Mask = None,
+) -> optax.GradientTransformation:
+    r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
+
+    Per leaf ``w`` with gradient ``g``, at step ``t`` = 1, 2, ...::
+
+        g = g / max(1, ||all grads|| / max_grad_norm)        (only with max_grad_norm)
+        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)  (no 1 - b^t without bias_correction)
+        u = r + wd * w
+        ratio = ||w|| / ||u||                                (1 if ||w|| == 0 or ||u|| == 0)
+        w = w - lr_t * ratio * u
+
+    The variant: Algorithm 2 of the paper with phi = identity (no trust-ratio bounds),
+    eps outside the square root, the weight decay added to the Adam direction *before*
+    the trust ratio (``u = r + wd * w``, so it enters the ratio's denominator ``||u||``
+    as well as the step), and the global gradient clipping of NVIDIA's LAMB when
+    ``max_grad_norm`` is set. Leaves where ``trust_ratio_mask`` is False get ratio 1 and
+    no weight decay (plain Adam steps).
+
+    The chain: [``divide_by_global_norm``] -> ``optax.scale_by_adam`` (or
+    ``scale_by_uncorrected_adam``) -> ``optax.add_decayed_weights`` (masked) ->
+    ``scale_by_lamb_trust_ratio`` (masked) -> ``optax.scale_by_learning_rate``. At its
+    defaults this is ``optax.lamb``; the differences: ``optax.lamb`` has ``eps_root``
+    and a single ``mask`` for weight decay only (its trust ratio covers every leaf), and
+    neither ``bias_correction=False`` nor gradient clipping. ``optax.lamb(lr,
+    weight_decay=wd, mask=m)`` equals ``lamb(lr, weight_decay=wd, weight_decay_mask=m)``.
+
+    Args:
+      learning_rate: ``lr_t``: a float >= 0 or a schedule of the step count.
+      b1: the first moment's decay rate, in [0, 1).
+      b2: the second moment's decay rate, in [0, 1).
+      eps: >= 0, added to ``sqrt(v_hat)``.
+      weight_decay: ``wd`` >= 0, decoupled from the moments: ``u = r + wd * w``, the
+        direction whose norm ``||u||`` is the trust-ratio denominator.
+      bias_correction: divide the moments by ``1 - b^t``.
+      max_grad_norm: > 0 or None; clip the gradients by their global norm first.
+      weight_decay_mask: optax mask; False removes weight decay from a leaf.
+      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
+
+    Returns:
+      An ``optax.GradientTransformation``; ``update`` needs ``params``.
+
+    Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
+
+    Raises:
+      ValueError: naming the value, for a negative rate, eps or weight decay, betas
+        outside [0, 1), ``max_grad_norm <= 0`` or a non-finite number.
+      TypeError: naming the value, for a non-number (a bool, a string) where a number
+        belongs, or anything but ``True``/``False`` for ``bias_correction``.
+
+    Example::
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from largebatch.jax import lamb, exclusion_mask, make_schedule
+        >>> sched = make_schedule("poly", peak_lr=0.01, total_steps=100, warmup_steps=10)
+        >>> opt = lamb(sched, weight_decay=0.01, trust_ratio_mask=exclusion_mask)
+        >>> params = {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}
+        >>> state = opt.init(params)
+        >>> loss = lambda p: jnp.sum((p["w"].sum(0) + p["b"] - 1.0) ** 2)
+        >>> for _ in range(3):
+        ...     updates, state = opt.update(jax.grad(loss)(params), state, params)
+        ...     params = optax.apply_updates(params, updates)
+        >>> bool(loss(params) < 36.0)
+        True
+
+    References:
+      You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in
+      76 minutes", https://arxiv.org/abs/1904.00962.
+      NVIDIA apex ``FusedLAMB`` (global gradient clipping).
+    """
+    checked = LAMB_SPEC.check(
+        {
+            **_rate_to_check(learning_rate),
+            "betas": (_known(b1), _known(b2)),
+            "eps": _known(eps),
+            "weight_decay": _known(weight_decay),
+            "bias_correction": bias_correction,  # a flag: never traced
+            "max_grad_norm": _known(max_grad_norm),
+        },
+        names={"lr": "learning_rate", "betas": ("b1", "b2")},
+    )
+    bias_correction = checked["bias_correction"]
+    learning_rate = _as_optax_schedule(learning_rate)
+    clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm)]
+    moments = (optax.scale_by_adam if bias_correction else scale_by_uncorrected_adam)(b1, b2, eps)
+    return _keep_dtypes(
+        optax.chain(
+            *clip,
+            moments,
+            optax.add_decayed_weights(weight_decay, _mask_and(trust_ratio_mask, weight_decay_mask)),
+            _masked(scale_by_lamb_trust_ratio(), trust_ratio_mask),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+    )

@@ -1,0 +1,190 @@
+"""The gradient transformations ``lars()`` and ``lamb()`` chain where optax has none with
+their rule, each an ``(init, update)`` pair with NamedTuple state, and the wrapper that
+keeps the chains' dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from largebatch.lars import spec
+from largebatch.lars.jax.norms import _abs_sq, _compute_dtype, _global_norm, _norm, _safe_ratio
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
+
+_NO_PARAMS = "this transformation needs the params: call update(updates, state, params)"
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+# divide_by_global_norm's threshold: LAMB's max_grad_norm, but a number (None is lamb's
+# "no clipping", which leaves this transformation out).
+_MAX_NORM = dataclasses.replace(LAMB_SPEC.hyper("max_grad_norm"), optional=False)
+_LARS, _LAMB = LARS_SPEC.defaults, LAMB_SPEC.defaults
+
+
+def _known(value: Any) -> Any:
+    """``value``, or :data:`spec.UNKNOWN` where it is traced (its value cannot be read
+    and is not checked)."""
+    return spec.UNKNOWN if isinstance(value, jax.core.Tracer) else value
+
+
+def _rate(learning_rate: ScalarOrSchedule, count: jax.Array):
+    return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
+def _is_zero(value: Any) -> bool:
+    """True for a Python number equal to 0 (a static zero: the term can be left out)."""
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` with its updates in the incoming updates' dtypes and its state in the
+    dtypes ``init`` gave it, so that float32 hyperparameters (injected, or passed as
+    arrays) never promote bf16 updates or state, and ``jit`` sees the same state types
+    at every step."""
+
+    def update_fn(updates, state, params=None):
+        new_updates, new_state = inner.update(updates, state, params)
+        new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
+        new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
+        return new_updates, new_state
+
+    return optax.GradientTransformation(inner.init, update_fn)
+
+
+class LarsTrustRatioState(NamedTuple):
+    """State of :func:`scale_by_lars_trust_ratio`: the step count (for a clip schedule)."""
+
+    count: jax.Array  # int32 scalar
+
+
+def scale_by_lars_trust_ratio(
+    weight_decay: float = _LARS["weight_decay"],
+    trust_coefficient: float = _LARS["trust_coefficient"],
+    eps: float = _LARS["eps"],
+    clip_learning_rate: ScalarOrSchedule | None = None,
+) -> optax.GradientTransformation:
+    """Scale each leaf by the LARS trust ratio, with weight decay folded in.
+
+    Per leaf with gradient ``g`` and parameter ``w``::
+
+        ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)   (1 if ||w|| == 0 or ||g|| == 0)
+        ratio = min(ratio / lr_t, 1)                      (only with clip_learning_rate)
+        update = ratio * (g + wd * w)
+
+    The denominator holds ``||g||`` and ``wd * ||w||`` apart (MLPerf's LARS), so weight
+    decay is part of this transformation rather than an ``add_decayed_weights`` before
+    it. ``clip_learning_rate`` (a float or a schedule of the step count) turns on LARC's
+    clipping: the local rate ``lr_t * ratio`` never exceeds ``lr_t``. Norms and the
+    ratio are real and computed in float32 (float64 for float64 leaves), safe from
+    overflow; the update keeps the leaf's dtype. The hyperparameters may be traced;
+    concrete ones are checked as ``lars()`` checks them (``largebatch.lars.spec``).
+    """
+    for name, value in [("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
+                        ("eps", eps)]:
+        LARS_SPEC.hyper(name).check(_known(value), name)
+    wd, tc = weight_decay, trust_coefficient
+
+    def init_fn(params):
+        del params
+        return LarsTrustRatioState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(_NO_PARAMS)
+        lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
+
+        def leaf(g, w):
+            dtype = _compute_dtype(g)
+            g32, w32 = g.astype(dtype), w.astype(dtype)
+            w_norm, g_norm = _norm(w32), _norm(g32)
+            ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
+            if lr is not None:
+                ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
+            d = g32 if _is_zero(wd) else g32 + wd * w32
+            return (ratio * d).astype(g.dtype)
+
+        updates = jax.tree.map(leaf, updates, params)
+        return updates, LarsTrustRatioState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_lamb_trust_ratio() -> optax.GradientTransformation:
+    """Scale each leaf ``u`` by the LAMB trust ratio ``||w|| / ||u||``.
+
+    The ratio is 1 where ``||w|| == 0`` or ``||u|| == 0``; no bounds, no coefficient
+    (``optax.scale_by_trust_ratio()`` at its defaults, with overflow-safe real norms in
+    float32 or wider and the update in the leaf's dtype). In ``lamb()``, ``u`` is the
+    Adam direction with the weight decay already added, ``u = r + wd * w``, so the
+    decay enters the denominator ``||u||``.
+    """
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(_NO_PARAMS)
+
+        def leaf(u, w):
+            dtype = _compute_dtype(u)
+            u32 = u.astype(dtype)
+            w_norm, u_norm = _norm(w.astype(dtype)), _norm(u32)
+            return (_safe_ratio(w_norm, u_norm, w_norm, u_norm) * u32).astype(u.dtype)
+
+        return jax.tree.map(leaf, updates, params), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def divide_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Divide all updates by ``max(1, ||all updates|| / max_norm)`` (NVIDIA's LAMB clip).
+
+    The same rule as ``optax.clip_by_global_norm`` (which multiplies by
+    ``max_norm / norm`` above the threshold), written as NVIDIA's LAMB and the torch
+    optimizers write it; the global norm is the norm of the per-leaf norms, each
+    computed in float32 or wider and safe from overflow. ``max_norm`` is a number > 0
+    (LAMB's ``max_grad_norm``), or traced.
+    """
+    _MAX_NORM.check(_known(max_norm), "max_norm")
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves = jax.tree.leaves(updates)
+        if not leaves:
+            return updates, state
+        divisor = jnp.maximum(1.0, _global_norm(leaves) / max_norm)
+        updates = jax.tree.map(lambda g: (g / divisor).astype(g.dtype), updates)
+        return updates, state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def scale_by_uncorrected_adam(
+    b1: float = _LAMB["betas"][0], b2: float = _LAMB["betas"][1], eps: float = _LAMB["eps"]
+) -> optax.GradientTransformation:
+    """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.
+
+    ``m = b1 * m + (1 - b1) * g`` and ``v = b2 * v + (1 - b2) * g^2``, as
+    ``optax.scale_by_adam`` but without dividing by ``1 - b^t`` (``g^2`` is ``|g|^2``
+    for complex ``g``); the state is an ``optax.ScaleByAdamState``, so a checkpoint
+    fits either setting.
+    """
+
+    def init_fn(params):
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params),
+            nu=optax.tree.zeros_like(params),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        count = optax.safe_increment(state.count)
+        return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)

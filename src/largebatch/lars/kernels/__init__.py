@@ -1,0 +1,110 @@
+"""Fused multi-tensor Triton kernels for LARS and LAMB: the engine of the torch fused path.
+
+The update rules are those of ``largebatch.lars.reference`` (DESIGN §2); this package
+only changes where they run. A whole model's step is a constant number of launches,
+whatever its tensor count.
+
+Files: ``plan.py`` the host side (FusedGroup, input checks, the launch plan and its
+cache, the two entry points); ``common.py`` the per-tensor table's columns and the
+``@triton.jit`` helpers and kernels both optimizers use; ``lars.py`` and ``lamb.py``
+each optimizer's kernels.
+
+Host API
+--------
+``FusedGroup``: one optimizer param group, already filtered to params with grads::
+
+    params   list[Tensor]    fp32 / fp16 / bf16 model params, updated in place
+    grads    list[Tensor]    same dtypes as params; never written
+    masters  list[Tensor | None] | None
+                             fp32 master copies of the params: the math then runs on the
+                             master and the param is rewritten as its cast. None (for the
+                             list or one entry): no master, the math runs on the param
+    state    dict[str, list[Tensor]]
+                             LARS {"momentum_buffer"}, LAMB {"exp_avg", "exp_avg_sq"}
+                             (the spec's ``state``); fp32 for a param with a master, else
+                             the param dtype
+    steps    list[Tensor]    one fp32 0-dim count per param (params may share one): steps
+                             it took so far; LAMB's bias correction uses its own count;
+                             +1 on the device unless the step is skipped
+    lr       Tensor          fp32 0-dim; read by the kernels, so a schedule may change it
+    hyper    dict            the group's hyperparameters but lr, by the names of
+                             ``LARS_SPEC`` / ``LAMB_SPEC`` (``largebatch.lars.spec``);
+                             LARS: momentum, weight_decay, trust_coefficient, eps,
+                             nesterov, trust_clip, trust_ratio; LAMB: betas (a pair),
+                             eps, weight_decay, bias_correction, trust_ratio. Missing keys
+                             take the spec's defaults; an unknown key is a ValueError
+                             naming it; the values pass ``spec.check`` when a plan is built.
+
+``fused_lars_step_(groups, *, grad_scale=None, found_inf=None, counter=None)`` and
+``fused_lamb_step_(groups, *, max_grad_norm=None, grad_scale=None, found_inf=None,
+counter=None)`` take one step on every group. ``grad_scale`` (fp32 device tensor)
+divides every grad first; ``max_grad_norm`` (LAMB, a Python float) divides all grads by
+``max(1, ||all grads|| / max_grad_norm)`` over every group. If ``found_inf`` (fp32
+device tensor, as set by ``torch.amp.GradScaler``) is nonzero, the step changes nothing:
+params, masters, state and steps stay bitwise as they were. That is decided on the
+device; nothing here reads a device value on the host. Without ``found_inf`` an inf/NaN
+gradient is applied, as in every other path and in torch.optim. ``counter`` (fp32
+0-dim, optional) counts the applied steps, like the per-param counts.
+
+Kernels and launches
+--------------------
+Tensors are bucketed by (param dtype, masters or not). Per bucket a ``meta`` table
+holds each tensor's addresses (int64 ``data_ptr``), size and group, and a ``chunks``
+table maps each program to (tensor, first element) of its chunk: BLOCK * TILES = 4096
+elements, fewer when every tensor of the bucket is smaller. Small per-group tables hold
+the hyperparameters and the address of ``lr``: the hyperparameter table is fp64 (for an
+accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1, no weight decay
+where ``trust_ratio`` is False), one column per ``spec.columns`` entry, which the kernels
+read by name (``lars.py``, ``lamb.py``). Sums of squares are formed and accumulated in
+fp64 (``tl.atomic_add``) in one workspace, which also holds LAMB's global grad sum of
+squares: no finite weight or gradient can overflow them (an fp32 sum of squares does
+above ||x|| ~ 1.8e19), and on a memory-bound kernel the fp64 adds cost no time. Full
+chunks run without effective masks and, when every address of the bucket is 16-byte
+aligned, with 16-byte loads and stores; only each tensor's last chunk is masked.
+
+    LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor
+          pass 2 _lars_apply_kernel   trust ratio, momentum, w (and param from master)
+    LAMB (pass 0 _grad_check_kernel   ||g||^2 of all groups: only with max_grad_norm)
+          pass 1 _lamb_moments_kernel new m, v; ||w||^2, ||u||^2 per tensor
+          pass 2 _lamb_apply_kernel   u again from the stored m, v; trust ratio; w
+
+Every bucket's pass k runs before any bucket's pass k + 1, because the global norm spans
+all buckets. Launches per step: one workspace memset, 2 per bucket (LAMB with
+max_grad_norm: 3), and one ``_count_step_kernel`` (an fp32 model: 4; fp16 params with
+masters plus fp32 norm layers: 6). Shapes and addresses are fixed and nothing syncs, so
+the step can be captured in a CUDA graph once its plan exists.
+
+Bytes moved per param, pass by pass (the roofline's numerator; LAMB with max_grad_norm
+adds the grad read of pass 0: 4 B for fp32 grads, 2 B for fp16/bf16)::
+
+    params                          LARS            LAMB
+    fp32                            8 + 20 = 28     24 + 16 = 40
+    fp16 / bf16, fp32 masters       6 + 20 = 26     22 + 18 = 40
+    fp16 / bf16, state in that type 4 + 10 = 14     12 +  8 = 20
+
+Pass 0 exists because clipping needs the global norm before any moment is written.
+Pass 2 recomputes u from w, m and v; storing u in pass 1 and reading it
+back would move as many bytes and need a model-sized buffer. fp16 state without
+masters is a poor fit for LAMB: exp_avg_sq = (1 - beta2) g^2 underflows fp16 for
+small grads.
+
+Plan cache: the tables and the workspace are built once per distinct content (device,
+and every tensor address, size, dtype and hyperparameter of the call) and kept in a
+small LRU cache, so a changed tensor, a new grad allocation or a new hyperparameter
+builds a new plan (a few small host-to-device copies) and nothing needs invalidating by
+hand. Grads freed by ``zero_grad(set_to_none=True)`` usually come back at the same
+addresses, and then the plan is reused. Changing ``lr`` or step values is free; new
+``lr`` tensors cost one small copy of their address table (new step tensors, a new
+plan). Keep one ``lr`` tensor per group and update it in place: that is also what a
+CUDA graph needs.
+
+Limits: all tensors of a call on one device; each tensor's grad, master and state
+share its strides and are dense (contiguous in some memory format); steps count
+exactly up to 2**24 (fp32 counters, as in torch.optim).
+"""
+
+from __future__ import annotations
+
+from largebatch.lars.kernels.plan import FusedGroup, fused_lamb_step_, fused_lars_step_
+
+__all__ = ["FusedGroup", "fused_lars_step_", "fused_lamb_step_"]

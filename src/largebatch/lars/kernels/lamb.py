@@ -1,0 +1,201 @@
+"""The LAMB kernels: pass 1 (new moments; ||w||^2 and ||u||^2 per tensor) and pass 2
+(trust ratio, weights), after the optional pass 0 (``_grad_check_kernel`` in
+``common.py``: the global grad norm for ``max_grad_norm``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from largebatch.lars.kernels.common import (
+    _G,
+    _GROUP,
+    _GSQ,
+    _P,
+    _S0,
+    _S1,
+    _STEP,
+    _W,
+    _chunk,
+    _one_minus_pow,
+    _tensor_ptr,
+    _unscale,
+)
+from largebatch.lars.spec import LAMB_SPEC
+
+# Columns of the fp64 per-group table: LAMB_SPEC.columns, by name.
+_B1 = tl.constexpr(LAMB_SPEC.columns.index("b1"))
+_B2 = tl.constexpr(LAMB_SPEC.columns.index("b2"))
+_EPS = tl.constexpr(LAMB_SPEC.columns.index("eps"))
+_WEIGHT_DECAY = tl.constexpr(LAMB_SPEC.columns.index("weight_decay"))
+_BIAS_CORRECTION = tl.constexpr(LAMB_SPEC.columns.index("bias_correction"))
+_TRUST_RATIO = tl.constexpr(LAMB_SPEC.columns.index("trust_ratio"))
+_LAMB_COLS = tl.constexpr(len(LAMB_SPEC.columns))
+
+
+@triton.jit
+def _lamb_direction(w, m, v, inv_bc1, inv_bc2, eps, wd):
+    """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, in fp32; shared by passes 1 and 2."""
+    return (m * inv_bc1) / (tl.sqrt(v * inv_bc2) + eps) + wd * w
+
+
+@triton.jit
+def _lamb_factors(hyper, row, group):
+    """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, wd and trust_ratio flag,
+    and 1 / bias corrections at its own step count."""
+    h = hyper + group * _LAMB_COLS
+    b1 = tl.load(h + _B1)
+    b2 = tl.load(h + _B2)
+    eps = tl.load(h + _EPS).to(tl.float32)
+    wd = tl.load(h + _WEIGHT_DECAY).to(tl.float32)
+    corrected = tl.load(h + _BIAS_CORRECTION) != 0
+    trust_ratio = tl.load(h + _TRUST_RATIO) != 0
+    step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
+    e = step.to(tl.int32) + 1  # this is step t = step + 1
+    inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
+    inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, e), 1.0)
+    return b1, b2, eps, wd, inv_bc1, inv_bc2, trust_ratio
+
+
+@triton.jit
+def _moment_tiles(
+    w_ptr, g_ptr, m_ptr, v_ptr, start, limit, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """New m, v on elements [start, limit) of a chunk, stored; sums of w^2 and u^2."""
+    one_b1 = (1.0 - b1).to(tl.float32)  # 1 - b in fp64, then fp32
+    one_b2 = (1.0 - b2).to(tl.float32)
+    b1 = b1.to(tl.float32)
+    b2 = b2.to(tl.float32)
+    w_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    u_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    for i in range(TILES):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < limit
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * g_mul
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # Round to the stored dtype first, so that pass 2 recomputes exactly this u.
+        m = (b1 * m + one_b1 * g).to(W_DTYPE)
+        v = (b2 * v + one_b2 * g * g).to(W_DTYPE)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        u = _lamb_direction(w, m.to(tl.float32), v.to(tl.float32), inv_bc1, inv_bc2, eps, wd)
+        w64 = w.to(tl.float64)
+        u64 = tl.where(mask, u, 0.0).to(tl.float64)  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
+        w_sq += w64 * w64
+        u_sq += u64 * u64
+    return tl.sum(w_sq, axis=0), tl.sum(u_sq, axis=0)
+
+
+@triton.jit
+def _lamb_moments_kernel(
+    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 per tensor, atomically added
+    ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
+    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
+    grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
+    found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
+    max_grad_norm,  # float: global clipping threshold (used only if CLIP)
+    P_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    CLIP: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Pass 1 of LAMB: m, v updated and stored; ||w||^2 and ||u||^2 per tensor."""
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
+    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
+    b1, b2, eps, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, tl.load(row + _GROUP))
+    g_mul = _unscale(grad_scale, HAS_SCALE)
+    if CLIP:
+        # Compiled, a Python float argument is fp32 already; the interpreter passes it as
+        # a Python constant, which is fp64 outside fp32's normal range. fp32 in both.
+        clip_norm = tl.cast(max_grad_norm, tl.float32)
+        over = tl.sqrt(tl.load(ws + _GSQ)).to(tl.float32) / clip_norm
+        g_mul = g_mul / tl.where(over < 1.0, 1.0, over)  # a NaN norm stays NaN, as in torch.clamp
+
+    end = start + BLOCK * TILES
+    if end <= numel:
+        w_sq, u_sq = _moment_tiles(
+            w_ptr, g_ptr, m_ptr, v_ptr, start, end, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+            W_DTYPE, P_DTYPE, BLOCK, TILES,
+        )  # fmt: skip
+    else:
+        w_sq, u_sq = _moment_tiles(
+            w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+            W_DTYPE, P_DTYPE, BLOCK, TILES,
+        )  # fmt: skip
+    tl.atomic_add(acc + 2 * t, w_sq)
+    tl.atomic_add(acc + 2 * t + 1, u_sq)
+
+
+@triton.jit
+def _lamb_tiles(
+    w_ptr, p_ptr, m_ptr, v_ptr, start, limit, rate, inv_bc1, inv_bc2, eps, wd,
+    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+    BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """w -= rate * u on elements [start, limit) of a chunk (and the param rewritten)."""
+    for i in range(TILES):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < limit
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = w - rate * _lamb_direction(w, m, v, inv_bc1, inv_bc2, eps, wd)
+        tl.store(w_ptr + offs, w.to(W_DTYPE), mask=mask)
+        if HAS_MASTER:
+            tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+
+
+@triton.jit
+def _lamb_apply_kernel(
+    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 from pass 1
+    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
+    gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
+    found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
+    P_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,  # also write params = masters cast to P_DTYPE
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Pass 2 of LAMB: w -= lr * ratio * u, with u recomputed from the new m and v."""
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
+    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
+    group = tl.load(row + _GROUP)
+    _, _, eps, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group)
+    lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
+
+    w_norm = tl.sqrt(tl.load(acc + 2 * t))
+    u_norm = tl.sqrt(tl.load(acc + 2 * t + 1))
+    nonzero = (w_norm > 0) & (u_norm > 0) & trust_ratio
+    rate = lr * tl.where(nonzero, w_norm / tl.where(nonzero, u_norm, 1.0), 1.0).to(tl.float32)
+
+    end = start + BLOCK * TILES
+    if end <= numel:
+        _lamb_tiles(
+            w_ptr, p_ptr, m_ptr, v_ptr, start, end, rate, inv_bc1, inv_bc2, eps, wd,
+            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
+        )  # fmt: skip
+    else:
+        _lamb_tiles(
+            w_ptr, p_ptr, m_ptr, v_ptr, start, numel, rate, inv_bc1, inv_bc2, eps, wd,
+            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
+        )  # fmt: skip

@@ -1,0 +1,109 @@
+"""The LARS kernel: pass 2 (trust ratio, momentum, weights), after ``_grad_check_kernel``
+(``common.py``) formed each tensor's ||w||^2 and ||g||^2."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from largebatch.lars.kernels.common import (
+    _G,
+    _GROUP,
+    _P,
+    _S0,
+    _W,
+    _chunk,
+    _tensor_ptr,
+    _unscale,
+)
+from largebatch.lars.spec import LARS_SPEC
+
+# Columns of the fp64 per-group table: LARS_SPEC.columns, by name.
+_MOMENTUM = tl.constexpr(LARS_SPEC.columns.index("momentum"))
+_WEIGHT_DECAY = tl.constexpr(LARS_SPEC.columns.index("weight_decay"))
+_TRUST_COEFFICIENT = tl.constexpr(LARS_SPEC.columns.index("trust_coefficient"))
+_EPS = tl.constexpr(LARS_SPEC.columns.index("eps"))
+_NESTEROV = tl.constexpr(LARS_SPEC.columns.index("nesterov"))
+_TRUST_CLIP = tl.constexpr(LARS_SPEC.columns.index("trust_clip"))
+_TRUST_RATIO = tl.constexpr(LARS_SPEC.columns.index("trust_ratio"))
+_LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
+
+
+@triton.jit
+def _lars_tiles(
+    w_ptr, g_ptr, p_ptr, v_ptr, start, limit, inv_scale, rate, wd, momentum, nesterov,
+    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
+    BLOCK: tl.constexpr, TILES: tl.constexpr,
+):  # fmt: skip
+    """LARS on elements [start, limit) of a chunk: v and w (and the param) written."""
+    for i in range(TILES):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < limit
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        update = rate * (g + wd * w)
+        v = momentum * v + update
+        w = w - tl.where(nesterov, momentum * v + update, v)
+        tl.store(v_ptr + offs, v.to(W_DTYPE), mask=mask)
+        tl.store(w_ptr + offs, w.to(W_DTYPE), mask=mask)
+        if HAS_MASTER:
+            tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+
+
+@triton.jit
+def _lars_apply_kernel(
+    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 from pass 1
+    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
+    gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
+    grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
+    found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
+    P_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,  # also write params = masters cast to P_DTYPE
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov)."""
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
+    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
+    v_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
+    group = tl.load(row + _GROUP)
+    h = hyper + group * _LARS_COLS
+    momentum = tl.load(h + _MOMENTUM).to(tl.float32)
+    wd = tl.load(h + _WEIGHT_DECAY).to(tl.float32)
+    tc = tl.load(h + _TRUST_COEFFICIENT).to(tl.float32)
+    eps = tl.load(h + _EPS).to(tl.float32)
+    nesterov = tl.load(h + _NESTEROV) != 0
+    trust_clip = tl.load(h + _TRUST_CLIP) != 0
+    trust_ratio = tl.load(h + _TRUST_RATIO) != 0
+    lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
+    inv_scale = _unscale(grad_scale, HAS_SCALE)
+
+    # The norms come in fp64 (no overflow for any finite weights); the ratio goes to fp32.
+    w_norm = tl.sqrt(tl.load(acc + 2 * t))
+    g_norm = tl.sqrt(tl.load(acc + 2 * t + 1))
+    nonzero = (w_norm > 0) & (g_norm > 0)
+    ratio = tl.where(nonzero, tc * w_norm / tl.where(nonzero, g_norm + wd * w_norm + eps, 1.0), 1.0)
+    ratio = ratio.to(tl.float32)
+    ratio = tl.where(trust_clip, tl.minimum(ratio / lr, 1.0), ratio)
+    rate = lr * tl.where(trust_ratio, ratio, 1.0)
+
+    end = start + BLOCK * TILES
+    if end <= numel:
+        _lars_tiles(
+            w_ptr, g_ptr, p_ptr, v_ptr, start, end, inv_scale, rate, wd, momentum, nesterov,
+            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
+        )  # fmt: skip
+    else:
+        _lars_tiles(
+            w_ptr, g_ptr, p_ptr, v_ptr, start, numel, inv_scale, rate, wd, momentum, nesterov,
+            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
+        )  # fmt: skip

@@ -1,0 +1,336 @@
+"""The host side of the fused step: FusedGroup, its checks, the launch plan (tables,
+workspace, launch shapes) and its LRU cache, and the two entry points, which launch the
+kernels of ``common.py``, ``lars.py`` and ``lamb.py`` (package docstring: semantics,
+launches and the plan cache)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from largebatch.lars.kernels.common import (
+    _NUMEL,
+    _STEP,
+    _WS_HEAD,
+    _count_step_kernel,
+    _grad_check_kernel,
+)
+from largebatch.lars.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel
+from largebatch.lars.kernels.lars import _lars_apply_kernel
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, OptimizerSpec
+
+BLOCK = 1024  # elements a program handles at once (at most)
+TILES = 4  # blocks per program (at most): a chunk is BLOCK * TILES elements
+
+
+@dataclass
+class FusedGroup:
+    """One param group for the fused step (see the package docstring for each field)."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    masters: list[torch.Tensor | None] | None
+    state: dict[str, list[torch.Tensor]]
+    steps: list[torch.Tensor]
+    lr: torch.Tensor
+    hyper: dict
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+@dataclass
+class _Bucket:
+    """The tensors of one (param dtype, masters) kind: tables and launch shape."""
+
+    chunks: torch.Tensor  # int64 [n_chunks, 2]
+    meta: torch.Tensor  # int64 [n_tensors, _META_COLS]
+    acc: torch.Tensor  # fp64 [n_tensors, 2], a view into the plan's workspace
+    grid: tuple[int]  # one program per chunk
+    has_master: bool
+    consts: dict  # P_DTYPE, W_DTYPE, ALIGNED, BLOCK, TILES
+
+
+@dataclass
+class _Plan:
+    buckets: list[_Bucket]
+    hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
+    ws: torch.Tensor  # fp64 workspace: global sum of squares, per-tensor sums
+    steps: torch.Tensor  # int64 [n_steps]: distinct step addresses (tensors', then counter)
+    gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
+    lrs: tuple = ()  # the lr addresses gaddr holds
+
+
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
+_MAX_PLANS = 8
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _hyper_values(spec: OptimizerSpec, hyper: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters by the spec's names (lr apart), defaults for the missing."""
+    names = spec.group_keys[1:]  # lr is FusedGroup.lr
+    unknown = set(hyper) - set(names)
+    if unknown:
+        raise ValueError(f"Unknown hyperparameters {sorted(unknown)}; expected {list(names)}")
+    return {**{k: spec.defaults[k] for k in names}, **hyper}
+
+
+def _check_hyper(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> None:
+    """spec.check on a group's values; messages name the group."""
+    values = _hyper_values(spec, hyper)
+    spec.check(values, names={k: f"group {i} {k}" for k in values})
+
+
+def _hyper_row(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> tuple[float, ...]:
+    """Group i's row of the fp64 table, in spec.columns order (spec.row)."""
+    values = _hyper_values(spec, hyper)
+    try:
+        return spec.row(values)
+    except (TypeError, ValueError, KeyError):  # a malformed value: let the check name it
+        _check_hyper(spec, i, values)
+        raise
+
+
+def _describe(x: torch.Tensor) -> str:
+    return f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
+
+
+def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device) -> None:
+    if set(group.state) != set(state_names):
+        raise ValueError(f"group {i}: state must hold {state_names}, got {sorted(group.state)}")
+    lists = {"grads": group.grads, "masters": group.masters or group.params, "steps": group.steps,
+             **group.state}
+    for name, xs in lists.items():
+        if len(xs) != len(group.params):
+            raise ValueError(f"group {i}: {len(xs)} {name} for {len(group.params)} params")
+    for j, p in enumerate(group.params):
+        if p.dtype not in _TL_DTYPES or not any(p.is_contiguous(memory_format=f) for f in _FORMATS):
+            raise ValueError(f"group {i} param {j}: need dense fp32/fp16/bf16, got {_describe(p)}")
+        master = _master(group, j)
+        math_dtype = p.dtype if master is None else torch.float32
+        expect = {"grads": (group.grads[j], p.dtype), "masters": (master, torch.float32)}
+        expect.update({k: (group.state[k][j], math_dtype) for k in state_names})
+        for name, (x, want) in expect.items():
+            if x is None:
+                continue
+            if (x.dtype, x.shape, x.stride(), x.device) != (want, p.shape, p.stride(), device):
+                raise ValueError(
+                    f"group {i} {name}[{j}]: expected {want} like param {_describe(p)},"
+                    f" got {_describe(x)}"
+                )
+        _check_scalar(f"group {i} steps[{j}]", group.steps[j], device)
+
+
+def _check_scalar(name: str, x: torch.Tensor, device) -> None:
+    if x.dtype != torch.float32 or x.numel() != 1 or x.device != device:
+        raise ValueError(f"{name} must be one fp32 on {device}: {_describe(x)}")
+
+
+def _master(group: FusedGroup, j: int) -> torch.Tensor | None:
+    return None if group.masters is None else group.masters[j]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def _key(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> tuple:
+    """What a plan's tensor tables depend on: device, addresses, sizes, dtypes, hyperparameters.
+
+    lr addresses are left out: when those tensors change, only their small table is
+    refreshed (see _set_lrs).
+    """
+    key = [spec.name, groups[0].params[0].device, None if counter is None else counter.data_ptr()]
+    for i, g in enumerate(groups):
+        names = tuple(g.state)
+        key.append((_hyper_row(spec, i, g.hyper), names))
+        masters = [_master(g, j) for j in range(len(g.params))]
+        for p, gr, m, st, *s in zip(g.params, g.grads, masters, g.steps, *(g.state[k] for k in names)):
+            m_ptr = None if m is None else m.data_ptr()
+            addresses = (p.data_ptr(), gr.data_ptr(), m_ptr, st.data_ptr(), *(x.data_ptr() for x in s))
+            key.append((p.dtype, p.numel(), *addresses))
+    return tuple(key)
+
+
+def _launch_shape(max_numel: int) -> tuple[int, int]:
+    """(BLOCK, TILES) of a bucket: 1024 x 4 elements per program, less for small tensors."""
+    block = min(BLOCK, max(128, triton.next_power_of_2(max_numel)))
+    return block, min(TILES, triton.cdiv(max_numel, block))
+
+
+def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> _Plan:
+    device = groups[0].params[0].device
+    for i, g in enumerate(groups):
+        _check_group(i, g, spec.state, device)
+        _check_hyper(spec, i, g.hyper)
+    if counter is not None:
+        _check_scalar("counter", counter, device)
+    rows: dict[tuple, list[list[int]]] = {}  # (param dtype, has masters) -> meta rows
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g.params):
+            m = _master(g, j)
+            s = [g.state[k][j].data_ptr() for k in spec.state] + [0] * (2 - len(spec.state))
+            row = [(p if m is None else m).data_ptr(), g.grads[j].data_ptr(), p.data_ptr(), *s]
+            row += [g.steps[j].data_ptr(), p.numel(), gi]
+            rows.setdefault((p.dtype, m is not None), []).append(row)
+
+    n_tensors = sum(len(r) for r in rows.values())
+    ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
+    buckets, offset = [], _WS_HEAD
+    for (dtype, has_master), meta_rows in rows.items():
+        n = len(meta_rows)
+        acc, offset = ws[offset : offset + 2 * n], offset + 2 * n
+        numel = torch.tensor([r[_NUMEL.value] for r in meta_rows], dtype=torch.int64)
+        block, tiles = _launch_shape(int(numel.max()))
+        counts = triton.cdiv(numel, block * tiles)
+        if counts.sum() == 0:  # only zero-size tensors: nothing to launch
+            continue
+        tensor = torch.repeat_interleave(torch.arange(n), counts)
+        tensor_first_chunk = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        first = torch.arange(len(tensor)) - tensor_first_chunk  # chunk index within its tensor
+        consts = dict(
+            P_DTYPE=_TL_DTYPES[dtype],
+            W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
+            ALIGNED=all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value]),
+            BLOCK=block,
+            TILES=tiles,
+        )
+        buckets.append(
+            _Bucket(
+                chunks=torch.stack([tensor, first * block * tiles], dim=1).to(device),
+                meta=torch.tensor(meta_rows, dtype=torch.int64, device=device),
+                acc=acc,
+                grid=(len(tensor),),
+                has_master=has_master,
+                consts=consts,
+            )
+        )
+
+    hyper = [_hyper_row(spec, i, g.hyper) for i, g in enumerate(groups)]
+    # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
+    steps = [x.data_ptr() for g in groups for x in g.steps]
+    steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
+    return _Plan(
+        buckets, torch.tensor(hyper, dtype=torch.float64, device=device), ws,
+        steps=torch.tensor(steps, dtype=torch.int64, device=device),
+    )
+
+
+def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
+    """Point the plan at the groups' lr tensors (a no-op while they stay)."""
+    lrs = tuple(g.lr.data_ptr() for g in groups)
+    if lrs == plan.lrs:
+        return
+    for i, g in enumerate(groups):
+        _check_scalar(f"group {i}: lr", g.lr, plan.ws.device)
+    plan.gaddr = torch.tensor(lrs, dtype=torch.int64, device=plan.ws.device)
+    plan.lrs = lrs
+
+
+def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None):
+    """The cached plan for these groups, or None when there is nothing to update."""
+    groups = [g for g in groups if g.params]
+    if not groups:
+        return None
+    key = _key(spec, groups, counter)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _build(spec, groups, counter)
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    _set_lrs(plan, groups)
+    return plan
+
+
+def _scalars(plan: _Plan, grad_scale, found_inf) -> tuple:
+    """Pointer arguments for the optional device scalars, and their flags.
+
+    An absent one is replaced by the workspace: a valid pointer the kernels never read.
+    """
+    for name, x in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if x is not None and (x.dtype != torch.float32 or x.device != plan.ws.device):
+            raise ValueError(f"{name} must be fp32 on {plan.ws.device}: {_describe(x)}")
+    has = dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None)
+    scale = plan.ws if grad_scale is None else grad_scale
+    return scale, plan.ws if found_inf is None else found_inf, has
+
+
+def _count_step(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool) -> None:
+    n = len(plan.steps)
+    block = min(BLOCK, triton.next_power_of_2(n))
+    _count_step_kernel[(triton.cdiv(n, block),)](
+        plan.steps, n, found_inf, HAS_FOUND_INF=has_found_inf, BLOCK=block,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def fused_lars_step_(
+    groups: list[FusedGroup],
+    *,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
+) -> None:
+    """One LARS step on every group, in place (package docstring: semantics and launches)."""
+    plan = _plan(LARS_SPEC, groups, counter)
+    if plan is None:
+        return
+    scale, inf, has = _scalars(plan, grad_scale, found_inf)
+    plan.ws.zero_()
+    for b in plan.buckets:
+        _grad_check_kernel[b.grid](
+            b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=True, G_SQ=True, GLOBAL_SQ=False,
+            **has, **b.consts,
+        )  # fmt: skip
+    for b in plan.buckets:
+        _lars_apply_kernel[b.grid](
+            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
+            HAS_MASTER=b.has_master, **has, **b.consts,
+        )  # fmt: skip
+    _count_step(plan, inf, has["HAS_FOUND_INF"])
+
+
+def fused_lamb_step_(
+    groups: list[FusedGroup],
+    *,
+    max_grad_norm: float | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
+) -> None:
+    """One LAMB step on every group, in place (package docstring: semantics and launches)."""
+    plan = _plan(LAMB_SPEC, groups, counter)
+    if plan is None:
+        return
+    scale, inf, has = _scalars(plan, grad_scale, found_inf)
+    clip = max_grad_norm is not None
+    plan.ws.zero_()
+    if clip:  # the global grad norm must be complete before any moment is formed
+        for b in plan.buckets:
+            _grad_check_kernel[b.grid](
+                b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=False, G_SQ=False,
+                GLOBAL_SQ=True, **has, **b.consts,
+            )  # fmt: skip
+    for b in plan.buckets:
+        _lamb_moments_kernel[b.grid](
+            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, scale, inf,
+            float(max_grad_norm) if clip else 1.0, CLIP=clip, **has, **b.consts,
+        )  # fmt: skip
+    for b in plan.buckets:
+        _lamb_apply_kernel[b.grid](
+            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,
+            HAS_MASTER=b.has_master, HAS_FOUND_INF=has["HAS_FOUND_INF"], **b.consts,
+        )  # fmt: skip
+    _count_step(plan, inf, has["HAS_FOUND_INF"])

@@ -1,0 +1,58 @@
+"""LARS and LAMB as ``torch.optim.Optimizer`` subclasses, with their functionals.
+
+Layout, as in ``torch.optim``: the classes validate and hold groups and state; the
+functionals :func:`lars` and :func:`lamb` take one group's tensor lists and
+hyperparameters, pick the path (``_single_tensor``, ``_foreach``, ``_compiled`` or
+``_fused``; the rule is ``_paths.resolve``) and run it. The optimizers call them group by
+group, except on the fused path, where one call of the Triton kernels takes every group.
+
+Files: ``_common`` (param groups, checks, norms), ``_paths`` (the path choice and the
+compiled path), ``_base`` (what the two optimizers share: state dicts, master weights,
+the GradScaler contract), ``_lars`` and ``_lamb`` (each optimizer: class, functional,
+paths), ``_fused`` (glue to ``largebatch.lars.kernels``). The hyperparameters are
+``largebatch.lars.spec``; the math is ``largebatch.lars.reference`` (DESIGN §2), and every
+path is tested against it.
+
+Mixed precision: with ``master_weights=True``, fp16/bf16 params get an fp32 master copy
+in the optimizer state (saved by ``state_dict``); the update runs on the master and the
+model's param is rewritten from it. The optimizers follow the ``torch.amp.GradScaler``
+contract (``_step_supports_amp_scaling``): gradients are unscaled inside the step
+(``p.grad`` is never written) and a step with ``found_inf`` set changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from largebatch.lars.spec import LARS_SPEC
+from largebatch.lars.torch._common import default_exclude, norm, param_groups
+from largebatch.lars.torch._lamb import LAMB, lamb
+from largebatch.lars.torch._lars import LARS, lars, lars_ratio
+from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL, COMPILE_MIN_TENSOR
+
+__all__ = ["LARS", "LAMB", "lars", "lamb", "param_groups", "default_exclude", "trust_ratios",
+           "COMPILE_MIN_NUMEL", "COMPILE_MIN_TENSOR"]
+
+
+@torch.no_grad()
+def trust_ratios(optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> list[float]:
+    """The trust ratios of ``optimizer``'s adapted tensors, for telemetry.
+
+    LARS and LAMB: the ratios their next step would apply (``optimizer.trust_ratios``).
+    Any other optimizer (SGD, as a diagnostic): the LARS ratio at the spec's default
+    ``trust_coefficient`` and ``eps`` and the group's ``weight_decay``, for every param
+    of two or more dimensions with a grad (biases and normalization params left out).
+    """
+    if isinstance(optimizer, (LARS, LAMB)):
+        return optimizer.trust_ratios(grad_scale)
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or p.ndim <= 1:
+                continue
+            w, g = p.detach().float(), p.grad.float() / grad_scale
+            ratio = lars_ratio(norm(w), norm(g), lr=group["lr"], weight_decay=group.get("weight_decay", 0.0),
+                               trust_coefficient=LARS_SPEC.defaults["trust_coefficient"],
+                               eps=LARS_SPEC.defaults["eps"], trust_clip=False)
+            out.append(float(ratio))
+    return out

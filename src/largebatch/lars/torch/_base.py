@@ -1,0 +1,301 @@
+"""What LARS and LAMB share as ``torch.optim.Optimizer``\\ s: validation from the spec,
+master weights, the GradScaler contract, state dicts and the count of applied steps."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from largebatch.lars.spec import OptimizerSpec, as_flag
+from largebatch.lars.torch import _fused, _paths
+from largebatch.lars.torch._common import (
+    LOW_PRECISION,
+    SUPPORTED_DTYPES,
+    check_paths,
+    group_params,
+    lr_number,
+    lr_value,
+    param_list,
+    skipped,
+    tensors_of,
+)
+
+# Chosen by the constructor, kept by load_state_dict: which path runs and whether fp16/bf16
+# params get fp32 masters are settings of this optimizer, not of the checkpoint.
+CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled")
+
+
+def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
+    """Where a param's step count lives: on its device for the fused kernels (which count
+    on the device), on the CPU otherwise (read on the host for bias corrections)."""
+    return param.device if group["fused"] else torch.device("cpu")
+
+
+class LayerwiseOptimizer(Optimizer):
+    """The base of :class:`LARS` and :class:`LAMB`. A subclass names its ``spec`` and its
+    functional (which takes one group's tensor lists and hyperparameters and picks the
+    path); the fused path takes every group in one call of ``_fused.fused_step``."""
+
+    _step_supports_amp_scaling = True
+    spec: OptimizerSpec
+    functional: Callable[..., None]
+    _extra_state: tuple[str, ...] = ("_applied",)  # pickled with the optimizer
+
+    def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
+                 compiled: Any, **hyper: Any) -> None:
+        params = param_list(params)
+        paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
+        self._applied = torch.zeros((), dtype=torch.float32)
+        super().__init__(params, {**hyper, "master_weights": master_weights, **paths})
+
+    # Validation runs on every group, including those added later, before it is stored.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
+        param_group = {**param_group, "params": group_params(param_group["params"])}
+        merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._validate(merged)
+        for p in param_group["params"]:
+            if isinstance(p, Tensor) and p.dtype not in SUPPORTED_DTYPES:
+                raise ValueError(
+                    f"{type(self).__name__} supports float64/32/16 and bfloat16 params, "
+                    f"got a {p.dtype} param of shape {tuple(p.shape)}"
+                )
+        super().add_param_group(param_group)
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        values = {k: group[k] for k in self.spec.group_keys}
+        self.spec.check({**values, "lr": lr_number(group["lr"])})
+        as_flag("master_weights", group["master_weights"])
+        check_paths(group["foreach"], group["fused"], group["compiled"])
+        if group["fused"] and group["foreach"]:
+            raise ValueError("foreach=True and fused=True cannot both be set")
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A group's hyperparameters for the functional, in the spec's names."""
+        return {**{k: group[k] for k in self.spec.group_keys}, "lr": lr_value(group["lr"])}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles defaults, state and groups only: keep the count of applied
+        # steps (and LAMB's max_grad_norm) through copy.deepcopy, pickle and torch.save.
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in self._extra_state}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_applied", torch.zeros((), dtype=torch.float32))
+        for group in self.param_groups:
+            for key in (*self.spec.group_keys, *CONSTRUCTOR_KEYS):
+                group.setdefault(key, self.defaults[key])
+
+    @property
+    def num_steps(self) -> int:
+        """Steps applied so far: ``step()`` calls that were not skipped by a GradScaler,
+        whichever params had grads. ``ScheduleLR(..., follow_optimizer=True)`` reads it."""
+        return int(self._applied)
+
+    # ------------------------------------------------------------------ state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["num_steps"] = self.num_steps
+        for option in self.spec.options:
+            out[option.name] = getattr(self, option.name)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this optimizer, after checking all of it.
+
+        Refused with a ValueError, before anything changes: another optimizer's state
+        dict, a state tensor whose shape is not its param's, an invalid hyperparameter.
+        Kept from this optimizer, not taken from the checkpoint: ``master_weights``,
+        ``foreach``, ``fused`` and ``compiled``. Then fp16/bf16 params get an fp32 master
+        when ``master_weights`` is on (from the param, if the checkpoint has none) and lose
+        it when it is off; moments keep their saved precision where a master holds the
+        math and take the param's dtype elsewhere; steps may be plain numbers.
+        """
+        state_dict = dict(state_dict)
+        options = [o.name for o in self.spec.options]
+        extra = {k: state_dict.pop(k) for k in ("num_steps", *options) if k in state_dict}
+        if "num_steps" in extra:
+            n = extra["num_steps"]
+            if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"Invalid num_steps: {n!r} (must be an integer >= 0)")
+        self.spec.check({k: extra[k] for k in options if k in extra})
+        by_id = self._check_loadable(state_dict)
+        kept = [{k: g[k] for k in CONSTRUCTOR_KEYS} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, keys in zip(self.param_groups, kept):
+            group.update(keys)
+        groups = {p: g for g in self.param_groups for p in g["params"]}
+        for pid, saved in state_dict["state"].items():
+            param = by_id[pid]
+            self.state[param] = self._loaded_state(param, groups[param], saved)
+        if "num_steps" not in extra:  # a state dict of another version: the longest count
+            extra["num_steps"] = max((int(s["step"]) for s in self.state.values()), default=0)
+        self._applied = torch.tensor(float(extra["num_steps"]))
+        for name in options:
+            if name in extra:
+                setattr(self, name, extra[name])
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
+        """Every check of load_state_dict; returns the saved param ids -> our params."""
+        name = type(self).__name__
+        if not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(f"not an optimizer state dict: keys {sorted(state_dict)}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} param groups, {name} has {len(self.param_groups)}"
+            )
+        by_id = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            missing = [k for k in self.spec.group_keys if k not in saved]
+            if missing:
+                raise ValueError(
+                    f"not a {name} state dict: its param group {i} lacks {missing} (it has {sorted(saved)})"
+                )
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"loaded param group {i} has {len(saved['params'])} params, {name}'s has {len(group['params'])}"
+                )
+            merged = {**group, **{k: v for k, v in saved.items() if k not in CONSTRUCTOR_KEYS}}
+            self._validate(merged)
+            by_id.update(zip(saved["params"], group["params"]))
+        allowed = {"step", "master_param", *self.spec.state}
+        for pid, entry in state_dict["state"].items():
+            if pid not in by_id:
+                raise ValueError(f"loaded state refers to param {pid!r}, which no param group holds")
+            param = by_id[pid]
+            if not set(entry) <= allowed or not {"step", *self.spec.state} <= set(entry):
+                raise ValueError(
+                    f"not a {name} state dict: param {pid!r} holds {sorted(entry)}, expected "
+                    f"{sorted(allowed)} (master_param optional)"
+                )
+            step = entry["step"]
+            if not (isinstance(step, numbers.Real) or (isinstance(step, Tensor) and step.numel() == 1)):
+                raise ValueError(f"param {pid!r}: step must be a number or a one-element Tensor, got {step!r}")
+            for key in allowed - {"step"}:
+                value = entry.get(key)
+                if value is not None and (not isinstance(value, Tensor) or value.shape != param.shape):
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"param {pid!r}: {key} has shape {got}, the param has {tuple(param.shape)}"
+                    )
+        return by_id
+
+    def _loaded_state(self, param: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """One param's state from its saved entry, in this optimizer's layout (copies)."""
+        step = saved["step"]
+        step = step.detach().reshape(()) if isinstance(step, Tensor) else torch.tensor(float(step))
+        state: dict[str, Any] = {
+            "step": step.to(device=_step_device(param, group), dtype=torch.float32, copy=True)
+        }
+        if group["master_weights"] and param.dtype in LOW_PRECISION:
+            master = saved.get("master_param")
+            master = param.detach() if master is None else master
+            state["master_param"] = master.to(device=param.device, dtype=torch.float32, copy=True)
+            math_dtype = torch.float32
+        else:
+            math_dtype = param.dtype
+        for key in self.spec.state:
+            state[key] = saved[key].to(device=param.device, dtype=math_dtype, copy=True)
+        return state
+
+    # ------------------------------------------------------------------ the step
+
+    def _gather(self, group: dict[str, Any]) -> dict[str, list]:
+        """The params of ``group`` that have grads, their state (created lazily), checked."""
+        out: dict[str, list] = {"params": [], "grads": [], "masters": [], "steps": []}
+        out.update({key: [] for key in self.spec.state})
+        use_masters = group["master_weights"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            master = state.get("master_param")
+            if not state:
+                if use_masters and p.dtype in LOW_PRECISION:
+                    master = p.detach().float().clone(memory_format=torch.preserve_format)
+                    state["master_param"] = master
+                like = p if master is None else master
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_step_device(p, group))
+                for key in self.spec.state:
+                    state[key] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            out["params"].append(p)
+            out["grads"].append(p.grad)
+            out["masters"].append(master)
+            out["steps"].append(state["step"])
+            for key in self.spec.state:
+                out[key].append(state[key])
+        return out
+
+    def _amp_inputs(self) -> tuple[Tensor | None, Tensor | None]:
+        """``(grad_scale, found_inf)`` as ``torch.amp.GradScaler.step`` sets them, or Nones.
+
+        After ``scaler.unscale_(opt)`` the scaler passes ``grad_scale=None`` (the grads are
+        already unscaled) and still passes ``found_inf``."""
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step. ``closure`` re-evaluates the model and returns the loss.
+
+        Non-finite gradients are applied as torch.optim applies them (they reach the params
+        and the state); a step is skipped only when a ``torch.amp.GradScaler`` found inf or
+        NaN (``found_inf``), on every path."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads()
+        grad_scale, found_inf = self._amp_inputs()
+        fused = {group["fused"] for group in self.param_groups}
+        if len(fused) > 1:
+            raise ValueError("fused must be the same in every param group")
+        if fused.pop():
+            # The fused kernels decide the skip on the device, from found_inf.
+            gathered = [self._gather(g) for g in self.param_groups]
+            self._fused_step(gathered, grad_scale=grad_scale, found_inf=found_inf)
+        elif not skipped(found_inf):  # decided before any state is created or changed
+            gathered = [self._gather(g) for g in self.param_groups]
+            for group, tensors, scale in zip(self.param_groups, gathered, self._grad_scales(gathered, grad_scale)):
+                self.functional(*self._lists(tensors), **self._hyper(group), grad_scale=scale,
+                                foreach=group["foreach"], fused=False, compiled=group["compiled"])
+            self._applied += 1
+        return loss
+
+    def _lists(self, tensors: dict[str, list]) -> tuple[list, ...]:
+        """A gathered group as the functional's positional lists."""
+        return (tensors["params"], tensors["grads"], *(tensors[k] for k in self.spec.state),
+                tensors["masters"], tensors["steps"])
+
+    def _grad_scales(self, gathered: list[dict[str, list]], grad_scale: Tensor | None) -> list:
+        """What divides each group's grads (LAMB adds its clipping divisor)."""
+        return [grad_scale] * len(gathered)
+
+    def _fused_step(self, gathered: list[dict[str, list]], **kwargs: Any) -> None:
+        buffers = self.__dict__.setdefault("_fused_lr", {})
+        groups = []
+        for group, tensors in zip(self.param_groups, gathered):
+            if not tensors["params"]:
+                continue
+            lr = _fused.device_lr(group["lr"], tensors["params"][0].device, buffers, id(group))
+            groups.append(_fused.fused_group(self.spec, tensors, lr, group))
+        options = {o.name: getattr(self, o.name) for o in self.spec.options}
+        self._applied = _fused.fused_step(self.spec, groups, counter=self._applied, **options, **kwargs)
+
+    def _check_grads(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                if p.grad is not None and p.grad.is_complex():
+                    raise ValueError(
+                        f"{type(self).__name__} does not support complex gradients "
+                        f"(got {p.grad.dtype} for a param of shape {tuple(p.shape)})"
+                    )

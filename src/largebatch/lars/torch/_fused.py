@@ -1,0 +1,61 @@
+"""The fused path's glue: torch tensors and groups in, one call of the Triton kernels.
+
+One call takes every group of an optimizer, so a step's launch count does not grow with
+the number of groups and LAMB's global gradient norm spans all of them. The kernels
+(``largebatch.lars.kernels``) advance each param's step count, and the optimizer's count
+of applied steps, on the device unless GradScaler's ``found_inf`` skips the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from largebatch.lars.spec import OptimizerSpec
+
+
+def fused_group(spec: OptimizerSpec, tensors: dict[str, list], lr: Tensor, hyper: dict[str, Any]) -> Any:
+    """One ``FusedGroup`` from a group's lists (keys params, grads, masters, steps and the
+    spec's state names) and hyperparameters (the spec's names, lr apart)."""
+    from largebatch.lars.kernels import FusedGroup
+
+    return FusedGroup(
+        params=tensors["params"], grads=tensors["grads"], masters=tensors["masters"],
+        state={k: tensors[k] for k in spec.state}, steps=tensors["steps"], lr=lr,
+        hyper={k: hyper[k] for k in spec.group_keys[1:]},
+    )
+
+
+def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
+               found_inf: Tensor | None, **kwargs: Any) -> Tensor | None:
+    """One step of the kernels on ``groups``; returns ``counter``, moved to the params'
+    device if it was elsewhere (it is counted where the kernels run)."""
+    from largebatch.lars import kernels
+
+    step = {"LARS": kernels.fused_lars_step_, "LAMB": kernels.fused_lamb_step_}[spec.name]
+    groups = [g for g in groups if g.params]
+    if not groups:  # nothing to update: count the step unless GradScaler skips it
+        if counter is not None and (found_inf is None or not bool(found_inf.item())):
+            counter += 1
+        return counter
+    device = groups[0].params[0].device
+    if counter is not None and counter.device != device:
+        counter = counter.to(device)
+    step(groups, counter=counter, found_inf=found_inf, **kwargs)
+    return counter
+
+
+def device_lr(lr: float | Tensor, device: torch.device, buffers: dict | None = None, key: Any = None) -> Tensor:
+    """``lr`` as an fp32 0-dim tensor on ``device``: ``lr`` itself when it is one (the
+    CUDA-graph-friendly way, read in place), else a buffer filled with it, kept in
+    ``buffers[key]`` so that the kernels' lr address table stays valid between steps."""
+    if isinstance(lr, Tensor) and lr.device == device and lr.dtype == torch.float32 and lr.numel() == 1:
+        return lr.reshape(())
+    buffer = None if buffers is None else buffers.get(key)
+    if buffer is None or buffer.device != device:
+        buffer = torch.zeros((), dtype=torch.float32, device=device)
+        if buffers is not None:
+            buffers[key] = buffer
+    return buffer.fill_(lr) if not isinstance(lr, Tensor) else buffer.copy_(lr.reshape(()))

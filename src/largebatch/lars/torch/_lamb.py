@@ -1,0 +1,291 @@
+"""LAMB for torch: the optimizer, its functional and the four paths of its update."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from largebatch.lars.spec import LAMB_SPEC, applied_weight_decay
+from largebatch.lars.torch import _paths
+from largebatch.lars.torch._base import LayerwiseOptimizer
+from largebatch.lars.torch._common import (
+    norm,
+    safe_ratio,
+    stacked_norms,
+    unscaled,
+    weights,
+    write_back,
+)
+
+_D = LAMB_SPEC.defaults
+
+
+def lamb(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    masters: list[Tensor | None],
+    state_steps: list[Tensor],
+    *,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    compiled: bool | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    trust_ratio: bool,
+) -> None:
+    """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
+
+    Every grad is divided by ``grad_scale`` first (the GradScaler scale, times the global
+    clipping divisor ``max(1, ||all grads|| / max_grad_norm)`` when the caller clips) and
+    is never written; a nonzero ``found_inf`` makes the step a no-op.
+    ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
+    """
+    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                 bias_correction=bias_correction, trust_ratio=trust_ratio)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
+    _paths.dispatch(LAMB_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
+                    grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
+
+
+def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
+    """The LAMB trust ratio ``||w|| / ||u||`` (1 where either is zero)."""
+    return safe_ratio(w_norm, u_norm, w_norm, u_norm)
+
+
+def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool) -> tuple[float, float]:
+    """``(1 - b1^t, 1 - b2^t)`` at the step count ``t`` (ones without bias correction)."""
+    if not bias_correction:
+        return 1.0, 1.0
+    t = float(step)
+    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
+
+
+def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN001
+    """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor."""
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    if isinstance(weight_decay, Tensor) or weight_decay != 0:
+        u.add_(w * weight_decay)
+    return u
+
+
+def _lamb_one(
+    p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
+    trust_ratio, norm=norm, plain_norm=norm,  # noqa: ANN001
+) -> Tensor | None:
+    """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
+    already the applied one). The numbers are floats, or 0-dim tensors when this body
+    runs compiled. Returns ``||u||`` (None without trust ratio).
+
+    ``norm`` never overflows. ``plain_norm`` (for ``||u||``, which a compiled body then
+    forms in the same pass as ``||w||``) may: an infinite ``||u||`` gives ratio 0 and
+    leaves ``w`` as it was, for :func:`_lamb_after_overflow` to finish."""
+    w = p if master is None else master
+    g = unscaled(grad, w, grad_scale)
+    m.mul_(b1).add_(g * (1.0 - b1))
+    v.mul_(b2).add_(g * g * (1.0 - b2))
+    u = lamb_direction(w, m, v, eps, weight_decay, bc1, bc2)
+    u_norm = None
+    if trust_ratio:
+        w_norm, u_norm = norm(w), plain_norm(u)
+        ratio = lamb_ratio(w_norm, u_norm)
+    else:
+        ratio = 1.0
+    w.sub_(u.mul_(lr * ratio))
+    if master is not None:
+        p.copy_(master)
+    return u_norm
+
+
+def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> None:  # noqa: ANN001
+    """The update of a tensor whose ``||u||`` overflowed an fp32 sum of squares (finite u,
+    ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
+    ``w`` unchanged: u again from the new moments, its norm by :func:`norm`."""
+    w = p if master is None else master
+    u = lamb_direction(w, m, v, eps, weight_decay, bc1, bc2)
+    w.sub_(u.mul_(lr * lamb_ratio(norm(w), norm(u))))
+    if master is not None:
+        p.copy_(master)
+
+
+def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+                        grad_scale, compiled=False, **hyper) -> None:  # noqa: ANN001, ANN003
+    betas, trust_ratio = hyper["betas"], hyper["trust_ratio"]
+    lr, eps, wd = hyper["lr"], hyper["eps"], applied_weight_decay(hyper)
+    numbers = (lr, *betas, eps, wd)
+    body = _paths.compiled_body(_lamb_one) if compiled else None
+    compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
+    for p, grad, m, v, master, step in zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps):
+        step.add_(1)
+        bcs = bias_corrections(step, betas, hyper["bias_correction"])
+        chosen, tensors = _paths.pick_body(_lamb_one, body, (p, grad, m, v, master))
+        if chosen is _lamb_one:
+            chosen(*tensors, grad_scale, *numbers, *bcs, trust_ratio=trust_ratio)
+            continue
+        u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
+                        trust_ratio=trust_ratio, **_paths.COMPILED_NORMS)
+        if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
+            _lamb_after_overflow(p, m, v, master, lr, eps, wd, *bcs)
+
+
+def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+                  grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio) -> None:  # noqa: ANN001
+    if not params:
+        return
+    b1, b2 = betas
+    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+    ws = weights(params, masters)
+    gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
+    if grad_scale is not None:
+        gs = torch._foreach_div(gs, grad_scale)
+    torch._foreach_add_(state_steps, 1)
+    torch._foreach_mul_(exp_avgs, b1)
+    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1.0 - b2)
+    # Each param's own count: params that start late (frozen, then trained) have fewer.
+    bc1s, bc2s = zip(*(bias_corrections(s, betas, bias_correction) for s in state_steps))
+    denom = torch._foreach_div(exp_avg_sqs, list(bc2s))
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    us = torch._foreach_div(exp_avgs, list(bc1s))
+    torch._foreach_div_(us, denom)
+    if wd != 0:
+        torch._foreach_add_(us, ws, alpha=wd)
+    if trust_ratio:
+        coefs = (lamb_ratio(stacked_norms(ws), stacked_norms(us)) * lr).unbind()
+        torch._foreach_mul_(us, coefs)
+    else:
+        torch._foreach_mul_(us, lr)
+    torch._foreach_sub_(ws, us)
+    write_back(params, masters)
+
+
+_compiled_lamb = _paths.compiled_path(_single_tensor_lamb, _foreach_lamb)
+
+
+_PATHS = {"single_tensor": _single_tensor_lamb, "foreach": _foreach_lamb, "compiled": _compiled_lamb}
+
+
+class LAMB(LayerwiseOptimizer):
+    r"""LAMB: Adam moments with a layer-wise trust ratio (You et al. 2019, Algorithm 2).
+
+    For each tensor ``w`` with gradient ``g`` (unscaled) at step ``t`` = 1, 2, ...::
+
+        g = g / max(1, ||all grads|| / max_grad_norm)      (only when max_grad_norm is set)
+        m = b1 * m + (1 - b1) * g          v = b2 * v + (1 - b2) * g^2
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (bias_correction=False: no 1 - b^t)
+        u = r + wd * w
+        ratio = ||w|| / ||u||              (ratio = 1 if ||w|| == 0 or ||u|| == 0)
+        w = w - lr_t * ratio * u
+
+    The variant: phi is the identity, no trust-ratio bounds, eps outside the square
+    root, and the weight decay inside ``u``, so it enters the trust ratio's denominator
+    ``||u||``. With the defaults it equals ``optax.lamb``. timm's ``Lamb`` is the same
+    rule but clips gradients by default (``max_grad_norm=1.0``) and adapts only groups
+    with weight decay; NVIDIA apex's ``FusedLAMB`` also clips at a hidden
+    ``max_grad_norm=1.0``. Here clipping is off unless asked for, and the global norm
+    spans every group. A group with ``trust_ratio=False`` gets ratio 1 and no weight
+    decay (Adam with bias correction).
+
+    The hyperparameters, their defaults and valid values are ``largebatch.lars.spec.LAMB_SPEC``.
+
+    Args:
+        params: params or param groups. Group keys: ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``master_weights``.
+        lr: the global learning rate (a float or a one-element Tensor).
+        betas: the moments' decay rates ``(b1, b2)``, each in [0, 1).
+        eps: >= 0, added to ``sqrt(v_hat)``.
+        weight_decay: ``wd`` >= 0, decoupled (added to the Adam direction).
+        bias_correction: divide the moments by ``1 - b^t``.
+        trust_ratio: adapt the group; False gives ratio 1 and no weight decay.
+        max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
+        master_weights: as in :class:`LARS`.
+        foreach: as in :class:`LARS`.
+        fused: as in :class:`LARS`.
+        compiled: as in :class:`LARS`.
+
+    References:
+        You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+        minutes", https://arxiv.org/abs/1904.00962.
+    """
+
+    spec = LAMB_SPEC
+    functional = staticmethod(lamb)
+    _extra_state = ("_applied", "max_grad_norm")
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = _D["lr"],
+        *,
+        betas: tuple[float, float] = _D["betas"],
+        eps: float = _D["eps"],
+        weight_decay: float = _D["weight_decay"],
+        bias_correction: bool = _D["bias_correction"],
+        trust_ratio: bool = _D["trust_ratio"],
+        max_grad_norm: float | None = _D["max_grad_norm"],
+        master_weights: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        compiled: bool | None = None,
+    ) -> None:
+        LAMB_SPEC.check({"max_grad_norm": max_grad_norm})
+        self.max_grad_norm = max_grad_norm
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            bias_correction=bias_correction, trust_ratio=trust_ratio,
+            master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled,
+        )
+
+    def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
+        """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
+        if self.max_grad_norm is None or not grads:
+            return None
+        total = torch.linalg.vector_norm(stacked_norms(grads))
+        if grad_scale is not None:
+            total = total / grad_scale.to(total.device)
+        return torch.clamp(total / self.max_grad_norm, min=1.0)
+
+    def _grad_scales(self, gathered: list[dict[str, list]], grad_scale: Tensor | None) -> list:
+        divisor = self._clip_divisor([g for entry in gathered for g in entry["grads"]], grad_scale)
+        if grad_scale is not None:
+            divisor = grad_scale if divisor is None else divisor * grad_scale
+        return [divisor] * len(gathered)
+
+    @torch.no_grad()
+    def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
+        """The trust ratio the next step would apply to each adapted tensor with a grad,
+        in group order, from the moments that step would form (nothing is changed).
+        ``grad_scale``: what the grads carry, e.g. the GradScaler scale."""
+        scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32)
+        gathered = [{"grads": [p.grad for p in g["params"] if p.grad is not None]} for g in self.param_groups]
+        divisor = self._grad_scales(gathered, scale)[0]
+        out: list[float] = []
+        for group in self.param_groups:
+            if not group["trust_ratio"]:
+                continue
+            hyper = self._hyper(group)
+            (b1, b2), wd = hyper["betas"], applied_weight_decay(hyper)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p, {})
+                w = state.get("master_param", p)
+                g = unscaled(p.grad, w, divisor)
+                m = state["exp_avg"] * b1 + g * (1 - b1) if state else g * (1 - b1)
+                v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
+                step = state["step"] + 1 if state else torch.tensor(1.0)
+                bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"])
+                u = lamb_direction(w, m, v, hyper["eps"], wd, *bcs)
+                out.append(float(lamb_ratio(norm(w), norm(u))))
+        return out

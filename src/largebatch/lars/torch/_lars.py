@@ -1,0 +1,249 @@
+"""LARS for torch: the optimizer, its functional and the four paths of its update."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from largebatch.lars.spec import LARS_SPEC, applied_weight_decay
+from largebatch.lars.torch import _paths
+from largebatch.lars.torch._base import LayerwiseOptimizer
+from largebatch.lars.torch._common import (
+    norm,
+    safe_ratio,
+    stacked_norms,
+    unscaled,
+    weights,
+    write_back,
+)
+
+_D = LARS_SPEC.defaults
+
+
+def lars(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    masters: list[Tensor | None],
+    state_steps: list[Tensor],
+    *,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    compiled: bool | None = None,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    lr: float | Tensor,
+    momentum: float,
+    weight_decay: float,
+    trust_coefficient: float,
+    eps: float,
+    nesterov: bool,
+    trust_clip: bool,
+    trust_ratio: bool,
+) -> None:
+    """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
+
+    ``masters[i]`` is the fp32 master of ``params[i]`` or None; every grad is divided by
+    ``grad_scale`` (the GradScaler scale) first and is never written; a nonzero
+    ``found_inf`` makes the step a no-op. ``foreach``/``fused``/``compiled`` pick the
+    path, as in :class:`LARS` (``largebatch.lars.torch._paths``).
+    """
+    hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                 trust_clip=trust_clip, trust_ratio=trust_ratio)
+    lists = (params, grads, momentum_buffers, masters, state_steps)
+    _paths.dispatch(LARS_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
+                    grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
+
+
+def lars_ratio(w_norm: Tensor, g_norm: Tensor, *, lr: Any, weight_decay: Any, trust_coefficient: Any,
+               eps: Any, trust_clip: bool) -> Tensor:
+    """The LARS trust ratio from ``||w||`` and the unscaled ``||g||`` (tensors of norms)."""
+    ratio = safe_ratio(trust_coefficient * w_norm, g_norm + weight_decay * w_norm + eps, w_norm, g_norm)
+    return torch.clamp(ratio / lr, max=1.0) if trust_clip else ratio
+
+
+def _lars_one(
+    p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
+    nesterov, trust_clip, trust_ratio, norm=norm, plain_norm=norm,  # noqa: ANN001
+) -> None:
+    """LARS on one tensor (``weight_decay`` already the applied one). The numbers are
+    floats, or 0-dim tensors when this body runs compiled."""
+    del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
+    w = p if master is None else master
+    g = unscaled(grad, w, grad_scale)
+    d = g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
+    if trust_ratio:
+        ratio = lars_ratio(norm(w), norm(g), lr=lr, weight_decay=weight_decay,
+                           trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip)
+        scaled = d * (lr * ratio)
+    else:
+        scaled = d * lr
+    buf.mul_(momentum).add_(scaled)
+    if nesterov:
+        w.sub_(scaled.add_(buf * momentum))
+    else:
+        w.sub_(buf)
+    if master is not None:
+        p.copy_(master)
+
+
+def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+                        grad_scale, compiled=False, **hyper) -> None:  # noqa: ANN001, ANN003
+    flags = {k: hyper[k] for k in ("nesterov", "trust_clip", "trust_ratio")}
+    numbers = (hyper["lr"], hyper["momentum"], applied_weight_decay(hyper),
+               hyper["trust_coefficient"], hyper["eps"])
+    body = _paths.compiled_body(_lars_one) if compiled else None
+    compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
+    for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
+        chosen, tensors = _paths.pick_body(_lars_one, body, (p, grad, buf, master))
+        if chosen is _lars_one:
+            chosen(*tensors, grad_scale, *numbers, **flags)
+        else:
+            chosen(*tensors, grad_scale, *compiled_numbers, **flags, **_paths.COMPILED_NORMS)
+        step.add_(1)
+
+
+def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+                  grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
+                  nesterov, trust_clip, trust_ratio) -> None:  # noqa: ANN001
+    if not params:
+        return
+    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+    ws = weights(params, masters)
+    gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
+    if grad_scale is not None:
+        gs = torch._foreach_div(gs, grad_scale)
+    ds = torch._foreach_add(gs, ws, alpha=wd) if wd != 0 else gs
+    if trust_ratio:
+        ratios = lars_ratio(stacked_norms(ws), stacked_norms(gs), lr=lr, weight_decay=wd,
+                            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip)
+        scaled = torch._foreach_mul(ds, (ratios * lr).unbind())
+    else:
+        scaled = torch._foreach_mul(ds, lr)
+    torch._foreach_mul_(momentum_buffers, momentum)
+    torch._foreach_add_(momentum_buffers, scaled)
+    if nesterov:
+        torch._foreach_add_(scaled, momentum_buffers, alpha=momentum)
+        torch._foreach_sub_(ws, scaled)
+    else:
+        torch._foreach_sub_(ws, momentum_buffers)
+    write_back(params, masters)
+    torch._foreach_add_(state_steps, 1)
+
+
+_compiled_lars = _paths.compiled_path(_single_tensor_lars, _foreach_lars)
+
+
+_PATHS = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars, "compiled": _compiled_lars}
+
+
+class LARS(LayerwiseOptimizer):
+    r"""LARS: SGD with momentum and a layer-wise trust ratio (You, Gitman, Ginsburg 2017).
+
+    For each tensor ``w`` with gradient ``g`` (unscaled) and learning rate ``lr_t``::
+
+        ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)   (ratio = 1 if ||w|| == 0 or ||g|| == 0)
+        ratio = min(ratio / lr_t, 1)                       (trust_clip=True: LARC)
+        d     = g + wd * w
+        v     = momentum * v + lr_t * ratio * d            (v starts at 0)
+        w     = w - v             nesterov: w = w - (momentum * v + lr_t * ratio * d)
+
+    The variant, stated because peer libraries differ on each point:
+
+    - **lr inside the momentum buffer**, as the MLPerf ResNet-50 reference and
+      ``optax.lars`` keep it: when ``lr_t`` changes (warmup, decay) the buffer keeps the
+      rates at which past gradients were taken. timm's ``Lars`` keeps lr outside
+      (``w -= lr_t * v``); the two agree at constant lr.
+    - **Denominator** ``||g|| + wd * ||w|| + eps``, as in the paper and timm; ``optax.lars``
+      uses ``||g + wd * w||`` (equal when ``wd = 0``).
+    - **Zero-norm rule**: ratio 1 when either norm is zero (fresh zero-initialized layers).
+    - **trust_clip** gives LARC's clipping (apex ``LARC``, timm ``trust_clip``): the local
+      rate ``lr_t * ratio`` never exceeds the global one.
+    - **Exclusion**: a group with ``trust_ratio=False`` (biases, BatchNorm; see
+      :func:`param_groups`) gets ratio 1 and no weight decay, plain momentum SGD.
+
+    The hyperparameters, their defaults and valid values are ``largebatch.lars.spec.LARS_SPEC``.
+
+    Args:
+        params: params or param groups. Group keys: ``lr``, ``weight_decay``,
+            ``trust_ratio`` and every keyword below but ``foreach``/``fused``/``compiled``.
+        lr: the global learning rate: a float, or a one-element Tensor (the fused path
+            reads an fp32 one on the params' device in place, without a copy).
+        momentum: the momentum coefficient, in [0, 1).
+        weight_decay: ``wd`` >= 0, inside the trust ratio.
+        trust_coefficient: ``tc`` > 0 (0.001 in the paper).
+        eps: >= 0, added to the trust-ratio denominator.
+        nesterov: Nesterov momentum (needs momentum > 0).
+        trust_clip: LARC clipping.
+        trust_ratio: adapt the group; False gives ratio 1 and no weight decay.
+        master_weights: keep fp32 master copies of fp16/bf16 params in the state.
+        foreach: ``None`` or ``True``: ``torch._foreach_*`` ops; ``False``: a per-tensor loop.
+        fused: ``None``: the Triton kernels when every param is on CUDA and triton imports
+            (and neither ``foreach`` nor ``compiled`` is True); ``True``: always (CPU
+            tensors need ``TRITON_INTERPRET=1``).
+        compiled: the per-tensor update through ``torch.compile`` (a norm kernel and one
+            fused elementwise kernel per tensor: the fast CPU path). ``None``: for CPU
+            models of ``COMPILE_MIN_NUMEL`` (2**20) elements or more; the first step compiles.
+
+    Examples:
+        >>> from largebatch.torch import LARS, param_groups
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = LARS(param_groups(model, weight_decay=5e-5), lr=1.0)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()
+
+    References:
+        You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks",
+        https://arxiv.org/abs/1708.03888.
+    """
+
+    spec = LARS_SPEC
+    functional = staticmethod(lars)
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = _D["lr"],
+        *,
+        momentum: float = _D["momentum"],
+        weight_decay: float = _D["weight_decay"],
+        trust_coefficient: float = _D["trust_coefficient"],
+        eps: float = _D["eps"],
+        nesterov: bool = _D["nesterov"],
+        trust_clip: bool = _D["trust_clip"],
+        trust_ratio: bool = _D["trust_ratio"],
+        master_weights: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        compiled: bool | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+            trust_clip=trust_clip, trust_ratio=trust_ratio, master_weights=master_weights,
+            foreach=foreach, fused=fused, compiled=compiled,
+        )
+
+    @torch.no_grad()
+    def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
+        """The trust ratio the next step would apply to each adapted tensor with a grad,
+        in group order (``grad_scale``: what the grads carry, e.g. the GradScaler scale)."""
+        out: list[float] = []
+        for group in self.param_groups:
+            if not group["trust_ratio"]:
+                continue
+            hyper = self._hyper(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                w = self.state.get(p, {}).get("master_param", p)
+                g = unscaled(p.grad, w, None if grad_scale is None else torch.as_tensor(grad_scale))
+                ratio = lars_ratio(norm(w), norm(g), lr=hyper["lr"], weight_decay=hyper["weight_decay"],
+                                   trust_coefficient=hyper["trust_coefficient"], eps=hyper["eps"],
+                                   trust_clip=hyper["trust_clip"])
+                out.append(float(ratio))
+        return out

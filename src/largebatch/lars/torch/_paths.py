@@ -1,0 +1,174 @@
+"""Which path takes a step, and the machinery of the compiled one.
+
+Four paths compute the same update (``largebatch.lars.reference``):
+
+- ``single_tensor``: a readable loop over the tensors;
+- ``foreach``: ``torch._foreach_*`` ops over a group's tensors (the default);
+- ``compiled``: each large tensor through ``torch.compile`` (a norm kernel and one fused
+  elementwise kernel), the small ones through one foreach pass: the fast CPU path;
+- ``fused``: the multi-tensor Triton kernels of ``largebatch.lars.kernels`` (CUDA).
+
+:func:`resolve` turns the user's ``foreach``/``fused``/``compiled`` (each True, False or
+None) into settings, once: the optimizers call it in their constructor, the functionals
+on every call. The size thresholds that choose are named here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from largebatch.lars.spec import OptimizerSpec
+from largebatch.lars.torch._common import check_paths, skipped
+
+# The compiled path pays a one-time compile (seconds, cached on disk by Inductor): by
+# default it is chosen only for CPU models large enough for the step's speed to matter.
+COMPILE_MIN_NUMEL = 1 << 20
+# Each compiled call costs a fixed ~0.2 ms of dispatch on the host: tensors below this
+# size go through one foreach pass instead (in ResNet-50 they are 107 of 161 tensors
+# and 0.3% of the elements).
+COMPILE_MIN_TENSOR = 1 << 16
+
+PATHS = ("single_tensor", "foreach", "compiled", "fused")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> dict[str, bool | None]:
+    """The path settings for ``tensors``, checked, with the defaults filled in.
+
+    ``fused=None``: fused when every tensor is on CUDA and triton imports, unless
+    ``foreach`` or ``compiled`` is True.
+    ``compiled=None``: compiled for CPU tensors of COMPILE_MIN_NUMEL+ elements in all,
+    unless fused. ``foreach=None`` stays None (foreach, where nothing else is chosen).
+    """
+    check_paths(foreach, fused, compiled)
+    if fused and foreach:
+        raise ValueError("foreach=True and fused=True cannot both be set")
+    if fused and compiled:
+        raise ValueError("compiled=True and fused=True cannot both be set")
+    if fused is None:
+        fused = not (foreach or compiled) and bool(tensors) and all(t.is_cuda for t in tensors) and triton_available()
+    elif fused:
+        if not triton_available():
+            raise RuntimeError("fused=True needs triton: pip install triton")
+        on_cpu = [t for t in tensors if not t.is_cuda]
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"fused=True needs CUDA params ({len(on_cpu)} are on {on_cpu[0].device}); on the "
+                "CPU the Triton kernels run only under TRITON_INTERPRET=1 (set before import)"
+            )
+    if compiled is None:
+        compiled = (not fused and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+                    and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL)
+    return {"foreach": foreach, "fused": bool(fused), "compiled": bool(compiled)}
+
+
+def pick(foreach: bool | None, fused: bool, compiled: bool) -> str:
+    """The path for resolved settings."""
+    if fused:
+        return "fused"
+    if compiled:
+        return "compiled"
+    return "single_tensor" if foreach is False else "foreach"
+
+
+def dispatch(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], lists: tuple[list, ...], *,
+             foreach: Any, fused: Any, compiled: Any, grad_scale: Tensor | None,
+             found_inf: Tensor | None, hyper: dict[str, Any]) -> None:
+    """What a functional does: pick the path for ``lists`` (params first, then grads, the
+    spec's state lists, masters, step counts) and run it with ``hyper``."""
+    path = pick(**resolve(foreach, fused, compiled, lists[0]))
+    if path == "fused":
+        from largebatch.lars.torch import _fused
+
+        names = ("params", "grads", *spec.state, "masters", "steps")
+        tensors = dict(zip(names, lists))
+        groups = [_fused.fused_group(spec, tensors, _fused.device_lr(hyper["lr"], lists[0][0].device), hyper)
+                  ] if lists[0] else []
+        _fused.fused_step(spec, groups, counter=None, grad_scale=grad_scale, found_inf=found_inf)
+    elif not skipped(found_inf):
+        bodies[path](*lists, grad_scale=grad_scale, **hyper)
+
+
+def compiled_path(single_tensor: Callable[..., None], foreach: Callable[..., None]) -> Callable[..., None]:
+    """The compiled path from an optimizer's two bodies: its large contiguous tensors
+    through ``single_tensor(..., compiled=True)``, the rest through ``foreach``."""
+
+    def run(*lists: list, **kwargs: Any) -> None:
+        large, small = split_for_compile(lists)
+        single_tensor(*large, compiled=True, **kwargs)
+        foreach(*small, **kwargs)
+
+    return run
+
+
+# --------------------------------------------------------------------------- compiled path
+
+
+@functools.cache
+def compiled_body(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
+    (norms, then the fused elementwise update) serves every tensor of a given dtype and
+    set of flags, whatever its size.
+
+    Every number the body uses (lr, the hyperparameters, bias corrections) reaches it as
+    a 0-dim tensor, an input of the compiled graph, never as a Python float: Inductor's
+    on-disk cache may serve a float baked in as a constant by another process with other
+    values. Flags stay Python bools; they choose the graph's code and so its cache key.
+    """
+    return torch.compile(body, dynamic=True, fullgraph=True)
+
+
+def compiled_norm(tensor: Tensor) -> Tensor:
+    """The norm inside a compiled body: fp64 accumulation, which cannot overflow and, on
+    a kernel that only loads its input, costs no more than fp32; the result in fp32
+    (fp64 for fp64 tensors)."""
+    out = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(tensor, 2, dtype=torch.float64).to(out)
+
+
+def compiled_plain_norm(tensor: Tensor) -> Tensor:
+    """The norm inside a compiled body, accumulated in fp32 (fp64 for fp64 tensors):
+    the caller handles a result that overflowed."""
+    dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(tensor, 2, dtype=dtype)
+
+
+# The norms a compiled body is called with (each body keeps its own code object, and so
+# its own compiled variants, because these go in as arguments).
+COMPILED_NORMS = dict(norm=compiled_norm, plain_norm=compiled_plain_norm)
+
+
+def as_tensors(*values: Any) -> tuple[Tensor, ...]:
+    """Numbers for a compiled body: fp64 0-dim CPU tensors (see :func:`compiled_body`)."""
+    return tuple(torch.as_tensor(v, dtype=torch.float64) for v in values)
+
+
+def split_for_compile(lists: tuple[list, ...]) -> tuple[tuple[list, ...], tuple[list, ...]]:
+    """``lists`` (params first) cut in two: the entries of contiguous params of
+    COMPILE_MIN_TENSOR+ elements, for the compiled body, and the rest, for foreach."""
+    large = [i for i, p in enumerate(lists[0]) if p.numel() >= COMPILE_MIN_TENSOR and p.is_contiguous()]
+    chosen = set(large)
+    small = [i for i in range(len(lists[0])) if i not in chosen]
+    return tuple([xs[i] for i in large] for xs in lists), tuple([xs[i] for i in small] for xs in lists)
+
+
+def pick_body(body: Callable, compiled: Callable | None, tensors: tuple) -> tuple[Callable, tuple]:
+    """The compiled body on flat views of contiguous tensors of 2+ elements, else the
+    eager one (sizes 0 and 1 would each cost a compile of their own)."""
+    present = [t for t in tensors if t is not None]
+    if compiled is None or present[0].numel() < 2 or not all(t.is_contiguous() for t in present):
+        return body, tensors
+    return compiled, tuple(None if t is None else t.view(-1) for t in tensors)

@@ -1,0 +1,224 @@
+"""The optimizer cases every backend and path is checked against, in one table.
+
+A :class:`Case` is one LARS or LAMB setting in the reference's (the spec's) names: the
+hyperparameters of the adapted group, the overrides of a second group, and LAMB's
+``max_grad_norm``. :func:`run_reference` runs it on the float64 spec
+(``largebatch.lars.reference``); the adapters :func:`run_torch` (any path, any dtype,
+with or without fp32 masters) and :func:`run_jax` run it on a backend. Every adapter
+returns the same :class:`Result`, compared by :func:`assert_matches` at the tolerance of
+the precision (:data:`TOLERANCE`, the one table of tolerances).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from largebatch.lars import reference
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
+
+# A zero param, a zero grad, a size-1 tensor, sizes off every block, a zero-size tensor.
+SHAPES = [(7, 5), (1,), (1025,), (3, 4, 5), (17,), (0,), (64, 33)]
+ZERO_PARAM = 4  # the all-zero param
+ZERO_GRAD = 2  # the param whose grad is zero at every step
+# Gradient scales far apart, so that LARC's clip and LAMB's clipping bind on some tensors
+# and not on others; the last two tensors are the second group's.
+GRAD_SCALES = [1e-3, 1e2, 1.0, 10.0, 1.0, 0.1, 0.1]
+ADAPTED = 5  # the first group's size; the rest form the second group
+LRS = [0.5, 1.0, 2.0, 0.25]  # the lr changes between steps (warmup, then decay)
+
+# Relative tolerance per precision against the float64 spec: of each element, and of
+# the tensor's largest element for elements that come out of a cancellation. Inputs
+# are rounded to the precision first, so the spec starts where the backend starts.
+TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    optimizer: str  # "lars" or "lamb"
+    hyper: dict[str, Any]  # both groups (the spec's names; lr comes from LRS)
+    second: dict[str, Any] = field(default_factory=dict)  # the second group's overrides
+    max_grad_norm: float | None = None
+
+    @property
+    def spec(self):  # noqa: ANN201
+        return LARS_SPEC if self.optimizer == "lars" else LAMB_SPEC
+
+    def groups(self) -> list[dict[str, Any]]:
+        """The two groups' full hyperparameters, defaults filled in (lr left out)."""
+        base = {**self.spec.defaults, **self.hyper}
+        base.pop("lr")
+        base.pop("max_grad_norm", None)
+        return [base, {**base, **self.second}]
+
+
+EXCLUDED = {"trust_ratio": False, "weight_decay": 0.0}
+
+CASES = [
+    Case("lars-defaults", "lars", {}),
+    Case("lars-wd-excluded", "lars", {"weight_decay": 1e-3}, EXCLUDED),
+    Case("lars-nesterov", "lars", {"nesterov": True, "weight_decay": 1e-4}, {"trust_ratio": False}),
+    Case("lars-trust-clip", "lars", {"trust_clip": True, "trust_coefficient": 0.5, "weight_decay": 1e-3},
+         {"trust_ratio": False}),
+    Case("lars-eps-tc-momentum", "lars", {"eps": 1e-3, "trust_coefficient": 0.02, "momentum": 0.5},
+         {"momentum": 0.0}),
+    Case("lamb-defaults", "lamb", {}),
+    Case("lamb-wd-excluded", "lamb", {"weight_decay": 0.01}, EXCLUDED),
+    Case("lamb-no-bias-correction", "lamb", {"bias_correction": False, "weight_decay": 0.01},
+         {"betas": (0.8, 0.99)}),
+    Case("lamb-max-grad-norm", "lamb", {"weight_decay": 0.01}, {"trust_ratio": False}, max_grad_norm=5.0),
+    Case("lamb-max-grad-norm-unused", "lamb", {"weight_decay": 0.01}, max_grad_norm=1e6),
+    Case("lamb-eps", "lamb", {"eps": 1e-3}, {"eps": 0.0}),
+]
+CASE_IDS = [c.id for c in CASES]
+
+
+def make_problem(dtype: Any = np.float64, shapes=SHAPES, steps: int = len(LRS), seed: int = 0):  # noqa: ANN001
+    """Params and a gradient per step (NumPy, rounded to ``dtype``, as float64 arrays)."""
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s) for s in shapes]
+    scales = GRAD_SCALES if len(shapes) == len(GRAD_SCALES) else [0.1] * len(shapes)
+    grads = [[rng.standard_normal(s) * c for s, c in zip(shapes, scales)] for _ in range(steps)]
+    if len(shapes) > ZERO_PARAM:
+        params[ZERO_PARAM] = np.zeros(shapes[ZERO_PARAM])
+    if len(shapes) > ZERO_GRAD:
+        for g in grads:
+            g[ZERO_GRAD] = np.zeros(shapes[ZERO_GRAD])
+    return _rounded(params, dtype), [_rounded(g, dtype) for g in grads]
+
+
+def _rounded(arrays: list[np.ndarray], dtype: Any) -> list[np.ndarray]:
+    """Each array rounded to ``dtype`` (a NumPy dtype, or a torch one for bf16), in float64."""
+    if isinstance(dtype, type) and issubclass(dtype, np.floating):
+        return [a.astype(dtype).astype(np.float64) for a in arrays]
+    import torch
+
+    return [torch.tensor(a).to(dtype).double().numpy() for a in arrays]
+
+
+@dataclass
+class Result:
+    params: list[np.ndarray]
+    state: dict[str, list[np.ndarray]]  # the spec's state names (empty where not read)
+
+
+def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
+                  lrs=LRS, split: int = ADAPTED) -> Result:  # noqa: ANN001
+    """``case`` on the float64 spec."""
+    params = [p.copy() for p in params]
+    state = {k: [np.zeros_like(p) for p in params] for k in case.spec.state}
+    groups = [slice(0, split), slice(split, len(params))]
+    for t, (lr, step_grads) in enumerate(zip(lrs, grads), start=1):
+        divisor = reference.clip_divisor(step_grads, case.max_grad_norm)
+        for sl, hyper in zip(groups, case.groups()):
+            lists = [params[sl], step_grads[sl], *(state[k][sl] for k in case.spec.state)]
+            if case.optimizer == "lars":
+                params[sl], state["momentum_buffer"][sl] = reference.lars_step(*lists, lr=lr, **hyper)
+            else:
+                params[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl] = reference.lamb_step(
+                    *lists, step=t, lr=lr, grad_scale=divisor, **hyper)
+    return Result(params, state)
+
+
+def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
+              masters: bool = False, lrs=LRS, split: int = ADAPTED, **paths: Any) -> Result:  # noqa: ANN001
+    """``case`` on ``largebatch.torch`` with params of ``dtype``; ``paths``: the
+    constructor's ``foreach``/``fused``/``compiled``. With ``masters`` the result is
+    the fp32 masters (the params are their casts)."""
+    import torch
+
+    from largebatch.torch import LAMB, LARS
+
+    ps = [torch.tensor(p, dtype=dtype, requires_grad=True) for p in params]
+    group_list = [{"params": ps[:split], **case.groups()[0]}, {"params": ps[split:], **case.groups()[1]}]
+    cls = LARS if case.optimizer == "lars" else LAMB
+    extra = {} if case.optimizer == "lars" else {"max_grad_norm": case.max_grad_norm}
+    opt = cls(group_list, lr=lrs[0], master_weights=masters, **extra, **paths)
+    for lr, step_grads in zip(lrs, grads):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for p, g in zip(ps, step_grads):
+            p.grad = torch.tensor(g, dtype=dtype)
+        opt.step()
+    assert opt.num_steps == len(lrs)
+    if masters and dtype in (torch.float16, torch.bfloat16):
+        for p in ps:  # the params are their masters' casts, exactly
+            assert torch.equal(p, cast_like_the_path(opt.state[p]["master_param"], dtype, paths))
+        weights = [opt.state[p]["master_param"] for p in ps]
+    else:
+        weights = ps
+    state = {k: [opt.state[p][k].double().numpy() for p in ps] for k in case.spec.state}
+    return Result([w.detach().double().numpy() for w in weights], state)
+
+
+def cast_like_the_path(master: Any, dtype: Any, paths: dict[str, Any]) -> Any:
+    """The param a path writes from its fp32 master. Triton's CPU interpreter rounds fp32
+    to bf16 by truncation (the GPU rounds to nearest), so under it the fused path truncates."""
+    import torch
+
+    if dtype == torch.bfloat16 and paths.get("fused") and not master.is_cuda:
+        return (master.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    return master.to(dtype)
+
+
+def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
+            lrs=LRS, split: int = ADAPTED) -> Result:  # noqa: ANN001
+    """``case`` on ``largebatch.jax`` with leaves of ``dtype`` (a NumPy dtype or "bfloat16").
+
+    The second group is a ``trust_ratio_mask`` where it only excludes tensors, else an
+    ``optax.multi_transform`` of two optimizers (not with ``max_grad_norm``, whose global
+    norm spans both groups)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from largebatch.jax import lamb, lars
+
+    labels = ["a"] * split + ["b"] * (len(params) - split)
+    lr = optax.piecewise_constant_schedule(lrs[0], {i: lrs[i] / lrs[i - 1] for i in range(1, len(lrs))})
+
+    def build(hyper: dict[str, Any], **masks: Any):  # noqa: ANN202
+        if case.optimizer == "lars":
+            hyper = {k: v for k, v in hyper.items() if k != "trust_ratio"}
+            return lars(lr, **hyper, **masks)
+        hyper = dict(hyper)
+        b1, b2 = hyper.pop("betas")
+        hyper.pop("trust_ratio")
+        return lamb(lr, b1=b1, b2=b2, max_grad_norm=case.max_grad_norm, **hyper, **masks)
+
+    first, second = case.groups()
+    differs = {k for k in second if second[k] != first[k]}
+    only_excludes = not differs or (second["trust_ratio"] is False and differs <= {"trust_ratio", "weight_decay"})
+    if only_excludes:
+        mask = [label == "a" or second["trust_ratio"] for label in labels]
+        opt = build(first, trust_ratio_mask=mask)
+    else:
+        assert case.max_grad_norm is None, case.id
+        opt = optax.multi_transform({"a": build(first), "b": build(second)}, labels)
+    jdtype = jnp.bfloat16 if dtype == "bfloat16" else dtype
+    with jax.enable_x64(dtype == np.float64):
+        ws = [jnp.asarray(p, jdtype) for p in params]
+        state = opt.init(ws)
+        for step_grads in grads:
+            updates, state = opt.update([jnp.asarray(g, jdtype) for g in step_grads], state, ws)
+            ws = optax.apply_updates(ws, updates)
+            assert all(w.dtype == jdtype for w in ws)
+        return Result([np.asarray(w.astype(jnp.float64 if dtype == np.float64 else jnp.float32), np.float64)
+                       for w in ws], {})
+
+
+def assert_matches(actual: Result, expected: Result, precision: str,
+                   start: list[np.ndarray] | None = None) -> None:
+    """Every param and state tensor at :data:`TOLERANCE` ``[precision]``: of each element,
+    and of the tensor's largest element (for a param, the largest of its start values
+    too: an update may cancel it to rounding noise)."""
+    rtol = TOLERANCE[precision]
+    pairs = [("param", actual.params, expected.params, start)]
+    pairs += [(k, actual.state[k], expected.state[k], None) for k in actual.state]
+    for what, xs, es, starts in pairs:
+        for i, (a, e) in enumerate(zip(xs, es)):
+            scale = max(np.max(np.abs(e), initial=0.0), 0.0 if starts is None else np.max(np.abs(starts[i]), initial=0.0))
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=f"{what} {i} of shape {e.shape}")

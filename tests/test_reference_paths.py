@@ -1,0 +1,114 @@
+"""Every backend and path against the float64 spec, driven by the one table of tests/cases.py.
+
+torch: the single-tensor loop, foreach, compiled and fused (Triton's interpreter on the
+CPU) paths, in float64, float32, bfloat16 and float16, without and with fp32 masters.
+JAX: float64, float32 and bfloat16 leaves. Inputs are rounded to the precision first;
+results are compared at the precision's tolerance (cases.TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cases import CASE_IDS, CASES, Result, assert_matches, make_problem, run_jax, run_reference, run_torch
+
+PATHS = {
+    "single_tensor": dict(foreach=False, compiled=False, fused=False),
+    "foreach": dict(foreach=True, compiled=False, fused=False),
+    "compiled": dict(compiled=True, fused=False),
+    "fused": dict(fused=True),
+}
+# (param dtype, fp32 masters, the tolerance the result is held to)
+PRECISIONS = {
+    "fp64": (torch.float64, False, "float64"),
+    "fp32": (torch.float32, False, "float32"),
+    "bf16": (torch.bfloat16, False, "bfloat16"),
+    "fp16": (torch.float16, False, "float16"),
+    "bf16-masters": (torch.bfloat16, True, "float32"),
+    "fp16-masters": (torch.float16, True, "float32"),
+}
+# Each compiled variant (dtype, flags) costs a compile: the compiled path runs the table
+# in fp32 and with fp16 masters; the single-tensor loop and the compiled path share the
+# per-tensor body, so the other precisions are covered there.
+RUNS = {
+    "single_tensor": list(PRECISIONS),
+    "foreach": list(PRECISIONS),
+    "compiled": ["fp32", "fp16-masters"],
+    "fused": ["fp32", "bf16", "bf16-masters", "fp16-masters"],  # the kernels take fp32/16/bf16
+}
+TORCH_RUNS = [(path, precision) for path, ps in RUNS.items() for precision in ps]
+
+
+def _unsupported(case, precision):  # noqa: ANN001, ANN202
+    """LAMB with fp16 state: (1 - b2) g^2 underflows fp16 (docs/mixed_precision.md)."""
+    return case.optimizer == "lamb" and precision == "fp16"
+
+
+@pytest.mark.parametrize("path,precision", TORCH_RUNS, ids=[f"{p}-{q}" for p, q in TORCH_RUNS])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_torch_matches_the_spec(case, path, precision):
+    if _unsupported(case, precision):
+        pytest.skip("LAMB keeps fp16 state only with fp32 masters")
+    dtype, masters, tolerance = PRECISIONS[precision]
+    params, grads = make_problem(dtype)
+    expected = run_reference(case, params, grads)
+    actual = run_torch(case, params, grads, dtype=dtype, masters=masters, **PATHS[path])
+    assert_matches(actual, expected, tolerance, start=params)
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_jax_matches_the_spec(case, precision):
+    dtype = {"float64": np.float64, "float32": np.float32, "bfloat16": "bfloat16"}[precision]
+    params, grads = make_problem(torch.bfloat16 if dtype == "bfloat16" else dtype)
+    expected = run_reference(case, params, grads)
+    assert_matches(run_jax(case, params, grads, dtype=dtype), Result(expected.params, {}), precision, start=params)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-trust-clip", "lamb-max-grad-norm")],
+                         ids=lambda c: c.id)
+def test_the_table_can_fail(case):
+    """The comparison is not vacuous: one hyperparameter off gives a mismatch."""
+    params, grads = make_problem(np.float64)
+    expected = run_reference(case, params, grads)
+    off = type(case)(case.id, case.optimizer, {**case.hyper, "eps": 1e-2}, case.second, case.max_grad_norm)
+    with pytest.raises(AssertionError):
+        assert_matches(run_torch(off, params, grads, dtype=torch.float64, foreach=True), expected, "float64",
+                       start=params)
+
+
+def test_the_cases_bind_the_clips():
+    """LARC's clip binds on some tensors and not others; LAMB's clipping binds at 5.0 and
+    not at 1e6 (so both branches of each are checked)."""
+    from largebatch.lars import reference
+
+    params, grads = make_problem(np.float64)
+    clip = next(c for c in CASES if c.id == "lars-trust-clip").groups()[0]
+    ratios = []
+    for w, g in zip(params[:4], grads[0][:4]):
+        wn, gn = np.linalg.norm(w), np.linalg.norm(g)
+        if wn and gn:
+            ratios.append(clip["trust_coefficient"] * wn / (gn + clip["weight_decay"] * wn) / 0.5)
+    assert min(ratios) < 1 < max(ratios)
+    assert reference.clip_divisor(grads[0], 5.0) > 1 and reference.clip_divisor(grads[0], 1e6) == 1
+
+
+MANY = [(int(n),) for n in np.random.default_rng(1).integers(1, 300, size=161)]  # ResNet-50's count
+
+
+@pytest.mark.parametrize("path", ["foreach", "fused", "jax"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-wd-excluded", "lamb-max-grad-norm")],
+                         ids=lambda c: c.id)
+def test_many_tensors_match_the_spec(case, path):
+    """161 tensors of mixed sizes in two groups (100 and 61), fp32."""
+    params, grads = make_problem(np.float32, shapes=MANY, steps=3, seed=2)
+    lrs = [0.1, 0.2, 0.3]
+    expected = run_reference(case, params, grads, lrs=lrs, split=100)
+    if path == "jax":
+        actual, expected = run_jax(case, params, grads, dtype=np.float32, lrs=lrs, split=100), \
+            Result(expected.params, {})
+    else:
+        actual = run_torch(case, params, grads, dtype=torch.float32, lrs=lrs, split=100, **PATHS[path])
+    assert_matches(actual, expected, "float32", start=params)
