@@ -130,12 +130,12 @@ def test_missing_matplotlib_is_named_before_any_training(tmp_path, capsys, monke
 
 def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_outputs(tmp_path, capsys,
                                                                     monkeypatch):
-    from largebatch.recipes import train
+    from largebatch.recipes import plots
 
     def broken_plot(*args, **kwargs):
         raise RuntimeError("no display backend")
 
-    monkeypatch.setattr(train, "_plot", broken_plot)
+    monkeypatch.setattr(plots, "plot_history", broken_plot)
     assert cli([*TINY, "--epochs", "2", "--out", str(tmp_path)]) == 0
     stderr = capsys.readouterr().err
     assert stderr.count("warning: no plot written") == 1, stderr  # once, not every epoch

@@ -209,6 +209,35 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
     assert row["accuracies"][1] == here["accuracy"] and math.isfinite(here["curve"][0]["train_loss"])
 
 
+def test_a_run_follows_its_recipes_step_schedule_and_milestones(monkeypatch):
+    """The study builds a run's schedule from its recipe, as ``largebatch train`` does: a
+    ``step`` recipe's milestones (in epochs) decay the lr; only the peak lr and the warmup
+    come from the run's spec."""
+    import dataclasses
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    recipe = dataclasses.replace(get_recipe("fmnist-sgd-384"), schedule="step", epochs=3,
+                                 milestones=(1.0, 2.0))
+    monkeypatch.setitem(RECIPES, recipe.name, recipe)
+    lrs = []  # the lr of every optimizer step, read just before the step
+    hook = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: lrs.append(optimizer.param_groups[0]["lr"]))
+    threads = torch.get_num_threads()
+    try:
+        study._init_worker(1, None, "cpu")
+        # 1,200 images at B=384: 3 steps an epoch; milestones at steps 3 and 6.
+        run = study.run_one(RunSpec("final", 384, "sgd", 0.5, 0.0, seed=0, epochs=3,
+                                    subset=1200))
+    finally:
+        hook.remove()
+        study._WORKER.clear()
+        torch.set_num_threads(threads)
+    assert run["steps_per_epoch"] == 3 and len(run["curve"]) == 3
+    assert lrs == pytest.approx([0.5] * 3 + [0.05] * 3 + [0.005] * 3)
+
+
 def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, capsys):
     specs = plan(StudyConfig(quick=True, batches=(128,), optimizers=("sgd",), seeds=3), {})
     rows = [_result(s, 0.8) for s in specs]

@@ -79,12 +79,12 @@ def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     buffers = dict(re.findall(r"rank (\d)/2: buffers sha256 ([0-9a-f]{64})", proc.stdout))
     assert set(buffers) == {"0", "1"} and buffers["0"] == buffers["1"], proc.stdout
     from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
+    from largebatch.recipes.distributed import buffers_sha256
     from largebatch.recipes.models import small_cnn
-    from largebatch.recipes.train import _buffers_sha256
 
     model = small_cnn(10)
     model.load_state_dict(_params(tmp_path))
-    assert _buffers_sha256(model) == buffers["0"] == summary["buffers_sha256"]
+    assert buffers_sha256(model) == buffers["0"] == summary["buffers_sha256"]
     x, y = fashion_mnist_tensors(*load_fashion_mnist("test"), 1024)
     with torch.no_grad():
         accuracy = float((model.eval()(x).argmax(1) == y).float().mean())
@@ -162,7 +162,8 @@ def test_lars_trust_ratios_are_the_ratios_the_optimizer_applies():
 def test_imagefolder_tree_and_alexnet_bn(tmp_path):
     from PIL import Image
 
-    from largebatch.recipes.train import _load_data, alexnet_bn
+    from largebatch.recipes.models import alexnet_bn
+    from largebatch.recipes.train_data import load_data
 
     rng = torch.Generator().manual_seed(0)
     for split, n in (("train", 3), ("val", 2)):
@@ -171,7 +172,7 @@ def test_imagefolder_tree_and_alexnet_bn(tmp_path):
             for i in range(n):
                 pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=rng)
                 Image.fromarray(pixels.numpy()).save(tmp_path / split / cls / f"{i}.png")
-    data = _load_data(get_recipe("alexnet-bn-lars-8k"), str(tmp_path), subset=None)
+    data = load_data(get_recipe("alexnet-bn-lars-8k"), str(tmp_path), subset=None)
     assert (data.num_classes, data.n_train, len(data.test)) == (2, 6, 4)
     x, y = data.train[0]
     assert x.shape == (3, 224, 224) and y == 0
@@ -376,16 +377,16 @@ def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkey
     # The default recipe (3 of 10 epochs of warmup) in 1 epoch of 4 steps: the warmup
     # takes 0.3 epochs (1 step) and poly decay fills the rest; the recipe's 3 epochs
     # unscaled would make the whole run warmup, ending at the peak.
-    from largebatch.recipes import train
+    from largebatch.recipes import build
 
     schedules = []
 
     def spy(*args, **kwargs):
-        schedules.append(train_make_schedule(*args, **kwargs))
+        schedules.append(make_schedule(*args, **kwargs))
         return schedules[-1]
 
-    train_make_schedule = train.make_schedule
-    monkeypatch.setattr(train, "make_schedule", spy)
+    make_schedule = build.make_schedule
+    monkeypatch.setattr(build, "make_schedule", spy)
     assert cli(["train", "--subset", "6144", "--epochs", "1", "--out", str(tmp_path)]) == 0
     (schedule,) = schedules
     lrs = [schedule(step) for step in range(5)]
@@ -396,3 +397,23 @@ def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkey
                            "poly 2 over 10 epochs, scaled to 1)"), header
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["schedule"] == "0.3-epoch warmup, poly 2"
+
+
+def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
+    from largebatch.recipes.build import build_schedule
+
+    goyal = get_recipe("resnet50-goyal-8k")  # 5-epoch warmup, x0.1 at 30, 60, 80 of 90
+    full = build_schedule(goyal, peak_lr=3.2, epochs=90, steps_per_epoch=10)
+    assert [full(t) for t in (50, 299, 300, 599, 600, 800, 899)] == pytest.approx(
+        [3.2, 3.2, 0.32, 0.32, 0.032, 0.0032, 0.0032])
+    # 9 epochs: warmup 0.5 epochs (5 steps), milestones at epochs 3, 6, 8.
+    short = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10)
+    assert [short(t) for t in (4, 5, 29, 30, 60, 80)] == pytest.approx(
+        [0.8 * 3.2, 3.2, 3.2, 0.32, 0.032, 0.0032])
+    # The study's warmup replaces the recipe's, unscaled; the milestones stay.
+    tuned = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=2)
+    assert [tuned(t) for t in (10, 20, 29, 30, 60)] == pytest.approx(
+        [1.6, 3.2, 3.2, 0.32, 0.032])
+    # A milestone that rounds into the warmup is dropped.
+    late = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=4)
+    assert [late(t) for t in (40, 59, 60, 80)] == pytest.approx([3.2, 3.2, 0.32, 0.032])

@@ -1,14 +1,16 @@
-"""Models for the recipes: small ones for the embedded Fashion-MNIST data set.
+"""The recipes' models: :func:`small_cnn` for the embedded Fashion-MNIST data set, and the
+ImageNet models :func:`resnet50` and :func:`alexnet_bn` (torchvision's, imported when built).
 
 The Fashion-MNIST recipes, ``largebatch study`` and the tests use :func:`small_cnn`, sized
 so that the study's 161 ten-epoch runs fit in 1.5 hours on a 2-core CPU.
+``largebatch.recipes.build.build_model`` builds any of them by its recipe name.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["small_cnn"]
+__all__ = ["alexnet_bn", "resnet50", "small_cnn"]
 
 
 def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -40,3 +42,35 @@ def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1) -> nn
         nn.Flatten(),
         nn.Linear(4 * w, num_classes),
     )
+
+
+def resnet50(num_classes: int = 1000) -> nn.Module:
+    """torchvision's ResNet-50 with the last batch-norm scale of each residual block
+    initialised to zero (Goyal et al. 2017)."""
+    from torchvision.models import resnet50 as torchvision_resnet50
+
+    return torchvision_resnet50(num_classes=num_classes, zero_init_residual=True)
+
+
+def alexnet_bn(num_classes: int = 1000) -> nn.Sequential:
+    """torchvision's AlexNet layout with batch norm after every conv and hidden linear layer
+    (conv and linear biases dropped where BN follows), as in You, Gitman, Ginsburg 2017."""
+    from torchvision.models import alexnet
+
+    base = alexnet(num_classes=num_classes)
+    features: list[nn.Module] = []
+    for m in base.features:
+        if isinstance(m, nn.Conv2d):
+            features += [nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride,
+                                   m.padding, bias=False), nn.BatchNorm2d(m.out_channels)]
+        else:
+            features.append(m)
+    classifier: list[nn.Module] = []
+    linears = [m for m in base.classifier if isinstance(m, nn.Linear)]
+    for m in base.classifier:
+        if isinstance(m, nn.Linear) and m is not linears[-1]:
+            classifier += [nn.Linear(m.in_features, m.out_features, bias=False),
+                           nn.BatchNorm1d(m.out_features)]
+        else:
+            classifier.append(m)
+    return nn.Sequential(*features, base.avgpool, nn.Flatten(), *classifier)

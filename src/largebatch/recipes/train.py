@@ -20,20 +20,22 @@ settings other than the run's own, and gives the same parameters as an uninterru
 The trust ratio is recomputed here from params and gradients with the optimizer's own
 formula (DESIGN §2) at the last step of each epoch; for SGD it is the ratio LARS would
 apply, a diagnostic only.
+
+The model, optimizer, schedule and loss come from :mod:`largebatch.recipes.build`, the
+epoch and the evaluation from :mod:`largebatch.recipes.loop` (both shared with ``largebatch
+study``), the data from :mod:`largebatch.recipes.train_data`, the plot from
+:mod:`largebatch.recipes.plots`; this module adds the processes, the checkpoints, the
+per-epoch metrics and the trust-ratio telemetry.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import json
 import math
 import os
-import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,369 +44,72 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from largebatch.recipes import plots
+from largebatch.recipes.build import (
+    DTYPES, build_loss, build_model, build_optimizer, build_schedule,
+)
+from largebatch.recipes.distributed import (
+    buffers_sha256, check_device, join, params_sha256, sync_buffers,
+)
+from largebatch.recipes.loop import evaluate, train_epoch
 from largebatch.recipes.outputs import (
-    CommandError, atomic_write, figure, lock_folder, plot_or_warn, remove_stale_temporaries,
-    require,
+    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
 )
 from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
 )
-from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups, to_half
+from largebatch.recipes.train_data import batches, eval_chunks, load_data
+from largebatch.torch import ScheduleLR, to_half, trust_ratios
 
 __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_arguments", "main"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _fail(message: str) -> CommandError:
     return CommandError("train", message)
 
 
-# --------------------------------------------------------------------------- models
+# --------------------------------------------------------------------------- telemetry
 
 
-def alexnet_bn(num_classes: int = 1000) -> nn.Sequential:
-    """torchvision's AlexNet layout with batch norm after every conv and hidden linear layer
-    (conv and linear biases dropped where BN follows), as in You, Gitman, Ginsburg 2017."""
-    from torchvision.models import alexnet
+class _EpochTelemetry:
+    """The training loop's callbacks for one epoch: the progress bar (rank 0), and the
+    trust ratios at the epoch's last step, read before the optimizer applies the step."""
 
-    base = alexnet(num_classes=num_classes)
-    features: list[nn.Module] = []
-    for m in base.features:
-        if isinstance(m, nn.Conv2d):
-            features += [nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride,
-                                   m.padding, bias=False), nn.BatchNorm2d(m.out_channels)]
-        else:
-            features.append(m)
-    classifier: list[nn.Module] = []
-    linears = [m for m in base.classifier if isinstance(m, nn.Linear)]
-    for m in base.classifier:
-        if isinstance(m, nn.Linear) and m is not linears[-1]:
-            classifier += [nn.Linear(m.in_features, m.out_features, bias=False),
-                           nn.BatchNorm1d(m.out_features)]
-        else:
-            classifier.append(m)
-    return nn.Sequential(*features, base.avgpool, nn.Flatten(), *classifier)
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, steps: int, batch: int,
+                 desc: str, show: bool) -> None:
+        from tqdm import tqdm
 
+        self.optimizer, self.scaler, self.last, self.batch = optimizer, scaler, steps - 1, batch
+        self.ratios: list[float] = []
+        self.seen = 0
+        self.bar = tqdm(total=steps, desc=desc, unit="step", disable=not show or None,
+                        leave=False)
+        self.t0 = time.perf_counter()
 
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn`` or ``small_cnn``."""
-    if name == "resnet50":
-        from torchvision.models import resnet50
+    def before_step(self, step: int) -> None:
+        if step == self.last:
+            self.ratios = trust_ratios(self.optimizer,
+                                       self.scaler.get_scale() if self.scaler else 1.0)
 
-        return resnet50(num_classes=num_classes, zero_init_residual=True)
-    if name == "alexnet_bn":
-        return alexnet_bn(num_classes)
-    if name == "small_cnn":
-        from largebatch.recipes.models import small_cnn
+    def after_step(self, step: int) -> None:
+        self.seen += self.batch
+        self.bar.update()
+        self.bar.set_postfix(img_s=f"{self.seen / (time.perf_counter() - self.t0):,.0f}")
 
-        return small_cnn(num_classes)
-    raise ValueError(f"Unknown model {name!r}; known: resnet50, alexnet_bn, small_cnn")
+    def close(self) -> float:
+        """Closes the bar; the epoch's seconds."""
+        self.bar.close()
+        return time.perf_counter() - self.t0
 
-
-# --------------------------------------------------------------------------- optimizer
-
-
-def build_optimizer(
-    recipe: Recipe, model: nn.Module, lr: float, precision: str = "fp32"
-) -> torch.optim.Optimizer:
-    """The recipe's optimizer. LARS/LAMB: ``param_groups`` (biases and BN excluded),
-    fp32 masters for half params. SGD/Nesterov: weight decay on every param (Goyal et al.)."""
-    kw, half = dict(recipe.optimizer_kwargs), precision != "fp32"
-    if recipe.optimizer in ("lars", "lamb"):
-        cls = LARS if recipe.optimizer == "lars" else LAMB
-        return cls(param_groups(model, recipe.weight_decay), lr=lr, master_weights=half, **kw)
-    if half:
-        raise ValueError(
-            f"precision {precision!r} needs fp32 master weights, which only the LARS and "
-            f"LAMB recipes keep; recipe {recipe.name!r} uses {recipe.optimizer}"
-        )
-    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=recipe.weight_decay,
-                           nesterov=recipe.optimizer == "nesterov", **{"momentum": 0.9, **kw})
-
-
-@torch.no_grad()
-def trust_ratios(optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> list[float]:
-    """The trust ratio of every adapted tensor, from its param and (unscaled) gradient.
-
-    LAMB: ``||w|| / ||r + wd * w||`` with the moments this step would produce; LARS, and
-    SGD as a diagnostic: ``tc * ||w|| / (||g|| + wd * ||w|| + eps)``. Ratio 1 on a zero norm.
-    """
-    out = []
-    lamb, layerwise = isinstance(optimizer, LAMB), isinstance(optimizer, (LARS, LAMB))
-    groups = [g for g in optimizer.param_groups if g.get("trust_ratio", True)]
-    clip = 1.0
-    if lamb and optimizer.max_grad_norm is not None:
-        norms = [p.grad.float().norm() / grad_scale for g in optimizer.param_groups
-                 for p in g["params"] if p.grad is not None]
-        clip = max(1.0, float(torch.stack(norms).norm()) / optimizer.max_grad_norm)
-    for group in groups:
-        wd = group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None or (not layerwise and p.ndim <= 1):  # SGD: skip biases, BN
-                continue
-            state = optimizer.state.get(p, {})
-            w = state.get("master_param", p).float()
-            g = p.grad.float() / (grad_scale * clip)
-            w_norm = w.norm()
-            if lamb:
-                b1, b2 = group["betas"]
-                t = int(state["step"]) + 1 if "step" in state else 1
-                m = b1 * state["exp_avg"] + (1 - b1) * g if "exp_avg" in state else (1 - b1) * g
-                v = (b2 * state["exp_avg_sq"] + (1 - b2) * g * g if "exp_avg_sq" in state
-                     else (1 - b2) * g * g)
-                if group["bias_correction"]:
-                    m, v = m / (1 - b1**t), v / (1 - b2**t)
-                other = (m / (v.sqrt() + group["eps"]) + wd * w).norm()
-                ratio = w_norm / other
-            else:
-                tc = group.get("trust_coefficient", 0.001)
-                other = g.norm()
-                ratio = tc * w_norm / (other + wd * w_norm + group.get("eps", 0.0))
-            out.append(1.0 if w_norm == 0 or other == 0 else float(ratio))
-    return out
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclasses.dataclass
-class _Data:
-    train: Any  # (x, y) tensors, or a torch Dataset
-    test: Any
-    num_classes: int
-    n_train: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Unreadable:
-    """Stands for a sample whose image file could not be read; it crosses data-loader
-    worker processes intact, and the training loop turns it into a one-line error."""
-
-    path: str
-    reason: str
-
-
-class _CheckedFolder(torch.utils.data.Dataset):
-    """An ImageFolder whose unreadable images come back as :class:`_Unreadable`."""
-
-    def __init__(self, folder: Any) -> None:
-        self.folder = folder
-        self.classes = folder.classes
-
-    def __len__(self) -> int:
-        return len(self.folder)
-
-    def __getitem__(self, index: int) -> Any:
-        try:
-            return self.folder[index]
-        except (OSError, ValueError, SyntaxError) as err:  # PIL: unidentified, truncated
-            return _Unreadable(self.folder.samples[index][0], f"{type(err).__name__}: {err}")
-
-
-def _collate(items: list[Any]) -> Any:
-    bad = next((item for item in items if isinstance(item, _Unreadable)), None)
-    return bad if bad is not None else torch.utils.data.default_collate(items)
-
-
-def _checked(batch: Any) -> Any:
-    if isinstance(batch, _Unreadable):
-        raise _fail(f"cannot read image {batch.path}: {batch.reason}")
-    return batch
-
-
-def _image_folder(path: Path, transform: Any) -> Any:
-    from torchvision import datasets
-
-    try:
-        return _CheckedFolder(datasets.ImageFolder(path, transform))
-    except (FileNotFoundError, OSError) as err:  # a class without images, no class folder
-        raise _fail(f"ImageFolder tree {path}: {err}") from None
-
-
-def _load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> _Data:
-    if recipe.data == "fashion-mnist":
-        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
-
-        if data_dir is not None and not Path(data_dir).is_dir():
-            raise _fail(f"data directory not found: {data_dir}")
-        try:
-            train = fashion_mnist_tensors(*load_fashion_mnist("train", data_dir), subset)
-            test = fashion_mnist_tensors(*load_fashion_mnist("test", data_dir), subset)
-        except (OSError, ValueError, EOFError) as err:  # missing, corrupt (checksum), unreadable
-            raise _fail(str(err)) from None
-        return _Data(train, test, 10, len(train[1]))
-    # ImageNet recipes: an ImageFolder tree DIR/train/<class>/*.jpeg and DIR/val/<class>/*.
-    if data_dir is None:
-        raise _fail(f"recipe {recipe.name!r} trains on ImageNet: pass --data DIR, an "
-                    "ImageFolder tree with DIR/train and DIR/val")
-    root = Path(data_dir)
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise _fail(f"data directory not found: {root / split}")
-    from torchvision import transforms as T
-
-    norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    train = _image_folder(root / "train", T.Compose(
-        [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), norm]))
-    if len(train.classes) < 2:
-        raise _fail(f"ImageFolder tree {root / 'train'} has {len(train.classes)} class "
-                    f"({', '.join(train.classes)}); a classifier needs at least 2")
-    test = _image_folder(root / "val", T.Compose(
-        [T.Resize(256), T.CenterCrop(224), T.ToTensor(), norm]))
-    if test.classes != train.classes:
-        missing = sorted(set(train.classes) - set(test.classes))
-        extra = sorted(set(test.classes) - set(train.classes))
-        raise _fail(
-            f"the classes of {root / 'val'} differ from those of {root / 'train'}, so its "
-            "labels would not match: " + "; ".join(
-                [f"missing in val: {', '.join(missing)}"] * bool(missing)
-                + [f"not in train: {', '.join(extra)}"] * bool(extra)))
-    num_classes = len(train.classes)
-    if subset is not None:
-        train = torch.utils.data.Subset(train, range(min(subset, len(train))))
-        test = torch.utils.data.Subset(test, range(min(subset, len(test))))
-    return _Data(train, test, num_classes, len(train))
-
-
-def _batches(data: Any, sampler: Any, batch: int, workers: int):  # noqa: ANN202
-    """Per-process batches of one epoch in the sampler's order (partial batch dropped)."""
-    if isinstance(data, tuple):
-        order = torch.tensor(list(sampler))
-        for i in range(len(order) // batch):
-            idx = order[i * batch : (i + 1) * batch]
-            yield data[0][idx], data[1][idx]
-    else:
-        for item in torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler,
-                                                drop_last=True, num_workers=workers,
-                                                collate_fn=_collate):
-            yield _checked(item)
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, data: Any, dtype: torch.dtype, device: torch.device,
-              rank: int, world: int, workers: int) -> float:
-    """Top-1 accuracy: each process scores every world-th test image; the counts are summed."""
-    model.eval()
-    if isinstance(data, tuple):
-        x, y = data[0][rank::world], data[1][rank::world]
-        chunks = zip(x.split(1000), y.split(1000))
-    else:
-        shard = torch.utils.data.Subset(data, range(rank, len(data), world))
-        chunks = map(_checked, torch.utils.data.DataLoader(
-            shard, batch_size=256, num_workers=workers, collate_fn=_collate))
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for xb, yb in chunks:
-        xb, yb = xb.to(device, dtype), yb.to(device)
-        counts += torch.tensor([int((model(xb).argmax(1) == yb).sum()), len(yb)],
-                               dtype=torch.float64, device=device)
-    if world > 1:
-        dist.all_reduce(counts)
-    model.train()
-    return float(counts[0] / counts[1])
-
-
-@torch.no_grad()
-def _sync_buffers(model: nn.Module, world: int) -> None:
-    """Average the floating buffers (batch-norm running mean and variance) over the
-    processes; the others (``num_batches_tracked``) take rank 0's values. Params are equal
-    on every rank already; after this the whole model is."""
-    if world == 1:
-        return
-    for buffer in model.buffers():
-        if buffer.is_floating_point():
-            dist.all_reduce(buffer)
-            buffer.div_(world)
-        else:
-            dist.broadcast(buffer, 0)
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-def _plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
-    ep = [h["epoch"] for h in history]
-    with figure(path, 2, 2, figsize=(10, 7)) as (fig, axes):
-        panels = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
-                  ("lr (end of epoch)", ["lr"]),
-                  ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
-        for ax, (label, keys) in zip(axes.flat, panels):
-            for key in keys:
-                values = [h.get(key) for h in history]
-                if any(v is not None for v in values):
-                    ax.plot(ep, [float("nan") if v is None else v for v in values], marker="o",
-                            label=key.removeprefix("trust_ratio_"))
-            ax.set_title(label)
-            ax.set_xlabel("epoch")
-            if label == "trust ratio":
-                ax.set_yscale("log")
-                ax.legend()
-        fig.suptitle(title)
-
-
-class _Plotter:
-    """Rewrites the plot; a failure (say, matplotlib missing) is a warning, printed once,
-    and never costs the run its other outputs."""
-
-    def __init__(self, path: Path, title: str) -> None:
-        self.path, self.title, self.failed = path, title, False
-
-    def __call__(self, history: list[dict[str, Any]]) -> None:
-        if not self.failed:
-            self.failed = not plot_or_warn(
-                "train", self.path, lambda: _plot(history, self.path, self.title),
-                "; the metrics, checkpoint and summary are unaffected")
-
-
-def _sha256(tensors: Any) -> str:
-    digest = hashlib.sha256()
-    for name, t in tensors:
-        digest.update(name.encode())
-        t = t.detach().cpu()
-        digest.update((t.float() if t.is_floating_point() else t).contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _params_sha256(model: nn.Module) -> str:
-    return _sha256(model.named_parameters())
-
-
-def _buffers_sha256(model: nn.Module) -> str:
-    return _sha256(model.named_buffers())
+    def row(self) -> dict[str, float | None]:
+        ratios = self.ratios
+        return {"trust_ratio_min": min(ratios) if ratios else None,
+                "trust_ratio_median": statistics.median(ratios) if ratios else None,
+                "trust_ratio_max": max(ratios) if ratios else None}
 
 
 # --------------------------------------------------------------------------- training
-
-
-def _device(device_arg: str | None) -> str:
-    """The ``--device`` value checked against this machine: ``cpu``, ``cuda`` or ``cuda:N``."""
-    if device_arg is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device_arg == "cpu":
-        return device_arg
-    match = re.fullmatch(r"cuda(?::(\d+))?", device_arg)
-    if match is None:
-        raise _fail(f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
-    if not torch.cuda.is_available():
-        raise _fail(f"--device {device_arg}: no CUDA GPU is available here "
-                    "(torch.cuda.is_available() is False); use --device cpu")
-    if match[1] is not None and int(match[1]) >= torch.cuda.device_count():
-        raise _fail(f"--device {device_arg}: this machine has {torch.cuda.device_count()} "
-                    "CUDA GPU(s)")
-    return device_arg
-
-
-def _distributed(name: str) -> tuple[int, int, torch.device]:
-    """``(rank, world_size, device)``; joins the process group under torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}" if name == "cuda" and world > 1 else name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
 
 
 _OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
@@ -462,7 +167,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if micro > local_batch or local_batch % micro:
         raise _fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
                     f"(batch {batch} / world size {world})")
-    device_name = _device(args.device)
+    device_name = check_device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
     settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
                 "seed": args.seed, "subset": args.subset, "precision": precision}
@@ -486,9 +191,9 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
          state: dict[str, Any] | None, device_name: str, micro: int) -> dict[str, Any]:
     batch, epochs, lr = settings["batch_size"], settings["epochs"], settings["lr"]
     precision = settings["precision"]
-    rank, world, device = _distributed(device_name)
+    rank, world, device = join(device_name)
     local_batch = batch // world
-    data = _load_data(recipe, args.data, args.subset)
+    data = load_data(recipe, args.data, args.subset)
     steps_per_epoch = data.n_train // world // local_batch
     if steps_per_epoch < 1:
         raise _fail(f"{data.n_train} training images hold no full batch of {batch}")
@@ -496,7 +201,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     torch.manual_seed(args.seed)
     model = build_model(recipe.model, data.num_classes)
     model = model.to(device, memory_format=torch.channels_last)
-    dtype = _DTYPES[precision]
+    dtype = DTYPES[precision]
     if precision != "fp32":
         to_half(model, dtype)
     try:
@@ -505,17 +210,10 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         raise _fail(str(err)) from None
     # The recipe's schedule, its warmup and milestones scaled to --epochs.
     shape = recipe.with_epochs(epochs)
-    total = epochs * steps_per_epoch
-    warmup_steps = min(round(shape.warmup_epochs * steps_per_epoch), total)
-    schedule = make_schedule(
-        shape.schedule, peak_lr=lr, total_steps=total, warmup_steps=warmup_steps,
-        power=shape.power,
-        milestones=sorted({round(m * steps_per_epoch) for m in shape.milestones
-                           if warmup_steps <= round(m * steps_per_epoch) < total}),
-    )
+    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, steps_per_epoch=steps_per_epoch)
     scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+    loss_fn = build_loss(recipe)
     sampler = torch.utils.data.DistributedSampler(
         range(data.n_train), num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
         drop_last=True)
@@ -547,52 +245,31 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
               f"{precision}, {span} x {steps_per_epoch} steps; "
               f"schedule {shape.schedule_text}{scaled}", flush=True)
 
-    from tqdm import tqdm
-
-    plot = _Plotter(out / "plot.png", f"{recipe.name} (batch {batch:,})")
-    accumulate = local_batch // micro
+    title = f"{recipe.name} (batch {batch:,})"
+    plot = plots.Plotter("train", out / "plot.png",
+                         lambda h, path: plots.plot_history(h, path, title),
+                         "; the metrics, checkpoint and summary are unaffected")
     acc = history[-1]["test_accuracy"] if history else float("nan")
     for epoch in range(start_epoch, stop):
         sampler.set_epoch(epoch)
-        loss_sum, ratios, seen = torch.zeros((), device=device), [], 0
-        bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}", unit="step",
-                   disable=rank != 0 or None, leave=False)
-        t0 = time.perf_counter()
-        for step, (x, y) in enumerate(_batches(data.train, sampler, local_batch, args.workers)):
-            x = x.to(device, dtype, memory_format=torch.channels_last)
-            y = y.to(device)
-            for k, (xm, ym) in enumerate(zip(x.split(micro), y.split(micro))):
-                sync = k == accumulate - 1 or world == 1
-                with contextlib.nullcontext() if sync else ddp.no_sync():
-                    loss = loss_fn(ddp(xm).float(), ym) / accumulate
-                    (scaler.scale(loss) if scaler else loss).backward()
-                loss_sum += loss.detach()
-            if step == steps_per_epoch - 1:
-                ratios = trust_ratios(optimizer, scaler.get_scale() if scaler else 1.0)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            seen += batch
-            bar.update()
-            bar.set_postfix(img_s=f"{seen / (time.perf_counter() - t0):,.0f}")
-        bar.close()
-        seconds = time.perf_counter() - t0
+        telemetry = _EpochTelemetry(optimizer, scaler, steps_per_epoch, batch,
+                                    f"epoch {epoch + 1}/{epochs}", show=rank == 0)
+        loss_sum = train_epoch(
+            ddp, batches(data.train, sampler, local_batch, args.workers, device, dtype),
+            optimizer, scheduler, loss_fn, micro_batch=micro, scaler=scaler,
+            no_sync=ddp.no_sync if world > 1 else None,
+            before_step=telemetry.before_step, after_step=telemetry.after_step)
+        seconds, seen = telemetry.close(), telemetry.seen
         if world > 1:
             dist.all_reduce(loss_sum)
             loss_sum /= world
-        _sync_buffers(model, world)  # one model: evaluated, checkpointed and summarized
-        acc = _evaluate(model, data.test, dtype, device, rank, world, args.workers)
+        sync_buffers(model, world)  # one model: evaluated, checkpointed and summarized
+        acc = evaluate(model, eval_chunks(data.test, rank, world, args.workers), device=device,
+                       dtype=dtype, world=world).accuracy
         row = {
             "epoch": epoch + 1, "train_loss": float(loss_sum) / steps_per_epoch,
             "test_accuracy": acc, "lr": optimizer.param_groups[0]["lr"],
-            "images_per_second": seen / seconds, "seconds": seconds,
-            "trust_ratio_min": min(ratios) if ratios else None,
-            "trust_ratio_median": statistics.median(ratios) if ratios else None,
-            "trust_ratio_max": max(ratios) if ratios else None,
+            "images_per_second": seen / seconds, "seconds": seconds, **telemetry.row(),
         }
         history.append(row)
         rng = [(torch.get_rng_state(),
@@ -619,7 +296,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         "batch_size": batch, "imagenet_equivalent_batch": nominal,
         "world_size": world, "precision": precision, "peak_lr": lr,
         "schedule": shape.schedule_text, "published_top1": recipe.published_top1,
-        "params_sha256": _params_sha256(model), "buffers_sha256": _buffers_sha256(model),
+        "params_sha256": params_sha256(model), "buffers_sha256": buffers_sha256(model),
         "images_per_second": statistics.mean(h["images_per_second"] for h in history)
         if history else None,
     }

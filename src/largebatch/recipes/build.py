@@ -1,0 +1,75 @@
+"""What a recipe builds, for ``largebatch train`` and ``largebatch study`` alike: the model,
+the optimizer, the lr schedule and the loss.
+
+A :class:`~largebatch.recipes.registry.Recipe` is data; these functions turn it into torch
+objects. Both commands call them, so a recipe means the same run in both: the study's
+schedule keeps the recipe's milestones, its loss the recipe's label smoothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from largebatch.recipes import models
+from largebatch.recipes.registry import Recipe
+from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
+
+__all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_schedule"]
+
+# ``--precision`` -> the dtype of the model's params and inputs.
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+_MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
+           "small_cnn": models.small_cnn}
+
+
+def build_model(name: str, num_classes: int) -> nn.Module:
+    """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn`` or ``small_cnn``
+    (:mod:`largebatch.recipes.models`), initialised from torch's global RNG."""
+    if name not in _MODELS:
+        raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
+    return _MODELS[name](num_classes)
+
+
+def build_optimizer(
+    recipe: Recipe, model: nn.Module, lr: float, precision: str = "fp32"
+) -> torch.optim.Optimizer:
+    """The recipe's optimizer. LARS/LAMB: ``param_groups`` (biases and BN excluded),
+    fp32 masters for half params. SGD/Nesterov: weight decay on every param (Goyal et al.)."""
+    kw, half = dict(recipe.optimizer_kwargs), precision != "fp32"
+    if recipe.optimizer in ("lars", "lamb"):
+        cls = LARS if recipe.optimizer == "lars" else LAMB
+        return cls(param_groups(model, recipe.weight_decay), lr=lr, master_weights=half, **kw)
+    if half:
+        raise ValueError(
+            f"precision {precision!r} needs fp32 master weights, which only the LARS and "
+            f"LAMB recipes keep; recipe {recipe.name!r} uses {recipe.optimizer}"
+        )
+    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=recipe.weight_decay,
+                           nesterov=recipe.optimizer == "nesterov", **{"momentum": 0.9, **kw})
+
+
+def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epoch: int,
+                   warmup_epochs: float | None = None) -> Schedule:
+    """The recipe's lr schedule (its shape, ``power`` and ``milestones``) for a run of
+    ``epochs`` epochs of ``steps_per_epoch`` steps, peaking at ``peak_lr``.
+
+    Warmup and milestones are in epochs: scaled to ``epochs`` as
+    :meth:`Recipe.with_epochs` does, then rounded to steps; a milestone that rounds into
+    the warmup or to the end of the run is dropped. ``warmup_epochs``, when given, replaces
+    the recipe's warmup as it is (not scaled): the study tunes it.
+    """
+    shape = recipe.with_epochs(epochs)
+    warmup = shape.warmup_epochs if warmup_epochs is None else warmup_epochs
+    total = epochs * steps_per_epoch
+    warmup_steps = min(round(warmup * steps_per_epoch), total)
+    milestones = sorted({round(m * steps_per_epoch) for m in shape.milestones
+                         if warmup_steps <= round(m * steps_per_epoch) < total})
+    return make_schedule(shape.schedule, peak_lr=peak_lr, total_steps=total,
+                         warmup_steps=warmup_steps, power=shape.power, milestones=milestones)
+
+
+def build_loss(recipe: Recipe) -> nn.Module:
+    """Cross-entropy, with the recipe's label smoothing."""
+    return nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)

@@ -1,0 +1,86 @@
+"""The processes of ``largebatch train``: the ``--device`` check, joining the process group
+under ``torchrun``, one set of batch-norm statistics for all ranks, and the checksums each
+rank prints of its final model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from largebatch.recipes.outputs import CommandError
+
+__all__ = ["buffers_sha256", "check_device", "join", "params_sha256", "sync_buffers"]
+
+
+def check_device(device_arg: str | None) -> str:
+    """The ``--device`` value checked against this machine: ``cpu``, ``cuda`` or ``cuda:N``
+    (default: ``cuda`` when available); a ``largebatch train`` error otherwise."""
+    if device_arg is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device_arg == "cpu":
+        return device_arg
+    match = re.fullmatch(r"cuda(?::(\d+))?", device_arg)
+    if match is None:
+        raise CommandError("train", f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise CommandError("train", f"--device {device_arg}: no CUDA GPU is available here "
+                           "(torch.cuda.is_available() is False); use --device cpu")
+    if match[1] is not None and int(match[1]) >= torch.cuda.device_count():
+        raise CommandError("train", f"--device {device_arg}: this machine has "
+                           f"{torch.cuda.device_count()} CUDA GPU(s)")
+    return device_arg
+
+
+def join(name: str) -> tuple[int, int, torch.device]:
+    """``(rank, world_size, device)``; joins the process group under torchrun (NCCL on
+    CUDA, gloo on CPU), each process on the GPU of its ``LOCAL_RANK``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local}" if name == "cuda" and world > 1 else name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module, world: int) -> None:
+    """Average the floating buffers (batch-norm running mean and variance) over the
+    processes; the others (``num_batches_tracked``) take rank 0's values. Params are equal
+    on every rank already; after this the whole model is."""
+    if world == 1:
+        return
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer)
+            buffer.div_(world)
+        else:
+            dist.broadcast(buffer, 0)
+
+
+def _sha256(tensors: Any) -> str:
+    digest = hashlib.sha256()
+    for name, t in tensors:
+        digest.update(name.encode())
+        t = t.detach().cpu()
+        digest.update((t.float() if t.is_floating_point() else t).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def params_sha256(model: nn.Module) -> str:
+    """A checksum of the model's named parameters (as fp32 where floating)."""
+    return _sha256(model.named_parameters())
+
+
+def buffers_sha256(model: nn.Module) -> str:
+    """A checksum of the model's named buffers (batch-norm statistics)."""
+    return _sha256(model.named_buffers())

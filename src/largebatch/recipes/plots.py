@@ -1,0 +1,109 @@
+"""The figures of ``largebatch train`` (``plot.png``: a run's metrics per epoch) and
+``largebatch study`` (``study.png``: accuracy against batch, and accuracy against step).
+
+Both are drawn through :func:`largebatch.recipes.outputs.figure` (matplotlib imported
+then, the file replaced atomically) by a :class:`Plotter`, which turns any failure into a
+one-line warning (:func:`~largebatch.recipes.outputs.plot_or_warn`), printed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from largebatch.recipes.outputs import figure, plot_or_warn
+
+__all__ = ["Plotter", "plot_history", "plot_study"]
+
+
+class Plotter:
+    """``plotter(data)`` draws ``draw(data, path)``; a failure (say, matplotlib missing) is a
+    warning of ``largebatch COMMAND``, printed once: later calls draw nothing. Returns
+    whether the plot was written."""
+
+    def __init__(self, command: str, path: Path, draw: Callable[[Any, Path], object],
+                 note: str = "") -> None:
+        self.command, self.path, self.draw, self.note = command, path, draw, note
+        self.failed = False
+
+    def __call__(self, data: Any) -> bool:
+        if not self.failed:
+            self.failed = not plot_or_warn(self.command, self.path,
+                                           lambda: self.draw(data, self.path), self.note)
+        return not self.failed
+
+
+def _style(ax: Any, *, title: str | None = None, xlabel: str | None = None,
+           ylabel: str | None = None, xlog: float | None = None, ylog: float | None = None,
+           legend: dict[str, Any] | None = None) -> None:
+    """Titles, labels, log scales (``xlog``/``ylog``: the base) and a legend (its kwargs)."""
+    if xlog is not None:
+        ax.set_xscale("log", base=xlog)
+    if ylog is not None:
+        ax.set_yscale("log", base=ylog)
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title)
+    if legend is not None:
+        ax.legend(**legend)
+
+
+# --------------------------------------------------------------------------- train
+
+_PANELS = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
+           ("lr (end of epoch)", ["lr"]),
+           ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
+
+
+def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """``train``'s four panels against the epoch: test accuracy, train loss, lr, and the
+    min/median/max trust ratio (log scale); a value missing in a row is a gap."""
+    ep = [h["epoch"] for h in history]
+    with figure(path, 2, 2, figsize=(10, 7)) as (fig, axes):
+        for ax, (label, keys) in zip(axes.flat, _PANELS):
+            for key in keys:
+                values = [h.get(key) for h in history]
+                if any(v is not None for v in values):
+                    ax.plot(ep, [float("nan") if v is None else v for v in values], marker="o",
+                            label=key.removeprefix("trust_ratio_"))
+            trust = label == "trust ratio"
+            _style(ax, title=label, xlabel="epoch", ylog=10 if trust else None,
+                   legend={} if trust else None)
+        fig.suptitle(title)
+
+
+# --------------------------------------------------------------------------- study
+
+_STYLES = {"sgd": "-", "nesterov": ":", "lars": "--", "lamb": "-."}
+
+
+def plot_study(summary: dict[str, Any], path: Path, baseline: tuple[int, str]) -> None:
+    """The study's two panels: mean ± std test accuracy against the ImageNet-equivalent
+    batch, one line per optimizer (``baseline``, ``(batch, optimizer)``, dashed across);
+    and seed 0's test accuracy against the step, one line per row."""
+    with figure(path, 1, 2, figsize=(12, 4.5)) as (_, (left, right)):
+        rows = summary["rows"]
+        for optimizer in dict.fromkeys(r["optimizer"] for r in rows):
+            mine = [r for r in rows if r["optimizer"] == optimizer]
+            left.errorbar([r["imagenet_batch"] for r in mine],
+                          [100 * r["accuracy_mean"] for r in mine],
+                          yerr=[100 * r["accuracy_std"] for r in mine], marker="o", capsize=3,
+                          label=optimizer)
+        base = next((r for r in rows if (r["batch"], r["optimizer"]) == baseline), None)
+        if base is not None:
+            left.axhline(100 * base["accuracy_mean"], color="gray", linestyle="--",
+                         label=f"baseline B={baseline[0]}")
+        _style(left, xlog=2, xlabel="ImageNet-equivalent batch", ylabel="test accuracy (%)",
+               title=f"{summary['model']} on Fashion-MNIST, "
+                     f"{rows[0]['epochs'] if rows else '?'} epochs", legend={})
+        for r in rows:
+            curve = r["curves"][0]
+            right.plot([c["step"] for c in curve], [100 * c["accuracy"] for c in curve],
+                       linestyle=_STYLES.get(r["optimizer"], "-"),
+                       label=f"B={r['batch']} {r['optimizer']}")
+        _style(right, xlog=10, xlabel="step", ylabel="test accuracy (%), seed 0",
+               legend={"fontsize": 7, "ncol": 2})

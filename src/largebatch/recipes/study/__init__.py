@@ -1,0 +1,124 @@
+"""``largebatch study``: the batch-size sweep on Fashion-MNIST, tuned the same way for every optimizer.
+
+Pairs: the small-batch baseline (momentum SGD at B=128), then momentum SGD with gradual
+warmup (Goyal et al. 2017), Nesterov (Nado et al. 2021), LARS and LAMB at B = 384, 1536 and
+3072, the ImageNet-equivalent 8K, 32K and 64K batches. Each pair starts from its registry
+recipe (``fmnist-OPTIMIZER-BATCH``): model, optimizer settings, weight decay, poly decay.
+
+Full study (the default), for every pair with the same budget:
+
+1. **Tune** on a validation split: the last 10,000 of a fixed permutation of the 60,000
+   training images are held out, the rest train. Peak lr over ``recipe lr x {1/2, 1, 2}``
+   (log-spaced), each with two warmup lengths (0 or 1 epoch at the baseline batch, 1 or 3
+   epochs at the large ones). While the best lr lies on the edge of the grid, the grid
+   grows by one more factor of 2 on that side (twice at most, ``--extend``); a best lr
+   still on the edge is marked in the table.
+2. **Re-run** the best (lr, warmup) on all 60,000 images with ``--seeds`` seeds (3) and
+   report test accuracy as mean ± std, and the steps each run took to reach the target
+   accuracy (default: the baseline's mean minus one point) at the end of an epoch.
+
+``--quick`` skips tuning: one seed of the recipes as they stand (their lrs and warmups are
+the full study's results), at B = 128, 1536 and 3072. ``make demo`` runs it.
+
+Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). Every
+finished run is appended to ``OUT/runs.jsonl``; running the same command again reuses them,
+so an interrupted study continues where it stopped (a line cut short by the interruption is
+skipped with a warning, and its run is redone). SIGTERM or Ctrl-C stops the workers with
+the study, and a worker whose parent is gone exits by itself. One study at a time holds
+``OUT`` (a lock on ``OUT/.lock``). The end writes ``OUT/study.md`` (the tables),
+``OUT/study.json`` and ``OUT/study.png``, each replaced atomically.
+
+The package: :mod:`~largebatch.recipes.study.plan` (what to run: :class:`StudyConfig`,
+:class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.run` (training a
+run, the worker pool, ``runs.jsonl``) and :mod:`~largebatch.recipes.study.report` (the
+tables and the plot); this module is the command line. A run trains as ``largebatch
+train`` does: :mod:`largebatch.recipes.build` and :mod:`largebatch.recipes.loop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from largebatch.recipes.outputs import CommandError, require
+
+# Every name of the one-module study stays importable from here (tests, scripts).
+from largebatch.recipes.study.plan import (  # noqa: F401
+    BASELINE, FULL_BATCHES, LARGE_BATCHES, QUICK_BATCHES, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec,
+    StudyConfig, _best, _check, _lr, _recipe, pair_plan, plan,
+)
+from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
+from largebatch.recipes.study.run import (  # noqa: F401
+    _EVAL_CHUNK, _SPLIT_SEED, _WORKER, _append, _exit_with_parent, _init_worker, _load_results,
+    _Stopped, _tensors, run_one, run_study,
+)
+
+__all__ = ["StudyConfig", "RunSpec", "pair_plan", "plan", "run_one", "run_study", "summarize",
+           "study_markdown", "add_arguments", "main"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``largebatch study`` flags."""
+    add = parser.add_argument
+    add("--quick", action="store_true",
+        help="no tuning: one seed of the recipes' settings at B=128, 1536, 3072 (make demo)")
+    add("--out", default=None, metavar="DIR",
+        help="output folder (default runs/study, or runs/study-quick)")
+    add("--batches", type=_ints, default=None, metavar="B,B",
+        help=f"batches (default {','.join(map(str, FULL_BATCHES))}; quick: "
+             f"{','.join(map(str, QUICK_BATCHES))})")
+    add("--optimizers", type=lambda t: tuple(t.split(",")), default=STUDY_OPTIMIZERS,
+        metavar="NAME,NAME", help=f"default {','.join(STUDY_OPTIMIZERS)}")
+    add("--seeds", type=int, default=None, help="final runs per pair (default 3; quick 1)")
+    add("--epochs", type=int, default=None, help="epochs per run (default: the recipes')")
+    add("--extend", type=int, default=StudyConfig.extend,
+        help="times a tuning grid may grow past an edge holding the best lr (default %(default)s)")
+    add("--target", type=float, default=None,
+        help="accuracy for the steps-to-target column (default: baseline mean - 0.01)")
+    add("--jobs", type=int, default=None, help="parallel runs (default: one per CPU)")
+    add("--threads", type=int, default=None, help="torch threads per run (default CPUs / jobs)")
+    add("--device", default="cpu", choices=("cpu", "cuda"))
+    add("--data", default=None, metavar="DIR", help="folder with the four Fashion-MNIST files")
+    add("--subset", type=int, default=None, metavar="N", help="first N train and test images")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the study from parsed arguments."""
+    cfg = StudyConfig(
+        quick=args.quick,
+        batches=args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES),
+        optimizers=args.optimizers, epochs=args.epochs,
+        seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
+        extend=args.extend, target=args.target,
+        subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,
+        device=args.device,
+        out=args.out or ("runs/study-quick" if args.quick else "runs/study"),
+    )
+    try:
+        _check(cfg)
+    except ValueError as err:
+        raise CommandError("study", str(err)) from None
+    require("study", ("torch", "matplotlib"))
+    if cfg.data is not None and not Path(cfg.data).is_dir():
+        raise CommandError("study", f"data directory not found: {cfg.data}")
+    from largebatch.recipes.data import fashion_mnist_dir
+
+    try:
+        fashion_mnist_dir(cfg.data)
+    except FileNotFoundError as err:
+        raise CommandError("study", str(err)) from None
+    try:
+        run_study(cfg)
+    except _Stopped:
+        print(f"largebatch study: stopped by SIGTERM; the finished runs are in "
+              f"{Path(cfg.out) / 'runs.jsonl'}, and the same command continues from them",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    return 0
+

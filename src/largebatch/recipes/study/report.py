@@ -1,0 +1,129 @@
+"""The study's report: :func:`summarize` the finished runs (one row per pair: mean ± std
+test accuracy, the difference to the baseline, steps to the target accuracy; the tuning
+grids), :func:`study_markdown` (the tables of ``study.md``) and :func:`plot`
+(``study.png``). Pure but for the plot: the same runs give the same report.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
+from largebatch.recipes.study.plan import BASELINE, StudyConfig, _best, _recipe, pair_plan
+
+__all__ = ["plot", "study_markdown", "summarize"]
+
+
+def _steps_to(curve: Sequence[dict[str, Any]], target: float) -> int | None:
+    return next((c["step"] for c in curve if c["accuracy"] >= target), None)
+
+
+def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One row per (batch, optimizer) with finished final runs, plus the tuning grids."""
+    rows, grids = [], []
+    n_train = cfg.subset or TRAIN_IMAGES["fashion-mnist"]
+    for batch, optimizer in cfg.pairs():
+        tune, final = pair_plan(cfg, results, batch, optimizer)
+        tuned = [results[s.key] for s in tune if s.key in results]
+        if tuned:
+            grids.append({"batch": batch, "optimizer": optimizer, "runs": sorted(
+                ({"lr": r["spec"]["lr"], "warmup_epochs": r["spec"]["warmup_epochs"],
+                  "accuracy": r["accuracy"], "diverged": r["diverged"]} for r in tuned),
+                key=lambda g: (g["warmup_epochs"], g["lr"]))})
+        finals = [results[s.key] for s in final if s.key in results]
+        if not finals:
+            continue
+        spec, accs = final[0], [r["accuracy"] for r in finals]
+        rows.append({
+            "batch": batch, "imagenet_batch": imagenet_equivalent(batch, n_train),
+            "optimizer": optimizer, "epochs": spec.epochs,
+            "steps": spec.epochs * finals[0]["steps_per_epoch"], "lr": spec.lr,
+            "warmup_epochs": spec.warmup_epochs, "seeds": len(accs),
+            "accuracy_mean": statistics.fmean(accs),
+            "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "accuracies": accs, "curves": [r["curve"] for r in finals],
+            "diverged": sum(r["diverged"] for r in finals),
+            "lr_on_grid_edge": bool(tune) and spec.lr in (min(t.lr for t in tune),
+                                                          max(t.lr for t in tune)),
+        })
+    base = next((r for r in rows if (r["batch"], r["optimizer"]) == BASELINE), None)
+    target = cfg.target
+    if target is None and base is not None:
+        target = math.floor((base["accuracy_mean"] - 0.01) * 1000) / 1000
+    for row in rows:
+        row["delta_vs_baseline"] = None if base is None else row["accuracy_mean"] - base[
+            "accuracy_mean"]
+        steps = [_steps_to(c, target) for c in row["curves"]] if target is not None else []
+        row["steps_to_target"] = steps
+    return {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
+            "grids": grids, "model": _recipe(*BASELINE).model}
+
+
+def _steps_text(steps: Sequence[int | None]) -> str:
+    reached = [s for s in steps if s is not None]
+    if not steps:
+        return "-"
+    if len(reached) < len(steps):
+        return f"{len(reached)}/{len(steps)} reached" if reached else "not reached"
+    return f"{statistics.fmean(reached):,.0f}"
+
+
+def study_markdown(summary: dict[str, Any]) -> str:
+    """The results table (and, for a full study, the tuning grids) as Markdown."""
+    target = summary["target"]
+    lines = [
+        "| batch | ImageNet-eq. | optimizer | epochs | steps | peak lr | warmup (epochs) "
+        f"| test acc. (mean ± std, seeds) | vs baseline | steps to {target:.1%} |"
+        if target is not None else "| batch | ImageNet-eq. | optimizer | epochs | steps | "
+        "peak lr | warmup (epochs) | test acc. (mean ± std, seeds) | vs baseline | steps to target |",
+        "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in summary["rows"]:
+        delta = "-" if r["delta_vs_baseline"] is None else f"{100 * r['delta_vs_baseline']:+.2f}"
+        div = f", {r['diverged']} diverged" if r["diverged"] else ""
+        lines.append(
+            f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
+            f"{r['steps']:,} | {r['lr']:g}{' (edge)' if r['lr_on_grid_edge'] else ''} | "
+            f"{r['warmup_epochs']:g} | "
+            f"{_mean_std(r)} ({r['seeds']}{div}) "
+            f"| {delta} | {_steps_text(r['steps_to_target'])} |")
+    if any(r["lr_on_grid_edge"] for r in summary["rows"]):
+        lines += ["", "(edge): the best lr lies on the edge of the tuned grid, after it grew."]
+    if summary["grids"]:
+        lines += ["", "Tuning (validation accuracy, %; best of each pair in bold; "
+                  "`div` marks a run whose loss turned non-finite):", ""]
+        for g in summary["grids"]:
+            lrs = sorted({run["lr"] for run in g["runs"]})
+            warmups = sorted({run["warmup_epochs"] for run in g["runs"]})
+            best = _best({"accuracy": run["accuracy"], "spec": run} for run in g["runs"])["spec"]
+            cell = {(run["lr"], run["warmup_epochs"]): run for run in g["runs"]}
+            lines.append(f"B={g['batch']:,} {g['optimizer']}: "
+                         + "; ".join(f"warmup {w:g}: " + ", ".join(
+                             _grid_cell(cell.get((lr, w)), lr, cell.get((lr, w)) is best)
+                             for lr in lrs) for w in warmups))
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _mean_std(row: dict[str, Any]) -> str:
+    mean = f"{100 * row['accuracy_mean']:.2f}"
+    return mean if row["seeds"] == 1 else f"{mean} ± {100 * row['accuracy_std']:.2f}"
+
+
+def _grid_cell(run: dict[str, Any] | None, lr: float, best: bool) -> str:
+    if run is None:
+        return f"lr {lr:g} -"
+    text = f"{100 * run['accuracy']:.2f}" + (" div" if run["diverged"] else "")
+    return f"lr {lr:g} **{text}**" if best else f"lr {lr:g} {text}"
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Draw ``study.png`` (:func:`largebatch.recipes.plots.plot_study`); a failure is a
+    one-line warning. Returns whether it was written."""
+    from largebatch.recipes.plots import Plotter, plot_study
+
+    return Plotter("study", path, lambda s, p: plot_study(s, p, BASELINE))(summary)

@@ -1,0 +1,157 @@
+"""The data of ``largebatch train``: Fashion-MNIST tensors, or ImageFolder trees for the
+ImageNet recipes; each process's batches of an epoch and its shard of the test set.
+
+A data error is a one-line ``largebatch train: ...`` (:class:`CommandError`), raised
+while loading, or when a batch holds an image that cannot be read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from largebatch.recipes.loop import Batches, tensor_chunks
+from largebatch.recipes.outputs import CommandError
+from largebatch.recipes.registry import Recipe
+
+__all__ = ["TrainData", "batches", "eval_chunks", "load_data"]
+
+
+def _fail(message: str) -> CommandError:
+    return CommandError("train", message)
+
+
+@dataclasses.dataclass
+class TrainData:
+    train: Any  # (x, y) tensors, or a torch Dataset
+    test: Any
+    num_classes: int
+    n_train: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unreadable:
+    """Stands for a sample whose image file could not be read; it crosses data-loader
+    worker processes intact, and the training loop turns it into a one-line error."""
+
+    path: str
+    reason: str
+
+
+class _CheckedFolder(torch.utils.data.Dataset):
+    """An ImageFolder whose unreadable images come back as :class:`_Unreadable`."""
+
+    def __init__(self, folder: Any) -> None:
+        self.folder = folder
+        self.classes = folder.classes
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.folder[index]
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: unidentified, truncated
+            return _Unreadable(self.folder.samples[index][0], f"{type(err).__name__}: {err}")
+
+
+def _collate(items: list[Any]) -> Any:
+    bad = next((item for item in items if isinstance(item, _Unreadable)), None)
+    return bad if bad is not None else torch.utils.data.default_collate(items)
+
+
+def _checked(batch: Any) -> Any:
+    if isinstance(batch, _Unreadable):
+        raise _fail(f"cannot read image {batch.path}: {batch.reason}")
+    return batch
+
+
+def _image_folder(path: Path, transform: Any) -> Any:
+    from torchvision import datasets
+
+    try:
+        return _CheckedFolder(datasets.ImageFolder(path, transform))
+    except (FileNotFoundError, OSError) as err:  # a class without images, no class folder
+        raise _fail(f"ImageFolder tree {path}: {err}") from None
+
+
+def load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> TrainData:
+    """The recipe's training and test data: ``data_dir`` or the installed Fashion-MNIST,
+    or an ImageFolder tree ``DIR/train``, ``DIR/val``; the first ``subset`` images of each."""
+    if recipe.data == "fashion-mnist":
+        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
+
+        if data_dir is not None and not Path(data_dir).is_dir():
+            raise _fail(f"data directory not found: {data_dir}")
+        try:
+            train = fashion_mnist_tensors(*load_fashion_mnist("train", data_dir), subset)
+            test = fashion_mnist_tensors(*load_fashion_mnist("test", data_dir), subset)
+        except (OSError, ValueError, EOFError) as err:  # missing, corrupt (checksum), unreadable
+            raise _fail(str(err)) from None
+        return TrainData(train, test, 10, len(train[1]))
+    # ImageNet recipes: an ImageFolder tree DIR/train/<class>/*.jpeg and DIR/val/<class>/*.
+    if data_dir is None:
+        raise _fail(f"recipe {recipe.name!r} trains on ImageNet: pass --data DIR, an "
+                    "ImageFolder tree with DIR/train and DIR/val")
+    root = Path(data_dir)
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise _fail(f"data directory not found: {root / split}")
+    from torchvision import transforms as T
+
+    norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    train = _image_folder(root / "train", T.Compose(
+        [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), norm]))
+    if len(train.classes) < 2:
+        raise _fail(f"ImageFolder tree {root / 'train'} has {len(train.classes)} class "
+                    f"({', '.join(train.classes)}); a classifier needs at least 2")
+    test = _image_folder(root / "val", T.Compose(
+        [T.Resize(256), T.CenterCrop(224), T.ToTensor(), norm]))
+    if test.classes != train.classes:
+        missing = sorted(set(train.classes) - set(test.classes))
+        extra = sorted(set(test.classes) - set(train.classes))
+        raise _fail(
+            f"the classes of {root / 'val'} differ from those of {root / 'train'}, so its "
+            "labels would not match: " + "; ".join(
+                [f"missing in val: {', '.join(missing)}"] * bool(missing)
+                + [f"not in train: {', '.join(extra)}"] * bool(extra)))
+    num_classes = len(train.classes)
+    if subset is not None:
+        train = torch.utils.data.Subset(train, range(min(subset, len(train))))
+        test = torch.utils.data.Subset(test, range(min(subset, len(test))))
+    return TrainData(train, test, num_classes, len(train))
+
+
+def batches(data: Any, sampler: Any, batch: int, workers: int, device: torch.device,
+            dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This process's batches of one epoch in the sampler's order (partial batch dropped),
+    on ``device``: images as ``dtype``, channels-last."""
+    for x, y in _cpu_batches(data, sampler, batch, workers):
+        yield x.to(device, dtype, memory_format=torch.channels_last), y.to(device)
+
+
+def _cpu_batches(data: Any, sampler: Any, batch: int, workers: int) -> Iterator[Any]:
+    if isinstance(data, tuple):
+        order = torch.tensor(list(sampler))
+        for i in range(len(order) // batch):
+            idx = order[i * batch : (i + 1) * batch]
+            yield data[0][idx], data[1][idx]
+    else:
+        for item in torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler,
+                                                drop_last=True, num_workers=workers,
+                                                collate_fn=_collate):
+            yield _checked(item)
+
+
+def eval_chunks(data: Any, rank: int, world: int, workers: int) -> Batches:
+    """This process's shard of the test set, every ``world``-th image from ``rank`` on, in
+    chunks for :func:`largebatch.recipes.loop.evaluate`."""
+    if isinstance(data, tuple):
+        return tensor_chunks(data[0][rank::world], data[1][rank::world], 1000)
+    shard = torch.utils.data.Subset(data, range(rank, len(data), world))
+    return map(_checked, torch.utils.data.DataLoader(
+        shard, batch_size=256, num_workers=workers, collate_fn=_collate))
