@@ -3,7 +3,8 @@
 A :class:`Case` is one LARS or LAMB setting in the reference's (the spec's) names: the
 hyperparameters of the adapted group, the overrides of a second group, and LAMB's
 ``max_grad_norm``. :func:`run_reference` runs it on the float64 spec
-(``largebatch.lars.reference``); the adapters :func:`run_torch` (any path, any dtype,
+(``largebatch.lars.reference``, through :func:`spec_step`, the one reference runner:
+the JAX mask and kernel tests call it too); the adapters :func:`run_torch` (any path, any dtype,
 with or without fp32 masters) and :func:`run_jax` run it on a backend. Every adapter
 returns the same :class:`Result`, compared by :func:`assert_matches` at the tolerance of
 the precision (:data:`TOLERANCE`, the one table of tolerances).
@@ -105,22 +106,49 @@ class Result:
     state: dict[str, list[np.ndarray]]  # the spec's state names (empty where not read)
 
 
+def spec_step(optimizer: str, weights: list[np.ndarray], grads: list[np.ndarray],
+              state: dict[str, list[np.ndarray]], hypers: list[dict[str, Any]], steps: list[int],
+              max_grad_norm: float | None = None) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
+    """One step of the float64 spec: the reference runner every test uses.
+
+    Each tensor has its own hyperparameters (``hypers[j]``: the spec's names, ``lr``
+    included) and, for LAMB, its own step count ``steps[j]`` (from 1: params that start
+    late); LAMB's clipping divisor spans all of them. Returns the new weights and state."""
+    divisor = reference.clip_divisor(grads, max_grad_norm)
+    names = LARS_SPEC.state if optimizer == "lars" else LAMB_SPEC.state
+    new_w, new_state = [], {k: [] for k in names}
+    for j, (w, g, hyper) in enumerate(zip(weights, grads, hypers)):
+        lists = [[w], [g], *([state[k][j]] for k in names)]
+        if optimizer == "lars":
+            out = reference.lars_step(*lists, **hyper)
+        else:
+            out = reference.lamb_step(*lists, step=steps[j], grad_scale=divisor, **hyper)
+        new_w.append(out[0][0])
+        for k, x in zip(names, out[1:]):
+            new_state[k].append(x[0])
+    return new_w, new_state
+
+
+def run_spec(optimizer: str, params: list[np.ndarray], grads: list[list[np.ndarray]],
+             hypers: list[dict[str, Any]], lrs: list[float],
+             max_grad_norm: float | None = None) -> Result:
+    """:func:`spec_step` from zero state, one step per ``lrs[t]`` and ``grads[t]``."""
+    names = LARS_SPEC.state if optimizer == "lars" else LAMB_SPEC.state
+    state = {k: [np.zeros_like(p, dtype=np.float64) for p in params] for k in names}
+    weights = [np.asarray(p, np.float64) for p in params]
+    for t, (lr, step_grads) in enumerate(zip(lrs, grads), start=1):
+        step_hypers = [{**h, "lr": lr} for h in hypers]
+        weights, state = spec_step(optimizer, weights, [np.asarray(g, np.float64) for g in step_grads],
+                                   state, step_hypers, [t] * len(params), max_grad_norm)
+    return Result(weights, state)
+
+
 def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
                   lrs=LRS, split: int = ADAPTED) -> Result:  # noqa: ANN001
     """``case`` on the float64 spec."""
-    params = [p.copy() for p in params]
-    state = {k: [np.zeros_like(p) for p in params] for k in case.spec.state}
-    groups = [slice(0, split), slice(split, len(params))]
-    for t, (lr, step_grads) in enumerate(zip(lrs, grads), start=1):
-        divisor = reference.clip_divisor(step_grads, case.max_grad_norm)
-        for sl, hyper in zip(groups, case.groups()):
-            lists = [params[sl], step_grads[sl], *(state[k][sl] for k in case.spec.state)]
-            if case.optimizer == "lars":
-                params[sl], state["momentum_buffer"][sl] = reference.lars_step(*lists, lr=lr, **hyper)
-            else:
-                params[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl] = reference.lamb_step(
-                    *lists, step=t, lr=lr, grad_scale=divisor, **hyper)
-    return Result(params, state)
+    first, second = case.groups()
+    hypers = [first] * split + [second] * (len(params) - split)
+    return run_spec(case.optimizer, params, grads, hypers, lrs, case.max_grad_norm)
 
 
 def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,

@@ -16,7 +16,8 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 from largebatch.jax import exclusion_mask, lamb, lars  # noqa: E402
-from largebatch.lars import reference  # noqa: E402
+from largebatch.lars.spec import LARS_SPEC  # noqa: E402
+from cases import run_spec  # noqa: E402
 
 SHAPES = {"w": (4, 3), "v": (3, 2), "b": (3,)}
 ADAPT = {"w": True, "v": True, "b": False}  # a static pytree mask
@@ -252,13 +253,15 @@ def test_complex_lars_is_lars_on_the_real_view(name):
     adapt = dict(mask(params) if callable(mask) else mask)
     decay = dict(kw.get("weight_decay_mask") or {k: True for k in params})
     ref_kw = {k: v for k, v in kw.items() if not k.endswith("_mask") and k != "learning_rate"}
-    for k in params:
-        w, v = real_view(params[k]), np.zeros(real_view(params[k]).shape)
-        for g in grads:
-            (w,), (v,) = reference.lars_step(
-                [w], [real_view(g[k])], [v], lr=kw["learning_rate"], trust_ratio=adapt[k],
-                **{**ref_kw, "weight_decay": ref_kw.get("weight_decay", 0.0) * decay[k]},
-            )
+    keys = list(params)
+    hypers = [{**LARS_SPEC.defaults, **ref_kw, "trust_ratio": adapt[k],
+               "weight_decay": ref_kw.get("weight_decay", 0.0) * decay[k]} for k in keys]
+    for h in hypers:
+        h.pop("lr")
+    expected = run_spec("lars", [real_view(params[k]) for k in keys],
+                        [[real_view(g[k]) for k in keys] for g in grads], hypers,
+                        [kw["learning_rate"]] * len(grads))
+    for k, w in zip(keys, expected.params):
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 
 

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from largebatch.lars import reference as ref  # noqa: E402
+from cases import spec_step  # noqa: E402
 from largebatch.lars.kernels import (  # noqa: E402
     FusedGroup,
     fused_lamb_step_,
@@ -132,34 +132,24 @@ def snapshot(groups):
 
 
 def reference_step(kind, groups, grads, max_grad_norm=None, **override):
-    """The float64 reference applied to the fused tensors as they are now: (inputs, outputs)."""
-    divisor = ref.clip_divisor([x for gs in grads for x in gs], max_grad_norm)
-    before, out = [], []
-    for g, gs in zip(groups, grads):
-        h = {**SPEC[kind].defaults, **g.hyper, **override}
-        w = [x.double().numpy() for x in weights(g)]
-        s = [[x.double().numpy() for x in g.state[k]] for k in STATE[kind]]
-        lr = float(g.lr)
-        before.append([w, *s])
-        if kind == "lars":
-            out.append(
-                ref.lars_step(
-                    w, gs, s[0], lr=lr, momentum=h["momentum"], weight_decay=h["weight_decay"],
-                    trust_coefficient=h["trust_coefficient"], eps=h["eps"], nesterov=h["nesterov"],
-                    trust_clip=h["trust_clip"], trust_ratio=h["trust_ratio"],
-                )
-            )  # fmt: skip
-        else:  # each tensor at its own step count
-            per_tensor = [
-                ref.lamb_step(
-                    [w[j]], [gs[j]], [s[0][j]], [s[1][j]], step=int(g.steps[j]) + 1, lr=lr,
-                    betas=h["betas"], eps=h["eps"], weight_decay=h["weight_decay"],
-                    bias_correction=h["bias_correction"], trust_ratio=h["trust_ratio"],
-                    grad_scale=divisor,
-                )
-                for j in range(len(w))
-            ]  # fmt: skip
-            out.append(tuple([r[k][0] for r in per_tensor] for k in range(3)))
+    """The float64 spec (tests/cases.py) applied to the fused tensors as they are now, each
+    tensor at its group's lr and its own step count: (inputs, outputs), per group."""
+    before, hypers, steps = [], [], []
+    for g in groups:
+        h = {**SPEC[kind].defaults, **g.hyper, **override, "lr": float(g.lr)}
+        h.pop("max_grad_norm", None)
+        before.append([[x.double().numpy() for x in weights(g)],
+                       *([x.double().numpy() for x in g.state[k]] for k in STATE[kind])])
+        hypers += [h] * len(g.params)
+        steps += [int(s) + 1 for s in g.steps]
+    flat = lambda lists: [x for xs in lists for x in xs]  # noqa: E731
+    state = {k: flat(b[1 + i] for b in before) for i, k in enumerate(STATE[kind])}
+    w, state = spec_step(kind, flat(b[0] for b in before), flat(grads), state, hypers, steps, max_grad_norm)
+    out, at = [], 0
+    for g in groups:
+        n = len(g.params)
+        out.append((w[at:at + n], *(state[k][at:at + n] for k in STATE[kind])))
+        at += n
     return before, out
 
 
