@@ -230,8 +230,10 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
     with jax.enable_x64(dtype == np.float64):
         ws = [jnp.asarray(p, jdtype) for p in params]
         state = opt.init(ws)
+        # Eager for a few leaves; jitted for many, where one compile beats eager dispatch.
+        update = jax.jit(opt.update) if len(params) > 20 else opt.update
         for step_grads in grads:
-            updates, state = opt.update([jnp.asarray(g, jdtype) for g in step_grads], state, ws)
+            updates, state = update([jnp.asarray(g, jdtype) for g in step_grads], state, ws)
             ws = optax.apply_updates(ws, updates)
             assert all(w.dtype == jdtype for w in ws)
         return Result([np.asarray(w.astype(jnp.float64 if dtype == np.float64 else jnp.float32), np.float64)
