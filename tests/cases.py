@@ -50,10 +50,20 @@ class Case:
 
     def groups(self) -> list[dict[str, Any]]:
         """The two groups' full hyperparameters, defaults filled in (lr left out)."""
-        base = {**self.spec.defaults, **self.hyper}
+        base = group_hyper(self.spec, self.hyper)
         base.pop("lr")
-        base.pop("max_grad_norm", None)
         return [base, {**base, **self.second}]
+
+
+def group_hyper(spec: Any, *overrides: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters (``lr`` included; not the options, such as LAMB's
+    ``max_grad_norm``, which span the groups): the spec's defaults, then ``overrides``."""
+    values = {k: spec.defaults[k] for k in spec.group_keys}
+    for override in overrides:
+        unknown = set(override) - set(values)
+        assert not unknown, f"{spec.name} groups have no {sorted(unknown)}"
+        values.update(override)
+    return values
 
 
 EXCLUDED = {"trust_ratio": False, "weight_decay": 0.0}
@@ -141,6 +151,32 @@ def run_spec(optimizer: str, params: list[np.ndarray], grads: list[list[np.ndarr
         weights, state = spec_step(optimizer, weights, [np.asarray(g, np.float64) for g in step_grads],
                                    state, step_hypers, [t] * len(params), max_grad_norm)
     return Result(weights, state)
+
+
+def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, Any]], *, lr: Any,
+                  trust_ratio_mask: Any = None, weight_decay_mask: Any = None,
+                  max_grad_norm: float | None = None, b1: float | None = None, b2: float | None = None,
+                  **hyper: Any) -> dict[str, np.ndarray]:
+    """The JAX factories' keywords on the float64 spec, leaf by leaf (flat dicts of
+    leaves): a mask (a dict, a callable or None) becomes each leaf's ``trust_ratio``
+    and weight decay, a schedule ``lr(t)`` the lr of step ``t`` (from 0)."""
+    def flags(mask: Any) -> dict[str, bool]:
+        if mask is None:
+            return {k: True for k in params}
+        return dict(mask(params) if callable(mask) else mask)
+
+    spec = LARS_SPEC if optimizer == "lars" else LAMB_SPEC
+    adapt, decay = flags(trust_ratio_mask), flags(weight_decay_mask)
+    base = group_hyper(spec, hyper)
+    if b1 is not None or b2 is not None:
+        base["betas"] = (base["betas"][0] if b1 is None else b1, base["betas"][1] if b2 is None else b2)
+    keys = list(params)
+    hypers = [{**base, "trust_ratio": adapt[k], "weight_decay": base["weight_decay"] if decay[k] else 0.0}
+              for k in keys]
+    lrs = [lr(t) if callable(lr) else lr for t in range(len(grads))]
+    result = run_spec(optimizer, [params[k] for k in keys], [[g[k] for k in keys] for g in grads], hypers,
+                      lrs, max_grad_norm)
+    return dict(zip(keys, result.params))
 
 
 def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],

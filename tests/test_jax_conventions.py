@@ -16,8 +16,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 from largebatch.jax import exclusion_mask, lamb, lars  # noqa: E402
-from largebatch.lars.spec import LARS_SPEC  # noqa: E402
-from cases import run_spec  # noqa: E402
+from cases import run_spec_tree  # noqa: E402
 
 SHAPES = {"w": (4, 3), "v": (3, 2), "b": (3,)}
 ADAPT = {"w": True, "v": True, "b": False}  # a static pytree mask
@@ -249,19 +248,12 @@ def test_complex_lars_is_lars_on_the_real_view(name):
     params = complex_params()
     grads = [complex_grad(params), jax.tree.map(lambda g: 0.5j * g, complex_grad(params))]
     actual, _ = run(factory(**kw), params, grads)
-    mask = kw.get("trust_ratio_mask") or {k: True for k in params}
-    adapt = dict(mask(params) if callable(mask) else mask)
-    decay = dict(kw.get("weight_decay_mask") or {k: True for k in params})
-    ref_kw = {k: v for k, v in kw.items() if not k.endswith("_mask") and k != "learning_rate"}
-    keys = list(params)
-    hypers = [{**LARS_SPEC.defaults, **ref_kw, "trust_ratio": adapt[k],
-               "weight_decay": ref_kw.get("weight_decay", 0.0) * decay[k]} for k in keys]
-    for h in hypers:
-        h.pop("lr")
-    expected = run_spec("lars", [real_view(params[k]) for k in keys],
-                        [[real_view(g[k]) for k in keys] for g in grads], hypers,
-                        [kw["learning_rate"]] * len(grads))
-    for k, w in zip(keys, expected.params):
+    ref_kw = {k: v for k, v in kw.items() if k != "learning_rate"}
+    if callable(ref_kw.get("trust_ratio_mask")):  # of the complex leaves, not of their real views
+        ref_kw["trust_ratio_mask"] = ref_kw["trust_ratio_mask"](params)
+    views = lambda tree: {k: real_view(x) for k, x in tree.items()}  # noqa: E731
+    expected = run_spec_tree("lars", views(params), [views(g) for g in grads], lr=kw["learning_rate"], **ref_kw)
+    for k, w in expected.items():
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 
 

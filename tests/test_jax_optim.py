@@ -16,9 +16,8 @@ from largebatch.jax import (  # noqa: E402
     lars,
     make_schedule,
 )
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC  # noqa: E402
 from largebatch.schedules import make_schedule as py_make_schedule  # noqa: E402
-from cases import TOLERANCE, run_spec  # noqa: E402
+from cases import TOLERANCE, run_spec_tree  # noqa: E402
 
 STEPS = 3
 # Relative to each element, and to the tensor's largest element for elements that come
@@ -73,34 +72,6 @@ def run_jax(opt, params, grads, jit=False):
         updates, state = update(jax.tree.map(jnp.asarray, g), state, params)
         params = optax.apply_updates(params, updates)
     return params
-
-
-def leaf_flags(mask, params):
-    """A mask (None, dict or callable) as a dict of bools."""
-    if mask is None:
-        return {k: True for k in params}
-    return dict(mask(params) if callable(mask) else mask)
-
-
-def run_reference(make, params, grads, *, lr, trust_ratio_mask=None, weight_decay_mask=None,
-                  max_grad_norm=None, b1=None, b2=None, **hyper):
-    """``make``'s (``"lars"`` or ``"lamb"``) keywords on the float64 spec (tests/cases.py),
-    leaf by leaf: the masks become each leaf's ``trust_ratio`` and weight decay, a
-    schedule the lr of each step."""
-    spec = LARS_SPEC if make == "lars" else LAMB_SPEC
-    adapt = leaf_flags(trust_ratio_mask, params)
-    decay = leaf_flags(weight_decay_mask, params)
-    base = {k: v for k, v in spec.defaults.items() if k not in ("lr", "max_grad_norm")}
-    base.update(hyper)
-    if b1 is not None or b2 is not None:
-        base["betas"] = (base["betas"][0] if b1 is None else b1, base["betas"][1] if b2 is None else b2)
-    keys = list(params)
-    hypers = [{**base, "trust_ratio": adapt[k], "weight_decay": base["weight_decay"] if decay[k] else 0.0}
-              for k in keys]
-    lrs = [lr(t) if callable(lr) else lr for t in range(len(grads))]
-    result = run_spec(make, [params[k] for k in keys], [[g[k] for k in keys] for g in grads], hypers, lrs,
-                      max_grad_norm)
-    return dict(zip(keys, result.params))
 
 
 def assert_trees_close(actual, expected, rtol, dtype=None):
@@ -169,7 +140,7 @@ def test_trust_clip_at_a_zero_rate():
     sched = make_schedule("poly", peak_lr=0.4, total_steps=STEPS, warmup_steps=2)
     opt = lars(sched, trust_clip=True, weight_decay=0.01)
     assert_trees_close(run_jax(opt, params, grads[:1]), params, 0.0)
-    expected = run_reference(
+    expected = run_spec_tree(
         "lars", params, grads[1:], lr=lambda t: sched.schedule(t + 1), trust_clip=True, weight_decay=0.01
     )
     state = opt.init(jax.tree.map(jnp.asarray, params))
@@ -200,7 +171,7 @@ def test_prefix_and_callable_masks_match_full_masks(make):
         np.testing.assert_array_equal(x, y)
     # "x/a" adapted but not decayed, "x/b" excluded, "y" adapted and decayed.
     flat = lambda t: {"a": t["x"]["a"], "b": t["x"]["b"], "c": t["y"]}  # noqa: E731
-    expected = run_reference(
+    expected = run_spec_tree(
         make.__name__, flat(params), [flat(g) for g in grads], lr=0.1, weight_decay=0.1,
         trust_ratio_mask={"a": True, "b": False, "c": True},
         weight_decay_mask={"a": False, "b": True, "c": True},
@@ -227,7 +198,7 @@ def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
         if make == "lars" or case == "max_grad_norm":
             g["huge_g"] *= np.float32(1e21)
     kw = dict((LARS_CASES if make == "lars" else LAMB_CASES)[case])
-    expected = run_reference(make, params, grads, **kw)
+    expected = run_spec_tree(make, params, grads, **kw)
     lr = kw.pop("lr")
     actual = run_jax((lars if make == "lars" else lamb)(lr, **kw), params, grads, jit=True)
     for k, leaf in actual.items():

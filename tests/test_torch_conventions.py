@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from largebatch.lars.torch import _paths
-from cases import run_spec
+from cases import group_hyper, run_spec
 from largebatch.torch import LAMB, LARS, ScheduleLR, param_groups
 
 # (id, class, constructor kwargs): each case has an adapted group and an excluded one.
@@ -510,11 +510,8 @@ def test_huge_weights_do_not_overflow_the_norms(case, impl, size):
     w.grad = g.clone()
     opt.step()
     assert torch.isfinite(w).all()
-    spec = cls.spec
-    hyper = {**spec.defaults, **{k: v for k, v in kwargs.items() if k in spec.group_keys}}
-    lr = hyper.pop("lr")
-    hyper.pop("max_grad_norm", None)
-    expected = run_spec("lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper], [lr])
+    hyper = group_hyper(cls.spec, {k: v for k, v in kwargs.items() if k in cls.spec.group_keys})
+    expected = run_spec("lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper], [hyper["lr"]])
     np.testing.assert_allclose(w.detach().double().numpy(), expected.params[0], rtol=1e-5)
 
 

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cases import spec_step  # noqa: E402
+from cases import group_hyper, spec_step  # noqa: E402
 from largebatch.lars.kernels import (  # noqa: E402
     FusedGroup,
     fused_lamb_step_,
@@ -136,8 +136,7 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
     tensor at its group's lr and its own step count: (inputs, outputs), per group."""
     before, hypers, steps = [], [], []
     for g in groups:
-        h = {**SPEC[kind].defaults, **g.hyper, **override, "lr": float(g.lr)}
-        h.pop("max_grad_norm", None)
+        h = group_hyper(SPEC[kind], g.hyper, override, {"lr": float(g.lr)})
         before.append([[x.double().numpy() for x in weights(g)],
                        *([x.double().numpy() for x in g.state[k]] for k in STATE[kind])])
         hypers += [h] * len(g.params)
