@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -28,68 +29,123 @@ def _finish(specs, score) -> dict:
     return {s.key: _result(s, score(s)) for s in specs}
 
 
-LARS_3072 = StudyConfig(batches=(3072,), optimizers=("lars",), extend=1)
+LARS_3072 = StudyConfig(batches=(3072,), optimizers=("lars",), extend=1, ablate=False)
+CENTRE = study.GRID_CENTRES["lars", 3072]
 
 
-def test_every_study_pair_has_a_recipe():
+def test_every_study_pair_has_a_recipe_and_a_grid_centre():
     cfg = StudyConfig()
-    assert len(cfg.pairs()) == 1 + 3 * 4
-    for batch, optimizer in cfg.pairs():
+    assert cfg.pairs() == [(128, "sgd"), (1536, "sgd"), (1536, "lars"), (1536, "lamb"),
+                           (3072, "sgd"), (3072, "lars"), (3072, "lamb")]
+    every = StudyConfig(batches=study.FULL_BATCHES, optimizers=study.STUDY_OPTIMIZERS)
+    assert len(every.pairs()) == 1 + 3 * 4
+    for batch, optimizer in every.pairs():
         recipe = get_recipe(f"fmnist-{optimizer}-{batch}")
         assert recipe.data == "fashion-mnist" and recipe.batch_size == batch
-    assert all(name in RECIPES for name in ("fmnist-sgd-128", "fmnist-lamb-3072"))
+        assert recipe.model == "fmnist_cnn" and recipe.epochs == 30
+        assert study.GRID_CENTRES[optimizer, batch] > 0
 
 
-def test_first_plan_is_the_lr_grid_times_the_warmups():
-    center = get_recipe("fmnist-lars-3072").peak_lr
+def test_first_plan_is_the_lr_grid_times_the_warmups_with_the_techniques_on():
     specs = plan(LARS_3072, {})
     assert {(s.lr, s.warmup_epochs) for s in specs} == {
-        (study._lr(center * f), w) for f in (0.5, 1, 2) for w in (1.0, 3.0)}
-    assert {s.phase for s in specs} == {"tune"} and {s.seed for s in specs} == {0}
-    # The baseline batch tunes over its own warmups.
-    base = plan(StudyConfig(batches=(128,), optimizers=("sgd",)), {})
-    assert {s.warmup_epochs for s in base} == {0.0, 1.0}
+        (study._lr(CENTRE * f), w) for f in (0.5, 1, 2) for w in (2.0, 5.0)}
+    assert {(s.phase, s.seed, s.epochs) for s in specs} == {("tune", 0, 30)}
+    assert {(s.label_smoothing, s.power) for s in specs} == {(0.1, 2.0)}
+    # The baseline batch tunes over its own warmups; the switches reach every run.
+    base = plan(StudyConfig(batches=(128,), optimizers=("sgd",), label_smoothing=0.0,
+                            power=1.0, small_warmups=(0.0, 1.0)), {})
+    assert {(s.warmup_epochs, s.label_smoothing, s.power) for s in base} == {
+        (0.0, 0.0, 1.0), (1.0, 0.0, 1.0)}
 
 
 def test_an_interior_best_goes_straight_to_three_final_seeds():
-    center = study._lr(get_recipe("fmnist-lars-3072").peak_lr)
+    centre = study._lr(CENTRE)
     grid = plan(LARS_3072, {})
-    results = _finish(grid, lambda s: 0.9 if (s.lr, s.warmup_epochs) == (center, 3.0) else 0.5)
+    results = _finish(grid, lambda s: 0.9 if (s.lr, s.warmup_epochs) == (centre, 5.0) else 0.5)
     finals = plan(LARS_3072, results)
     assert [(s.phase, s.lr, s.warmup_epochs, s.seed) for s in finals] == [
-        ("final", center, 3.0, seed) for seed in range(3)]
+        ("final", centre, 5.0, seed) for seed in range(3)]
     results |= _finish(finals, lambda s: 0.9)
     assert plan(LARS_3072, results) == []
     (row,) = summarize(LARS_3072, results)["rows"]
-    assert not row["lr_on_grid_edge"] and row["lr"] == center
+    assert not row["lr_on_grid_edge"] and row["lr"] == centre
+
+
+@pytest.mark.parametrize("winner, expected", [
+    (None, (0.1, 2.0)),  # every technique on stays best
+    ("no_label_smoothing", (0.0, 2.0)),
+    ("power_1", (0.1, 1.0)),
+])
+def test_each_technique_is_switched_off_at_the_best_grid_point(winner, expected):
+    cfg = dataclasses.replace(LARS_3072, ablate=True)
+    centre = study._lr(CENTRE)
+    grid = plan(cfg, {})
+
+    def score(s):
+        if (s.label_smoothing, s.power) == (0.1, 2.0):
+            return 0.9 if (s.lr, s.warmup_epochs) == (centre, 2.0) else 0.5
+        name = "no_label_smoothing" if s.label_smoothing == 0 else "power_1"
+        return 0.95 if name == winner else 0.85
+
+    results = _finish(grid, score)
+    off = plan(cfg, results)  # the best grid point, once without each technique
+    assert {(s.phase, s.lr, s.warmup_epochs, s.label_smoothing, s.power) for s in off} == {
+        ("tune", centre, 2.0, 0.0, 2.0), ("tune", centre, 2.0, 0.1, 1.0)}
+    results |= _finish(off, score)
+    finals = plan(cfg, results)
+    assert {(s.phase, s.lr, s.warmup_epochs, s.label_smoothing, s.power) for s in finals} == {
+        ("final", centre, 2.0, *expected)}
+    assert [s.seed for s in finals] == [0, 1, 2]
+    results |= _finish(finals, lambda s: 0.9)
+    summary = summarize(cfg, results)
+    (tech,) = summary["techniques"]
+    assert (tech["accuracy"], tech["no_label_smoothing"], tech["power_1"]) == (
+        0.9, *[0.95 if name == winner else 0.85 for name in ("no_label_smoothing", "power_1")])
+    assert tech["other_warmup"] == [{"warmup_epochs": 5.0, "accuracy": 0.5}]
+    (row,) = summary["rows"]
+    assert (row["label_smoothing"], row["power"]) == expected
+    text = study.study_markdown(summary)
+    assert f"| {expected[0]:g}, poly {expected[1]:g} |" in text
+    assert f"| 3,072 | lars | lr {centre:g}, warmup 2 | 90.00 | 50.00 (5 ep.) |" in text
+    # The grid table shows only the runs with every technique on.
+    assert [len(g["runs"]) for g in summary["grids"]] == [6]
 
 
 def test_a_best_on_the_edge_grows_the_grid_once_on_that_side():
-    center = get_recipe("fmnist-lars-3072").peak_lr
     grid = plan(LARS_3072, {})
     results = _finish(grid, lambda s: s.lr)  # larger lr, better: the top edge wins
     grown = plan(LARS_3072, results)
-    assert {(s.lr, s.warmup_epochs) for s in grown} == {(study._lr(4 * center), 1.0),
-                                                        (study._lr(4 * center), 3.0)}
+    assert {(s.lr, s.warmup_epochs) for s in grown} == {(study._lr(4 * CENTRE), 2.0),
+                                                        (study._lr(4 * CENTRE), 5.0)}
     results |= _finish(grown, lambda s: s.lr)
     finals = plan(LARS_3072, results)  # still on the edge, but extend=1 is spent
-    assert {(s.phase, s.lr) for s in finals} == {("final", study._lr(4 * center))}
+    assert {(s.phase, s.lr) for s in finals} == {("final", study._lr(4 * CENTRE))}
     results |= _finish(finals, lambda s: 0.9)
     (row,) = summarize(LARS_3072, results)["rows"]
     assert row["lr_on_grid_edge"] and row["seeds"] == 3
-    assert f"| {4 * center:g} (edge) |" in study.study_markdown(summarize(LARS_3072, results))
+    assert f"| {4 * CENTRE:g} (edge) |" in study.study_markdown(summarize(LARS_3072, results))
     # With extend=0 the first grid is final; with extend=2 it grows again.
     assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 0}),
-                               _finish(grid, lambda s: s.lr))} == {study._lr(2 * center)}
+                               _finish(grid, lambda s: s.lr))} == {study._lr(2 * CENTRE)}
     assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 2}), results)} == {
-        study._lr(8 * center)}
+        study._lr(8 * CENTRE)}
 
 
 def test_a_bottom_edge_best_grows_downwards():
-    center = get_recipe("fmnist-sgd-1536").peak_lr
+    centre = study.GRID_CENTRES["sgd", 1536]
     cfg = StudyConfig(batches=(1536,), optimizers=("sgd",))
     results = _finish(plan(cfg, {}), lambda s: -s.lr)
-    assert {s.lr for s in plan(cfg, results)} == {study._lr(center / 4)}
+    assert {s.lr for s in plan(cfg, results)} == {study._lr(centre / 4)}
+
+
+def test_the_grid_does_not_move_with_the_recipes(monkeypatch):
+    """The recipes carry the study's results; the grid that produced them stays put, so a
+    finished study still reads as finished after its results went into the recipes."""
+    before = plan(LARS_3072, {})
+    recipe = get_recipe("fmnist-lars-3072")
+    monkeypatch.setitem(RECIPES, recipe.name, dataclasses.replace(recipe, lr=recipe.lr * 3))
+    assert plan(LARS_3072, {}) == before
 
 
 def test_quick_plan_runs_the_recipes_settings_without_tuning():
@@ -99,8 +155,9 @@ def test_quick_plan_runs_the_recipes_settings_without_tuning():
     assert [(s.batch, s.optimizer) for s in specs] == expected
     for s in specs:
         recipe = get_recipe(f"fmnist-{s.optimizer}-{s.batch}")
-        assert (s.phase, s.lr, s.warmup_epochs, s.epochs) == (
-            "final", recipe.peak_lr, recipe.warmup_epochs, recipe.epochs)
+        assert (s.phase, s.lr, s.warmup_epochs, s.epochs, s.label_smoothing, s.power) == (
+            "final", recipe.peak_lr, recipe.warmup_epochs, recipe.epochs,
+            recipe.label_smoothing, recipe.power)
 
 
 def test_summary_reports_mean_std_delta_and_steps_to_target():

@@ -80,9 +80,9 @@ def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     assert set(buffers) == {"0", "1"} and buffers["0"] == buffers["1"], proc.stdout
     from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
     from largebatch.recipes.distributed import buffers_sha256
-    from largebatch.recipes.models import small_cnn
+    from largebatch.recipes.build import build_model
 
-    model = small_cnn(10)
+    model = build_model(get_recipe("fmnist-lars-1536").model, 10)
     model.load_state_dict(_params(tmp_path))
     assert buffers_sha256(model) == buffers["0"] == summary["buffers_sha256"]
     x, y = fashion_mnist_tensors(*load_fashion_mnist("test"), 1024)
@@ -116,7 +116,7 @@ def test_batch_not_divisible_by_world_size(monkeypatch, tmp_path):
 def test_recipes_table_lists_every_recipe(capsys):
     assert cli(["recipes"]) == 0
     out = capsys.readouterr().out
-    lines = out.splitlines()
+    lines = out.split("\n\n")[0].splitlines()  # the table; the sources follow it
     assert len(lines) == len(RECIPES) + 1
     for name, recipe in RECIPES.items():
         line = next((ln for ln in lines if ln.startswith(name + " ")), None)
@@ -126,9 +126,10 @@ def test_recipes_table_lists_every_recipe(capsys):
 
 def test_registry_rows():
     assert get_recipe("resnet50-goyal-8k").peak_lr == pytest.approx(3.2)  # 0.1 * 8192 / 256
-    lr, warmup = FASHION_SETTINGS["lars", 1536]
+    lr, warmup, smoothing, power = FASHION_SETTINGS["lars", 1536]
     lars = get_recipe("fmnist-lars-1536")
     assert (lars.peak_lr, lars.warmup_epochs, lars.lr_for(768)) == (lr, warmup, lr / 2)
+    assert (lars.label_smoothing, lars.power) == (smoothing, power)
     assert get_recipe("fmnist-lars-1536").imagenet_batch == 32_798
     with pytest.raises(ValueError, match="known recipes: resnet50-goyal-8k"):
         get_recipe("nope")
@@ -331,7 +332,7 @@ def test_resume_refuses_other_settings_and_a_finished_run_says_so(tmp_path, caps
         (["--recipe", "fmnist-sgd-384"], "--recipe fmnist-sgd-128, not fmnist-sgd-384"),
         (["--batch-size", "256"], "--batch-size 128, not 256"),
         (["--epochs", "3"], "--epochs 2, not 3"),
-        (["--lr", "0.2"], "--lr 0.4, not 0.2"),
+        (["--lr", "0.3"], "--lr 0.2, not 0.3"),
         (["--seed", "1"], "--seed 0, not 1"),
         (["--subset", "1024"], "--subset 2048, not 1024"),
         (["--precision", "bf16"], "--precision fp32, not bf16"),
@@ -370,13 +371,13 @@ def test_with_epochs_scales_warmup_and_milestones():
     short = goyal.with_epochs(9)
     assert (short.epochs, short.warmup_epochs, short.milestones) == (9, 0.5, (3, 6, 8))
     assert short.schedule_text == "0.5-epoch warmup, x0.1 at 3/6/8"
-    assert get_recipe("fmnist-lars-1536").with_epochs(1).warmup_epochs == pytest.approx(0.3)
+    assert get_recipe("fmnist-lars-1536").with_epochs(3).warmup_epochs == pytest.approx(0.2)
 
 
 def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkeypatch):
-    # The default recipe (3 of 10 epochs of warmup) in 1 epoch of 4 steps: the warmup
-    # takes 0.3 epochs (1 step) and poly decay fills the rest; the recipe's 3 epochs
-    # unscaled would make the whole run warmup, ending at the peak.
+    # The default recipe (2 of 30 epochs of warmup) in 3 epochs of 4 steps: the warmup
+    # takes 0.2 epochs (1 step) and poly decay fills the rest; the recipe's 2 epochs
+    # unscaled would make most of the run warmup.
     from largebatch.recipes import build
 
     schedules = []
@@ -387,16 +388,16 @@ def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkey
 
     make_schedule = build.make_schedule
     monkeypatch.setattr(build, "make_schedule", spy)
-    assert cli(["train", "--subset", "6144", "--epochs", "1", "--out", str(tmp_path)]) == 0
+    assert cli(["train", "--subset", "6144", "--epochs", "3", "--out", str(tmp_path)]) == 0
     (schedule,) = schedules
-    lrs = [schedule(step) for step in range(5)]
+    lrs = [schedule(step) for step in range(13)]
     peak = get_recipe("fmnist-lars-1536").peak_lr
-    assert lrs[1] == pytest.approx(peak) and lrs[2] < 0.5 * peak and lrs[4] == 0.0, lrs
+    assert lrs[1] == pytest.approx(peak) and lrs[2] < peak and lrs[12] == 0.0, lrs
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith("schedule 0.3-epoch warmup, poly 2 (the recipe's 3-epoch warmup, "
-                           "poly 2 over 10 epochs, scaled to 1)"), header
+    assert header.endswith("schedule 0.2-epoch warmup, poly 2 (the recipe's 2-epoch warmup, "
+                           "poly 2 over 30 epochs, scaled to 3)"), header
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["schedule"] == "0.3-epoch warmup, poly 2"
+    assert summary["schedule"] == "0.2-epoch warmup, poly 2"
 
 
 def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
@@ -408,12 +409,13 @@ def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
         [3.2, 3.2, 0.32, 0.32, 0.032, 0.0032, 0.0032])
     # 9 epochs: warmup 0.5 epochs (5 steps), milestones at epochs 3, 6, 8.
     short = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10)
+    # Warmup from the paper's 0.1 (§5.2): 4 of 5 steps in, 0.1 + 0.8 x (3.2 - 0.1).
     assert [short(t) for t in (4, 5, 29, 30, 60, 80)] == pytest.approx(
-        [0.8 * 3.2, 3.2, 3.2, 0.32, 0.032, 0.0032])
+        [0.1 + 0.8 * 3.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
     # The study's warmup replaces the recipe's, unscaled; the milestones stay.
     tuned = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=2)
     assert [tuned(t) for t in (10, 20, 29, 30, 60)] == pytest.approx(
-        [1.6, 3.2, 3.2, 0.32, 0.032])
+        [0.1 + 0.5 * 3.1, 3.2, 3.2, 0.32, 0.032])
     # A milestone that rounds into the warmup is dropped.
     late = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=4)
     assert [late(t) for t in (40, 59, 60, 80)] == pytest.approx([3.2, 3.2, 0.32, 0.032])

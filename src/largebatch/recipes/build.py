@@ -8,6 +8,8 @@ schedule keeps the recipe's milestones, its loss the recipe's label smoothing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,18 +17,21 @@ from largebatch.recipes import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
-__all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_schedule"]
+__all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_schedule",
+           "decay_groups"]
 
 # ``--precision`` -> the dtype of the model's params and inputs.
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
-           "small_cnn": models.small_cnn}
+           "fmnist_cnn": models.fmnist_cnn, "small_cnn": models.small_cnn,
+           "small_resnet": models.small_resnet}
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
-    """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn`` or ``small_cnn``
-    (:mod:`largebatch.recipes.models`), initialised from torch's global RNG."""
+    """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn``, ``fmnist_cnn``,
+    ``small_cnn`` or ``small_resnet`` (:mod:`largebatch.recipes.models`), initialised from
+    torch's global RNG."""
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
     return _MODELS[name](num_classes)
@@ -35,19 +40,42 @@ def build_model(name: str, num_classes: int) -> nn.Module:
 def build_optimizer(
     recipe: Recipe, model: nn.Module, lr: float, precision: str = "fp32"
 ) -> torch.optim.Optimizer:
-    """The recipe's optimizer. LARS/LAMB: ``param_groups`` (biases and BN excluded),
-    fp32 masters for half params. SGD/Nesterov: weight decay on every param (Goyal et al.)."""
+    """The recipe's optimizer, its params in :func:`decay_groups`: weight decay (and, for
+    LARS/LAMB, the trust ratio) on all but what the recipe's ``decay_exclude`` names. LARS
+    and LAMB keep fp32 masters for half params; SGD and Nesterov refuse half params."""
     kw, half = dict(recipe.optimizer_kwargs), precision != "fp32"
+    groups = decay_groups(model, recipe.weight_decay, recipe.decay_exclude)
     if recipe.optimizer in ("lars", "lamb"):
         cls = LARS if recipe.optimizer == "lars" else LAMB
-        return cls(param_groups(model, recipe.weight_decay), lr=lr, master_weights=half, **kw)
+        return cls(groups, lr=lr, master_weights=half, **kw)
     if half:
         raise ValueError(
             f"precision {precision!r} needs fp32 master weights, which only the LARS and "
             f"LAMB recipes keep; recipe {recipe.name!r} uses {recipe.optimizer}"
         )
-    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=recipe.weight_decay,
-                           nesterov=recipe.optimizer == "nesterov", **{"momentum": 0.9, **kw})
+    for group in groups:
+        group.pop("trust_ratio", None)
+    return torch.optim.SGD(groups, lr=lr, nesterov=recipe.optimizer == "nesterov",
+                           **{"momentum": 0.9, **kw})
+
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[dict[str, Any]]:
+    """``param_groups(model, weight_decay, ...)`` with the recipe's exclusion: ``"bn_bias"``
+    (normalisation params and every bias: ``param_groups``' default), ``"bn"`` (only the
+    normalisation layers' scale and shift; other biases are decayed and adapted) or
+    ``"none"`` (nothing excluded)."""
+    if exclude == "bn_bias":
+        return param_groups(model, weight_decay)
+    if exclude == "none":
+        return param_groups(model, weight_decay, exclude=lambda name, p: False)
+    if exclude == "bn":
+        norm = {id(p) for m in model.modules() if isinstance(m, _NORMS)
+                for p in m.parameters(recurse=False)}
+        return param_groups(model, weight_decay, exclude=lambda name, p: id(p) in norm)
+    raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn or none)")
 
 
 def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epoch: int,
@@ -67,7 +95,8 @@ def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epo
     milestones = sorted({round(m * steps_per_epoch) for m in shape.milestones
                          if warmup_steps <= round(m * steps_per_epoch) < total})
     return make_schedule(shape.schedule, peak_lr=peak_lr, total_steps=total,
-                         warmup_steps=warmup_steps, power=shape.power, milestones=milestones)
+                         warmup_steps=warmup_steps, init_lr=recipe.init_lr,
+                         end_lr=recipe.end_lr, power=shape.power, milestones=milestones)
 
 
 def build_loss(recipe: Recipe) -> nn.Module:

@@ -1,16 +1,18 @@
-"""The recipes' models: :func:`small_cnn` for the embedded Fashion-MNIST data set, and the
-ImageNet models :func:`resnet50` and :func:`alexnet_bn` (torchvision's, imported when built).
+"""The recipes' models: :func:`small_cnn` and :func:`small_resnet` for the embedded
+Fashion-MNIST data set, and the ImageNet models :func:`resnet50` and :func:`alexnet_bn`
+(torchvision's, imported when built).
 
-The Fashion-MNIST recipes, ``largebatch study`` and the tests use :func:`small_cnn`, sized
-so that the study's 161 ten-epoch runs fit in 1.5 hours on a 2-core CPU.
+The Fashion-MNIST recipes and ``largebatch study`` use ``small_cnn`` with a 128-unit hidden
+layer (:func:`fmnist_cnn`), chosen by measurement among the candidates docs/study.md lists.
 ``largebatch.recipes.build.build_model`` builds any of them by its recipe name.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-__all__ = ["alexnet_bn", "resnet50", "small_cnn"]
+__all__ = ["alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn", "small_resnet"]
 
 
 def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -22,26 +24,79 @@ def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
     ]
 
 
-def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1) -> nn.Sequential:
-    """A 3-conv CNN with batch norm for 28x28 inputs (6,274 parameters at width 8).
+def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1,
+              hidden: int = 0) -> nn.Sequential:
+    """A 3-conv CNN with batch norm for 28x28 inputs.
 
-    A stride-2 conv stem (28 -> 14), conv (14x14), max pool (14 -> 7), conv (7x7), global
-    average pool, linear; every conv is followed by batch norm and ReLU. The stride-2
-    stem keeps a 10-epoch run near one minute on one CPU core. Batch norm's params and
-    the linear bias are what ``param_groups`` excludes from weight decay and adaptation.
+    A stride-2 conv stem (28 -> 14), conv (14x14), max pool (14 -> 7), conv (7x7); every
+    conv is followed by batch norm and ReLU. The head is global average pooling and a
+    linear layer (``hidden=0``: 6,274 parameters at width 8), or, with ``hidden > 0``, the
+    flattened 7x7 features, a hidden linear layer with batch norm and ReLU, and a linear
+    layer (208,194 parameters at width 8, ``hidden=128``). The stride-2 stem keeps an epoch
+    near 8 seconds on one CPU core. Batch norm's params and the output bias are what
+    ``param_groups`` excludes from weight decay and adaptation.
     """
-    if width < 1:
-        raise ValueError(f"Invalid width: {width} (must be >= 1)")
+    for name, value, low in (("width", width, 1), ("hidden", hidden, 0)):
+        if not (isinstance(value, int) and value >= low):
+            raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
     w = width
+    if hidden:
+        head = [nn.Flatten(), nn.Linear(4 * w * 7 * 7, hidden, bias=False),
+                nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, num_classes)]
+    else:
+        head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes)]
     return nn.Sequential(
         *_conv_block(in_channels, w, stride=2),
         *_conv_block(w, 2 * w),
         nn.MaxPool2d(2),
         *_conv_block(2 * w, 4 * w),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4 * w, num_classes),
+        *head,
     )
+
+
+def fmnist_cnn(num_classes: int = 10) -> nn.Sequential:
+    """The Fashion-MNIST recipes' model: :func:`small_cnn` at width 8 with a 128-unit hidden
+    layer (208,194 parameters)."""
+    return small_cnn(num_classes, width=8, hidden=128)
+
+
+class _BasicBlock(nn.Module):
+    """He et al.'s basic residual block; the last batch norm's scale starts at zero, so the
+    block starts as its shortcut (Goyal et al. 2017, section 5.1)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        nn.init.zeros_(self.bn2.weight)
+        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                       nn.BatchNorm2d(cout)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+def small_resnet(num_classes: int = 10, width: int = 16, blocks: int = 1,
+                 in_channels: int = 1) -> nn.Sequential:
+    """A ResNet for 28x28 inputs: a stride-2 3x3 conv stem (28 -> 14), three stages of
+    ``blocks`` basic blocks at ``width``, ``2 width`` and ``4 width`` channels (14x14,
+    7x7, 4x4), global average pooling and a linear layer (77,754 parameters at width 16,
+    one block per stage: 8 weight layers). Zero-init last BN scale in every block."""
+    for name, value in (("width", width), ("blocks", blocks)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= 1)")
+    layers: list[nn.Module] = _conv_block(in_channels, width, stride=2)
+    cin = width
+    for stage, cout in enumerate((width, 2 * width, 4 * width)):
+        for b in range(blocks):
+            layers.append(_BasicBlock(cin, cout, 2 if stage and not b else 1))
+            cin = cout
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers, *head)
 
 
 def resnet50(num_classes: int = 1000) -> nn.Module:

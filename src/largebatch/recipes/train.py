@@ -152,7 +152,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         recipe = get_recipe(args.recipe)
     except ValueError as err:
         raise _fail(str(err)) from None
-    if recipe.data == "imagenet" or recipe.model != "small_cnn":
+    if recipe.data == "imagenet" or recipe.model in ("resnet50", "alexnet_bn"):
         require("train", ("torchvision",))
     batch = args.batch_size or recipe.batch_size
     epochs = args.epochs or recipe.epochs

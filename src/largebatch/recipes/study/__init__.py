@@ -46,8 +46,9 @@ from largebatch.recipes.outputs import CommandError, require
 
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
-    BASELINE, FULL_BATCHES, LARGE_BATCHES, QUICK_BATCHES, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec,
-    StudyConfig, _best, _check, _lr, _recipe, pair_plan, plan,
+    BASELINE, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES, LARGE_BATCHES,
+    QUICK_BATCHES, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check, _lr, _recipe,
+    pair_plan, plan,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
 from largebatch.recipes.study.run import (  # noqa: F401
@@ -63,6 +64,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(","))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``largebatch study`` flags."""
     add = parser.add_argument
@@ -70,13 +75,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no tuning: one seed of the recipes' settings at B=128, 1536, 3072 (make demo)")
     add("--out", default=None, metavar="DIR",
         help="output folder (default runs/study, or runs/study-quick)")
-    add("--batches", type=_ints, default=None, metavar="B,B",
-        help=f"batches (default {','.join(map(str, FULL_BATCHES))}; quick: "
-             f"{','.join(map(str, QUICK_BATCHES))})")
-    add("--optimizers", type=lambda t: tuple(t.split(",")), default=STUDY_OPTIMIZERS,
-        metavar="NAME,NAME", help=f"default {','.join(STUDY_OPTIMIZERS)}")
+    add("--batches", type=_ints, default=DEFAULT_BATCHES, metavar="B,B",
+        help=f"batches, of {','.join(map(str, FULL_BATCHES))} "
+             f"(default {','.join(map(str, DEFAULT_BATCHES))})")
+    add("--optimizers", type=lambda t: tuple(t.split(",")), default=DEFAULT_OPTIMIZERS,
+        metavar="NAME,NAME", help=f"of {','.join(STUDY_OPTIMIZERS)} (default "
+                                  f"{','.join(DEFAULT_OPTIMIZERS)})")
     add("--seeds", type=int, default=None, help="final runs per pair (default 3; quick 1)")
     add("--epochs", type=int, default=None, help="epochs per run (default: the recipes')")
+    add("--small-warmups", type=_floats, default=StudyConfig.small_warmups, metavar="E,E",
+        help="warmup epochs tuned at the baseline batch (default %(default)s)")
+    add("--large-warmups", type=_floats, default=StudyConfig.large_warmups, metavar="E,E",
+        help="warmup epochs tuned at the large batches (default %(default)s)")
+    add("--label-smoothing", type=float, default=StudyConfig.label_smoothing,
+        help="label smoothing of the tuning runs (default %(default)s)")
+    add("--power", type=float, default=StudyConfig.power,
+        help="poly decay power of the tuning runs (default %(default)s)")
+    add("--no-ablate", dest="ablate", action="store_false",
+        help="skip the runs that switch label smoothing and the poly power off")
     add("--extend", type=int, default=StudyConfig.extend,
         help="times a tuning grid may grow past an edge holding the best lr (default %(default)s)")
     add("--target", type=float, default=None,
@@ -92,8 +108,9 @@ def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments."""
     cfg = StudyConfig(
         quick=args.quick,
-        batches=args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES),
-        optimizers=args.optimizers, epochs=args.epochs,
+        batches=args.batches, optimizers=args.optimizers, epochs=args.epochs,
+        small_warmups=args.small_warmups, large_warmups=args.large_warmups,
+        label_smoothing=args.label_smoothing, power=args.power, ablate=args.ablate,
         seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
         extend=args.extend, target=args.target,
         subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,

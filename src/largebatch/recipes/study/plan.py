@@ -18,15 +18,33 @@ from typing import Any
 
 from largebatch.recipes.registry import Recipe, get_recipe
 
-__all__ = ["BASELINE", "FULL_BATCHES", "LARGE_BATCHES", "QUICK_BATCHES", "STUDY_OPTIMIZERS",
-           "VAL_SIZE", "RunSpec", "StudyConfig", "pair_plan", "plan"]
+__all__ = ["BASELINE", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES", "GRID_CENTRES",
+           "LARGE_BATCHES", "QUICK_BATCHES", "STUDY_OPTIMIZERS", "VAL_SIZE", "RunSpec",
+           "StudyConfig", "pair_plan", "plan"]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
 FULL_BATCHES = (BASELINE[0], *LARGE_BATCHES)
 QUICK_BATCHES = (BASELINE[0], 1536, 3072)
 STUDY_OPTIMIZERS = ("sgd", "nesterov", "lars", "lamb")
+# The headline study: the baseline, and the 32K- and 64K-equivalent batches with large-batch
+# SGD (Goyal et al.'s warmup), LARS and LAMB. ``--batches`` and ``--optimizers`` add 384
+# (8K-equivalent) and Nesterov.
+DEFAULT_BATCHES = QUICK_BATCHES
+DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
+
+# Where each pair's lr grid starts (the grid is this times 1/2, 1, 2, and grows past an edge).
+# Fixed here, apart from the recipes, so that the recipes can carry the study's results
+# without moving the grid of the study that produced them. SGD and Nesterov: 0.2 at B=128,
+# scaled linearly (Goyal et al.); LARS: lr x trust coefficient 0.001 = 0.008-0.024; LAMB:
+# the square-root rule from 0.064 at 384.
+GRID_CENTRES: dict[tuple[str, int], float] = {
+    ("sgd", 128): 0.2,
+    **{(o, b): 0.2 * b / 128 for o in ("sgd", "nesterov") for b in LARGE_BATCHES},
+    ("lars", 384): 8.0, ("lars", 1536): 16.0, ("lars", 3072): 24.0,
+    ("lamb", 384): 0.064, ("lamb", 1536): 0.128, ("lamb", 3072): 0.18,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +52,19 @@ class StudyConfig:
     """What to run. The defaults are the full study; ``quick=True`` is ``make demo``'s."""
 
     quick: bool = False
-    batches: tuple[int, ...] = FULL_BATCHES
-    optimizers: tuple[str, ...] = STUDY_OPTIMIZERS
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
     epochs: int | None = None  # None: the recipes' epochs
     seeds: int = 3
     lr_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
-    small_warmups: tuple[float, ...] = (0.0, 1.0)  # epochs, at the baseline batch
-    large_warmups: tuple[float, ...] = (1.0, 3.0)
+    small_warmups: tuple[float, ...] = (0.0, 2.0)  # epochs, at the baseline batch
+    large_warmups: tuple[float, ...] = (2.0, 5.0)
+    # The anchors' techniques: every tuning run uses them; then each is switched off
+    # (label smoothing 0, poly power 1) at the pair's best grid point, and the final runs
+    # take whichever scored best on the validation split.
+    label_smoothing: float = 0.1
+    power: float = 2.0
+    ablate: bool = True
     extend: int = 2  # how many times a grid may grow past an edge that holds the best lr
     target: float | None = None  # None: the baseline's mean test accuracy minus 0.01
     subset: int | None = None  # first N train (and test) images
@@ -77,6 +101,14 @@ def _check(cfg: StudyConfig) -> None:
     if cfg.subset is not None and cfg.subset - cfg.subset // 6 < max(cfg.batches):
         raise ValueError(f"Invalid subset: {cfg.subset} (its tuning split, five sixths, must "
                          f"hold one batch of {max(cfg.batches)})")
+    if not 0 <= cfg.label_smoothing < 1:
+        raise ValueError(f"Invalid label_smoothing: {cfg.label_smoothing} (must be in [0, 1))")
+    if not cfg.power > 0:
+        raise ValueError(f"Invalid power: {cfg.power} (must be > 0)")
+    for name in ("small_warmups", "large_warmups"):
+        values = getattr(cfg, name)
+        if not values or any(not (math.isfinite(w) and w >= 0) for w in values):
+            raise ValueError(f"Invalid {name}: {values} (epochs, each finite and >= 0)")
     if cfg.extend < 0:
         raise ValueError(f"Invalid extend: {cfg.extend} (must be >= 0)")
     if cfg.target is not None and not 0 < cfg.target <= 1:
@@ -107,6 +139,8 @@ class RunSpec:
     seed: int
     epochs: int
     subset: int | None = None
+    label_smoothing: float = 0.0
+    power: float = 2.0
 
     @property
     def key(self) -> str:
@@ -114,7 +148,8 @@ class RunSpec:
 
     def describe(self) -> str:
         return (f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
-                f"warmup={self.warmup_epochs:g} seed={self.seed}")
+                f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
+                f"power={self.power:g} seed={self.seed}")
 
 
 def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -122,35 +157,55 @@ def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return max(runs, key=lambda r: (r["accuracy"], -r["spec"]["lr"], -r["spec"]["warmup_epochs"]))
 
 
+def _without_techniques(cfg: StudyConfig, best: RunSpec) -> list[RunSpec]:
+    """``best`` with each of the anchors' techniques switched off, one at a time: label
+    smoothing 0, poly power 1 (linear decay). Warmup is already a dimension of the grid."""
+    out = []
+    if cfg.label_smoothing:
+        out.append(dataclasses.replace(best, label_smoothing=0.0))
+    if cfg.power != 1:
+        out.append(dataclasses.replace(best, power=1.0))
+    return out
+
+
 def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
               optimizer: str) -> tuple[list[RunSpec], list[RunSpec]]:
     """One pair's ``(tuning runs, final runs)`` as far as the finished ``results`` (by
     :attr:`RunSpec.key`) settle them; the final runs stay empty while tuning is incomplete.
 
-    The tuning grid grows by one factor of 2 beyond an edge that holds the best lr
-    (``cfg.extend`` times at most). ``--quick`` has no tuning: its finals take the recipe's
-    lr and warmup."""
+    The grid is :data:`GRID_CENTRES` times ``cfg.lr_factors``, crossed with the batch's
+    warmups, every run with ``cfg.label_smoothing`` and ``cfg.power``. It grows by one
+    factor of 2 beyond an edge that holds the best lr (``cfg.extend`` times at most). Then,
+    with ``cfg.ablate``, the best grid point runs again with each technique switched off;
+    the final runs take the best of all these on the validation split. ``--quick`` has
+    no tuning: its finals take the recipe's lr, warmup, label smoothing and power."""
     recipe = _recipe(batch, optimizer)
     epochs = cfg.epochs or recipe.epochs
 
-    def finals(lr: float, warmup: float) -> list[RunSpec]:
-        return [RunSpec("final", batch, optimizer, lr, warmup, seed, epochs, cfg.subset)
-                for seed in range(cfg.seeds)]
+    def finals(best: RunSpec) -> list[RunSpec]:
+        return [dataclasses.replace(best, phase="final", seed=seed) for seed in range(cfg.seeds)]
 
     if cfg.quick:
-        return [], finals(_lr(recipe.peak_lr), recipe.warmup_epochs)
+        return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
+                                  recipe.warmup_epochs, 0, epochs, cfg.subset,
+                                  recipe.label_smoothing, recipe.power))
+    centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
-        grid = [RunSpec("tune", batch, optimizer, _lr(recipe.peak_lr * 2.0**k), w, 0, epochs,
-                        cfg.subset) for k in exponents for w in cfg.warmups(batch)]
+        grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), w, 0, epochs,
+                        cfg.subset, cfg.label_smoothing, cfg.power)
+                for k in exponents for w in cfg.warmups(batch)]
         if any(s.key not in results for s in grid):
             return grid, []
-        best = _best(results[s.key] for s in grid)["spec"]
-        k = round(math.log2(best["lr"] / recipe.peak_lr))
+        best = RunSpec(**_best(results[s.key] for s in grid)["spec"])
+        k = round(math.log2(best.lr / centre))
         if grown == cfg.extend or k not in (exponents[0], exponents[-1]):
             break
         exponents = sorted([*exponents, k + 1 if k == exponents[-1] else k - 1])
-    return grid, finals(best["lr"], best["warmup_epochs"])
+    tune = grid + (_without_techniques(cfg, best) if cfg.ablate else [])
+    if any(s.key not in results for s in tune):
+        return tune, []
+    return tune, finals(RunSpec(**_best(results[s.key] for s in tune)["spec"]))
 
 
 def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:

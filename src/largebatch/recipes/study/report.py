@@ -24,16 +24,20 @@ def _steps_to(curve: Sequence[dict[str, Any]], target: float) -> int | None:
 
 def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One row per (batch, optimizer) with finished final runs, plus the tuning grids."""
-    rows, grids = [], []
+    rows, grids, techniques = [], [], []
     n_train = cfg.subset or TRAIN_IMAGES["fashion-mnist"]
     for batch, optimizer in cfg.pairs():
         tune, final = pair_plan(cfg, results, batch, optimizer)
         tuned = [results[s.key] for s in tune if s.key in results]
-        if tuned:
+        on = [r for r in tuned if (r["spec"]["label_smoothing"], r["spec"]["power"]) == (
+            cfg.label_smoothing, cfg.power)]
+        if on:
             grids.append({"batch": batch, "optimizer": optimizer, "runs": sorted(
                 ({"lr": r["spec"]["lr"], "warmup_epochs": r["spec"]["warmup_epochs"],
-                  "accuracy": r["accuracy"], "diverged": r["diverged"]} for r in tuned),
+                  "accuracy": r["accuracy"], "diverged": r["diverged"]} for r in on),
                 key=lambda g: (g["warmup_epochs"], g["lr"]))})
+        if len(on) < len(tuned):
+            techniques.append(_techniques(batch, optimizer, on, tuned))
         finals = [results[s.key] for s in final if s.key in results]
         if not finals:
             continue
@@ -42,7 +46,8 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             "batch": batch, "imagenet_batch": imagenet_equivalent(batch, n_train),
             "optimizer": optimizer, "epochs": spec.epochs,
             "steps": spec.epochs * finals[0]["steps_per_epoch"], "lr": spec.lr,
-            "warmup_epochs": spec.warmup_epochs, "seeds": len(accs),
+            "warmup_epochs": spec.warmup_epochs, "label_smoothing": spec.label_smoothing,
+            "power": spec.power, "seeds": len(accs),
             "accuracy_mean": statistics.fmean(accs),
             "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
             "accuracies": accs, "curves": [r["curve"] for r in finals],
@@ -59,8 +64,39 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             "accuracy_mean"]
         steps = [_steps_to(c, target) for c in row["curves"]] if target is not None else []
         row["steps_to_target"] = steps
+    base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None
+    for row in rows:
+        steps = _mean_steps(row["steps_to_target"])
+        row["fewer_steps"] = None if base_steps is None or steps is None else base_steps / steps
     return {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
-            "grids": grids, "model": _recipe(*BASELINE).model}
+            "grids": grids, "techniques": techniques, "model": _recipe(*BASELINE).model}
+
+
+def _mean_steps(steps: Sequence[int | None]) -> float | None:
+    """The mean steps to target when every run reached it, else None."""
+    return statistics.fmean(steps) if steps and None not in steps else None
+
+
+def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],
+                tuned: list[dict[str, Any]]) -> dict[str, Any]:
+    """The validation accuracy of the pair's best grid point with every technique on, and
+    with each switched off: the other warmup of the grid at the same lr, label smoothing
+    0, poly power 1."""
+    best = _best(on)
+    spec = best["spec"]
+    other_warmup = [r for r in on if r["spec"]["lr"] == spec["lr"] and r is not best]
+    off = {}
+    for r in tuned:
+        if r["spec"]["label_smoothing"] != spec["label_smoothing"]:
+            off["no_label_smoothing"] = r["accuracy"]
+        elif r["spec"]["power"] != spec["power"]:
+            off["power_1"] = r["accuracy"]
+    return {"batch": batch, "optimizer": optimizer, "lr": spec["lr"],
+            "warmup_epochs": spec["warmup_epochs"], "label_smoothing": spec["label_smoothing"],
+            "power": spec["power"], "accuracy": best["accuracy"],
+            "other_warmup": [{"warmup_epochs": r["spec"]["warmup_epochs"],
+                              "accuracy": r["accuracy"]} for r in other_warmup],
+            **off, "chosen": _best(tuned)["spec"]}
 
 
 def _steps_text(steps: Sequence[int | None]) -> str:
@@ -75,12 +111,12 @@ def _steps_text(steps: Sequence[int | None]) -> str:
 def study_markdown(summary: dict[str, Any]) -> str:
     """The results table (and, for a full study, the tuning grids) as Markdown."""
     target = summary["target"]
+    reach = f"{target:.1%}" if target is not None else "target"
     lines = [
         "| batch | ImageNet-eq. | optimizer | epochs | steps | peak lr | warmup (epochs) "
-        f"| test acc. (mean ± std, seeds) | vs baseline | steps to {target:.1%} |"
-        if target is not None else "| batch | ImageNet-eq. | optimizer | epochs | steps | "
-        "peak lr | warmup (epochs) | test acc. (mean ± std, seeds) | vs baseline | steps to target |",
-        "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|",
+        f"| label smoothing, decay | test acc. (mean ± std, seeds) | vs baseline "
+        f"| steps to {reach} | fewer steps than baseline |",
+        "|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in summary["rows"]:
         delta = "-" if r["delta_vs_baseline"] is None else f"{100 * r['delta_vs_baseline']:+.2f}"
@@ -88,9 +124,10 @@ def study_markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
             f"{r['steps']:,} | {r['lr']:g}{' (edge)' if r['lr_on_grid_edge'] else ''} | "
-            f"{r['warmup_epochs']:g} | "
+            f"{r['warmup_epochs']:g} | {r['label_smoothing']:g}, poly {r['power']:g} | "
             f"{_mean_std(r)} ({r['seeds']}{div}) "
-            f"| {delta} | {_steps_text(r['steps_to_target'])} |")
+            f"| {delta} | {_steps_text(r['steps_to_target'])} | "
+            f"{'-' if r['fewer_steps'] is None else format(r['fewer_steps'], '.1f') + 'x'} |")
     if any(r["lr_on_grid_edge"] for r in summary["rows"]):
         lines += ["", "(edge): the best lr lies on the edge of the tuned grid, after it grew."]
     if summary["grids"]:
@@ -106,7 +143,27 @@ def study_markdown(summary: dict[str, Any]) -> str:
                              _grid_cell(cell.get((lr, w)), lr, cell.get((lr, w)) is best)
                              for lr in lrs) for w in warmups))
             lines.append("")
+    if summary.get("techniques"):
+        lines += ["", "Techniques switched off one at a time at each pair's best grid point "
+                  "(validation accuracy, %, seed 0; the final runs use the best of the row):",
+                  "", "| batch | optimizer | best grid point | all on | other warmup "
+                  "| no label smoothing | poly power 1 | chosen |",
+                  "|---:|---|---|---:|---|---:|---:|---|"]
+        for t in summary["techniques"]:
+            other = ", ".join(f"{100 * o['accuracy']:.2f} ({o['warmup_epochs']:g} ep.)"
+                              for o in t["other_warmup"]) or "-"
+            chosen = t["chosen"]
+            lines.append(
+                f"| {t['batch']:,} | {t['optimizer']} | lr {t['lr']:g}, warmup "
+                f"{t['warmup_epochs']:g} | {100 * t['accuracy']:.2f} | {other} | "
+                f"{_pct(t.get('no_label_smoothing'))} | {_pct(t.get('power_1'))} | "
+                f"ls {chosen['label_smoothing']:g}, poly {chosen['power']:g}, warmup "
+                f"{chosen['warmup_epochs']:g} |")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
 
 
 def _mean_std(row: dict[str, Any]) -> str:

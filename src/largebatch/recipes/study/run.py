@@ -86,9 +86,9 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     The seed fixes the initial weights and the batch order, so every optimizer of a seed
     starts from the same weights and sees the same batches. A run whose loss turns
     non-finite stops there and is scored as it stands (``"diverged": true``). Model,
-    optimizer, schedule (the recipe's, with the spec's lr and warmup), loss and the
-    training loop are ``largebatch train``'s (:mod:`largebatch.recipes.build`,
-    :mod:`largebatch.recipes.loop`)."""
+    optimizer, schedule (the recipe's, with the spec's lr, warmup and poly power), loss
+    (with the spec's label smoothing) and the training loop are ``largebatch train``'s
+    (:mod:`largebatch.recipes.build`, :mod:`largebatch.recipes.loop`)."""
     import torch
 
     from largebatch.recipes.build import build_loss, build_model, build_optimizer, build_schedule
@@ -99,7 +99,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         _init_worker(torch.get_num_threads(), None, "cpu")
     x_train, y_train, x_eval, y_eval = _tensors(spec.phase, spec.subset)
     device = x_train.device
-    recipe = _recipe(spec.batch, spec.optimizer)
+    recipe = dataclasses.replace(_recipe(spec.batch, spec.optimizer),
+                                 label_smoothing=spec.label_smoothing, power=spec.power)
     steps_per_epoch = len(y_train) // spec.batch
     torch.manual_seed(spec.seed)
     model = build_model(recipe.model, 10).to(device, memory_format=torch.channels_last)

@@ -1,0 +1,224 @@
+"""The recipes: the Fashion-MNIST models, the techniques each recipe switches, and the
+ImageNet rows' values against the sources they cite."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from largebatch.recipes import build, models, study
+from largebatch.recipes.registry import RECIPES, Recipe, get_recipe
+from largebatch.recipes.study import RunSpec
+
+# --------------------------------------------------------------------------- the models
+
+
+@pytest.mark.parametrize("factory, params", [
+    (models.fmnist_cnn, 208_194),
+    (models.small_cnn, 6_274),
+    (lambda: models.small_cnn(width=16, hidden=128), 426_362),
+    (models.small_resnet, 77_754),
+])
+def test_fashion_models_have_their_documented_size_and_shape(factory, params):
+    torch.manual_seed(0)
+    model = factory()
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert model(torch.randn(5, 1, 28, 28)).shape == (5, 10)
+
+
+def test_the_recipes_model_is_fmnist_cnn():
+    assert {r.model for r in RECIPES.values() if r.data == "fashion-mnist"} == {"fmnist_cnn"}
+    assert isinstance(build.build_model("fmnist_cnn", 10)[-1], nn.Linear)
+
+
+def test_small_resnet_blocks_start_as_their_shortcut():
+    """Goyal et al.'s zero-init: each block's last BN scale is 0, so a block's output at
+    initialisation is ReLU(shortcut(x))."""
+    torch.manual_seed(0)
+    model = models.small_resnet().eval()
+    blocks = [m for m in model if isinstance(m, models._BasicBlock)]
+    assert len(blocks) == 3
+    x = torch.randn(2, 16, 14, 14)
+    for block in blocks:
+        assert torch.count_nonzero(block.bn2.weight) == 0
+        assert torch.equal(block(x), torch.relu(block.shortcut(x)))
+        x = block(x)
+    # Trained, the scale moves off zero like any other parameter.
+    assert blocks[0].bn2.weight.requires_grad
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: models.small_cnn(width=0), "Invalid width: 0"),
+    (lambda: models.small_cnn(hidden=-1), "Invalid hidden: -1"),
+    (lambda: models.small_resnet(blocks=0), "Invalid blocks: 0"),
+])
+def test_bad_model_sizes_are_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------- the switches
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3, bias=False), nn.BatchNorm2d(2), nn.Flatten(),
+                         nn.Linear(2 * 4 * 4, 3))
+
+
+@pytest.mark.parametrize("exclude, excluded", [
+    ("bn_bias", {"1.weight", "1.bias", "3.bias"}),
+    ("bn", {"1.weight", "1.bias"}),
+    ("none", set()),
+])
+def test_decay_exclude_names_what_gets_no_decay_or_adaptation(exclude, excluded):
+    net = _net()
+    names = {id(p): n for n, p in net.named_parameters()}
+    decayed, skipped = build.decay_groups(net, 1e-4, exclude)
+    assert {names[id(p)] for p in skipped["params"]} == excluded
+    assert (decayed["weight_decay"], skipped["weight_decay"], skipped["trust_ratio"]) == (
+        1e-4, 0.0, False)
+    with pytest.raises(ValueError, match="Invalid decay_exclude: 'bias'"):
+        build.decay_groups(net, 1e-4, "bias")
+
+
+def test_sgd_recipes_decay_all_but_the_excluded_params():
+    """Goyal et al. leave BN's scale and shift undecayed; the SGD recipes use the same
+    groups as LARS and LAMB, without the trust-ratio flag torch's SGD does not know."""
+    net = _net()
+    opt = build.build_optimizer(get_recipe("resnet50-goyal-8k"), net, 3.2)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["nesterov"]
+    assert [g["weight_decay"] for g in opt.param_groups] == [1e-4, 0.0]
+    # conv and fc weights and the fc bias (the paper names only BN) | BN scale and shift
+    assert [len(g["params"]) for g in opt.param_groups] == [3, 2]
+    assert all("trust_ratio" not in g for g in opt.param_groups)
+
+
+def test_a_run_gets_its_specs_label_smoothing_warmup_and_power(monkeypatch):
+    """The study's switches reach the loss and the schedule that train the run."""
+    seen = {}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name] = out = fn(*args, **kwargs)
+            return out
+        monkeypatch.setattr(build, name, wrapped)
+
+    spy("build_loss", build.build_loss)
+    spy("build_schedule", build.build_schedule)
+    threads = torch.get_num_threads()
+    try:
+        study._init_worker(1, None, "cpu")
+        # 1,200 images at B=384: 3 steps an epoch, 2 epochs.
+        study.run_one(RunSpec("final", 384, "lars", 4.0, 1.0, seed=0, epochs=2, subset=1200,
+                              label_smoothing=0.2, power=3.0))
+    finally:
+        study._WORKER.clear()
+        torch.set_num_threads(threads)
+    assert seen["build_loss"].label_smoothing == 0.2
+    sched = seen["build_schedule"]
+    assert (sched.warmup_steps, sched.total_steps, sched.power, sched.peak_lr) == (3, 6, 3.0, 4.0)
+
+
+def test_a_recipes_warmup_start_and_decay_end_reach_the_schedule():
+    goyal = get_recipe("resnet50-goyal-8k")
+    sched = build.build_schedule(goyal, peak_lr=goyal.peak_lr, epochs=90, steps_per_epoch=10)
+    assert sched(0) == pytest.approx(0.1) and sched(50) == pytest.approx(3.2)
+    assert sched(300) == pytest.approx(0.32) and sched(899) == pytest.approx(0.0032)
+    mlperf = get_recipe("resnet50-mlperf-lars-34k")
+    sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, steps_per_epoch=10)
+    assert sched(0) == 0.0 and sched(170) == pytest.approx(21.6)
+    assert sched(590) == pytest.approx(1e-4)
+
+
+def test_every_recipe_builds_its_optimizer_and_loss():
+    for recipe in RECIPES.values():
+        net = _net()
+        precision = recipe.precision if recipe.optimizer in ("lars", "lamb") else "fp32"
+        opt = build.build_optimizer(recipe, net, recipe.peak_lr, precision)
+        assert opt.param_groups[0]["lr"] == recipe.peak_lr, recipe.name
+        assert build.build_loss(recipe).label_smoothing == recipe.label_smoothing
+
+
+# --------------------------------------------------------------------------- the sources
+
+# Each ImageNet recipe's values, restated from the source its ``source`` field cites.
+# (name, cited in source, field values)
+CITED = [
+    ("resnet50-goyal-8k", ["arXiv:1706.02677", "§5.1", "§2.2", "Table 1"], dict(
+        optimizer="nesterov", batch_size=8192, peak_lr=3.2, init_lr=0.1, warmup_epochs=5,
+        schedule="step", milestones=(30, 60, 80), epochs=90, momentum=0.9,
+        weight_decay=1e-4, decay_exclude="bn", label_smoothing=0.0,
+        published_top1=76.26)),  # 100 - 23.74
+    ("resnet50-lars-32k", ["arXiv:1708.03888v3", "Table 4", "§5"], dict(
+        optimizer="lars", batch_size=32768, peak_lr=2.9, warmup_epochs=5, schedule="poly",
+        power=2.0, epochs=90, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001,
+        eps=0.0, published_top1=72.3)),
+    ("resnet50-lamb-32k", ["fastalgo/imagenet_resnet50_lamb", "run.sh", "optimization.py",
+                           "resnet_main.py", "log.out"], dict(
+        optimizer="lamb", batch_size=32768, peak_lr=0.04, warmup_epochs=20, schedule="poly",
+        power=1.0, epochs=90, weight_decay=1.5, decay_exclude="bn", betas=(0.9, 0.999),
+        eps=1e-6, max_grad_norm=1.0, label_smoothing=0.1, precision="bf16",
+        published_top1=76.34)),
+    ("resnet50-mlperf-lars-34k", ["training_results_v0.7", "config_DGXA100_multi_96x8x45.sh",
+                                  "common/fit.py", "result_0..4.txt"], dict(
+        optimizer="lars", batch_size=96 * 8 * 45, peak_lr=21.6, warmup_epochs=17,
+        schedule="poly", power=2.0, end_lr=1e-4, epochs=59, momentum=0.94,
+        weight_decay=2.5e-5, trust_coefficient=0.001, eps=0.0, label_smoothing=0.1,
+        precision="fp16", published_top1=76.07)),  # mean of 76.068 75.952 76.106 76.084 76.12
+    ("resnet50-mlperf-lars-64k", ["training_results_v0.7", "config_DGXA100_multi_230x8x35.sh",
+                                  "common/fit.py"], dict(
+        optimizer="lars", batch_size=230 * 8 * 35, peak_lr=24.699, warmup_epochs=31,
+        schedule="poly", power=2.0, end_lr=1e-4, epochs=90, momentum=0.951807,
+        weight_decay=1e-4, trust_coefficient=0.001, eps=0.0, label_smoothing=0.1,
+        precision="fp16", published_top1=None)),
+    ("alexnet-bn-lars-8k", ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"], dict(
+        optimizer="lars", batch_size=8192, peak_lr=14.0, warmup_epochs=5, schedule="poly",
+        power=2.0, epochs=100, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.001,
+        published_top1=60.1)),
+    ("alexnet-bn-lars-32k", ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"], dict(
+        optimizer="lars", batch_size=32768, peak_lr=22.0, warmup_epochs=5, schedule="poly",
+        power=2.0, epochs=100, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.001,
+        published_top1=57.8)),
+]
+
+
+def _value(recipe: Recipe, field: str):
+    if field == "peak_lr":
+        return recipe.peak_lr
+    if hasattr(recipe, field):
+        return getattr(recipe, field)
+    return recipe.optimizer_kwargs[field]
+
+
+@pytest.mark.parametrize("name, cites, values", CITED, ids=[c[0] for c in CITED])
+def test_imagenet_recipes_restate_their_cited_values(name, cites, values):
+    recipe = get_recipe(name)
+    for place in cites:
+        assert place in recipe.source, (name, place)
+    for field, value in values.items():
+        got = _value(recipe, field)
+        assert got == (pytest.approx(value) if isinstance(value, float) else value), (
+            name, field, got, value)
+
+
+def test_every_imagenet_recipe_is_in_the_cited_table_and_nothing_is_provisional():
+    imagenet = {r.name for r in RECIPES.values() if r.data == "imagenet"}
+    assert imagenet == {c[0] for c in CITED}
+    for recipe in RECIPES.values():
+        assert recipe.source, recipe.name
+        text = " ".join(str(v) for v in dataclasses.asdict(recipe).values()).lower()
+        assert "provisional" not in text, recipe.name
+
+
+def test_largebatch_recipes_prints_every_source(capsys):
+    from largebatch.recipes.cli import main as cli
+
+    assert cli(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for recipe in RECIPES.values():
+        assert f"{recipe.name}: {recipe.source}" in out
+        if recipe.unstated:
+            assert f"open: {recipe.unstated}" in out
