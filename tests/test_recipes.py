@@ -222,3 +222,15 @@ def test_largebatch_recipes_prints_every_source(capsys):
         assert f"{recipe.name}: {recipe.source}" in out
         if recipe.unstated:
             assert f"open: {recipe.unstated}" in out
+
+
+def test_the_docs_table_is_the_registry():
+    """docs/recipes.md shows the recipes as they are (regenerate it with
+    ``recipes_markdown()`` when a recipe changes)."""
+    from pathlib import Path
+
+    from largebatch.recipes.registry import recipes_markdown
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    start = text.index("-->\n", text.index("<!-- recipes-table")) + 4
+    assert text[start:text.index("<!-- /recipes-table -->")] == recipes_markdown()

@@ -160,6 +160,26 @@ def test_quick_plan_runs_the_recipes_settings_without_tuning():
             recipe.label_smoothing, recipe.power)
 
 
+def _args(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    study.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_quick_runs_the_quick_pairs_unless_told_otherwise():
+    cfg = study.config(_args("--quick"))
+    assert cfg.pairs() == list(study.QUICK_PAIRS) and cfg.seeds == 1
+    assert [(s.batch, s.optimizer, s.phase) for s in plan(cfg, {})] == [
+        (b, o, "final") for b, o in study.QUICK_PAIRS]
+    told = study.config(_args("--quick", "--optimizers", "sgd,lars"))
+    assert told.pairs() == [(128, "sgd"), (1536, "sgd"), (1536, "lars"), (3072, "sgd"),
+                            (3072, "lars")]
+    full = study.config(_args())
+    assert full.pairs() == StudyConfig().pairs() and full.seeds == 3 and not full.quick
+
+
 def test_summary_reports_mean_std_delta_and_steps_to_target():
     cfg = StudyConfig(quick=True, batches=(128, 3072), optimizers=("sgd", "lars"), seeds=2,
                       epochs=3)

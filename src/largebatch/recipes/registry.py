@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = [
     "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
-    "RECIPES", "get_recipe", "imagenet_equivalent", "recipes_table",
+    "RECIPES", "get_recipe", "imagenet_equivalent", "recipes_markdown", "recipes_table",
 ]
 
 DATA_SETS = ("imagenet", "fashion-mnist")
@@ -295,6 +295,22 @@ def recipes_table() -> str:
         if r.unstated:
             sources.append(f"{' ' * len(r.name)}  open: {r.unstated}")
     return "\n".join(table + sources)
+
+
+def recipes_markdown() -> str:
+    """The recipes as the Markdown table of docs/recipes.md (a test keeps them equal)."""
+    lines = [
+        "| name | model | batch | ImageNet-eq. | optimizer | peak lr | schedule | label "
+        "smoothing | epochs | precision | published top-1 |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---|---:|",
+    ]
+    for r in RECIPES.values():
+        top1 = "-" if r.published_top1 is None else f"{r.published_top1:.2f}%"
+        lines.append(
+            f"| `{r.name}` | {r.model} | {r.batch_size:,} | {r.imagenet_batch:,} | "
+            f"{r.optimizer} | {r.peak_lr:g} | {r.schedule_text} | {r.label_smoothing:g} | "
+            f"{r.epochs} | {r.precision} | {top1} |")
+    return "\n".join(lines) + "\n"
 
 
 def add_arguments(parser: Any) -> None:

@@ -1,24 +1,27 @@
 """``largebatch study``: the batch-size sweep on Fashion-MNIST, tuned the same way for every optimizer.
 
 Pairs: the small-batch baseline (momentum SGD at B=128), then momentum SGD with gradual
-warmup (Goyal et al. 2017), Nesterov (Nado et al. 2021), LARS and LAMB at B = 384, 1536 and
-3072, the ImageNet-equivalent 8K, 32K and 64K batches. Each pair starts from its registry
-recipe (``fmnist-OPTIMIZER-BATCH``): model, optimizer settings, weight decay, poly decay.
+warmup (Goyal et al. 2017), LARS and LAMB at B = 1536 and 3072, the ImageNet-equivalent
+32K and 64K batches (``--batches`` adds 384, the 8K one; ``--optimizers`` adds Nesterov,
+Nado et al. 2021). Each pair starts from its registry recipe (``fmnist-OPTIMIZER-BATCH``):
+model (``fmnist_cnn``), optimizer settings, weight decay and its exclusions, 30 epochs.
 
 Full study (the default), for every pair with the same budget:
 
 1. **Tune** on a validation split: the last 10,000 of a fixed permutation of the 60,000
-   training images are held out, the rest train. Peak lr over ``recipe lr x {1/2, 1, 2}``
-   (log-spaced), each with two warmup lengths (0 or 1 epoch at the baseline batch, 1 or 3
-   epochs at the large ones). While the best lr lies on the edge of the grid, the grid
-   grows by one more factor of 2 on that side (twice at most, ``--extend``); a best lr
-   still on the edge is marked in the table.
-2. **Re-run** the best (lr, warmup) on all 60,000 images with ``--seeds`` seeds (3) and
+   training images are held out, the rest train. Peak lr over ``GRID_CENTRES x {1/2, 1,
+   2}``, each with two warmup lengths (0 or 2 epochs at the baseline batch, 2 or 5 at the
+   large ones), every run with label smoothing 0.1 and poly power 2 (the anchors'
+   techniques). While the best lr lies on the edge of the grid, the grid grows by one more
+   factor of 2 on that side (twice at most, ``--extend``); a best lr still on the edge is
+   marked in the table. Then the best grid point runs once more with each technique
+   switched off (label smoothing 0; poly power 1), and the best of all these is kept.
+2. **Re-run** the kept setting on all 60,000 images with ``--seeds`` seeds (3) and
    report test accuracy as mean ± std, and the steps each run took to reach the target
    accuracy (default: the baseline's mean minus one point) at the end of an epoch.
 
-``--quick`` skips tuning: one seed of the recipes as they stand (their lrs and warmups are
-the full study's results), at B = 128, 1536 and 3072. ``make demo`` runs it.
+``--quick`` skips tuning: one seed of the recipes as they stand (their settings are the
+full study's results) for the pairs in ``QUICK_PAIRS``. ``make demo`` runs it.
 
 Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). Every
 finished run is appended to ``OUT/runs.jsonl``; running the same command again reuses them,
@@ -47,7 +50,7 @@ from largebatch.recipes.outputs import CommandError, require
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
     BASELINE, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES, LARGE_BATCHES,
-    QUICK_BATCHES, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check, _lr, _recipe,
+    QUICK_BATCHES, QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check, _lr, _recipe,
     pair_plan, plan,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
@@ -56,8 +59,8 @@ from largebatch.recipes.study.run import (  # noqa: F401
     _Stopped, _tensors, run_one, run_study,
 )
 
-__all__ = ["StudyConfig", "RunSpec", "pair_plan", "plan", "run_one", "run_study", "summarize",
-           "study_markdown", "add_arguments", "main"]
+__all__ = ["StudyConfig", "RunSpec", "config", "pair_plan", "plan", "run_one", "run_study",
+           "summarize", "study_markdown", "add_arguments", "main"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -72,13 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``largebatch study`` flags."""
     add = parser.add_argument
     add("--quick", action="store_true",
-        help="no tuning: one seed of the recipes' settings at B=128, 1536, 3072 (make demo)")
+        help="no tuning: one seed of the recipes' settings for "
+             + ", ".join(f"{o} at {b}" for b, o in QUICK_PAIRS)
+             + " unless --batches or --optimizers say otherwise (make demo)")
     add("--out", default=None, metavar="DIR",
         help="output folder (default runs/study, or runs/study-quick)")
-    add("--batches", type=_ints, default=DEFAULT_BATCHES, metavar="B,B",
+    add("--batches", type=_ints, default=None, metavar="B,B",
         help=f"batches, of {','.join(map(str, FULL_BATCHES))} "
              f"(default {','.join(map(str, DEFAULT_BATCHES))})")
-    add("--optimizers", type=lambda t: tuple(t.split(",")), default=DEFAULT_OPTIMIZERS,
+    add("--optimizers", type=lambda t: tuple(t.split(",")), default=None,
         metavar="NAME,NAME", help=f"of {','.join(STUDY_OPTIMIZERS)} (default "
                                   f"{','.join(DEFAULT_OPTIMIZERS)})")
     add("--seeds", type=int, default=None, help="final runs per pair (default 3; quick 1)")
@@ -104,11 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--subset", type=int, default=None, metavar="N", help="first N train and test images")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the study from parsed arguments."""
-    cfg = StudyConfig(
+def config(args: argparse.Namespace) -> StudyConfig:
+    """The :class:`StudyConfig` that parsed ``largebatch study`` arguments ask for."""
+    return StudyConfig(
         quick=args.quick,
-        batches=args.batches, optimizers=args.optimizers, epochs=args.epochs,
+        batches=args.batches or DEFAULT_BATCHES,
+        optimizers=args.optimizers or DEFAULT_OPTIMIZERS, epochs=args.epochs,
+        only=QUICK_PAIRS if args.quick and not (args.batches or args.optimizers) else None,
         small_warmups=args.small_warmups, large_warmups=args.large_warmups,
         label_smoothing=args.label_smoothing, power=args.power, ablate=args.ablate,
         seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
@@ -117,6 +124,11 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out or ("runs/study-quick" if args.quick else "runs/study"),
     )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the study from parsed arguments."""
+    cfg = config(args)
     try:
         _check(cfg)
     except ValueError as err:
