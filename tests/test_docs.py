@@ -62,7 +62,7 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
                  "benchmarks/index.html"):
         assert (site_dir / page).is_file(), page
     # study.md links its data files; they are copied, though not in the nav.
-    assert (site_dir / "study" / "runs.jsonl").is_file()
+    assert (site_dir / "study" / "headline" / "runs.jsonl").is_file()
 
 
 @pytest.mark.parametrize(
