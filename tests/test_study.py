@@ -270,7 +270,8 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
 
     recipe = get_recipe("fmnist-lars-384")
     spec = RunSpec("final", 384, "lars", study._lr(recipe.peak_lr), recipe.warmup_epochs,
-                   seed=1, epochs=1, subset=1200)
+                   seed=1, epochs=1, subset=1200, label_smoothing=recipe.label_smoothing,
+                   power=recipe.power)
     threads = torch.get_num_threads()
     try:
         study._init_worker(1, None, "cpu")
