@@ -316,6 +316,24 @@ def test_a_run_follows_its_recipes_step_schedule_and_milestones(monkeypatch):
     assert lrs == pytest.approx([0.5] * 3 + [0.05] * 3 + [0.005] * 3)
 
 
+def test_report_writes_the_tables_of_a_part_finished_study_and_trains_nothing(tmp_path):
+    grid = plan(LARS_3072, {})
+    log = tmp_path / "runs.jsonl"
+    log.write_text("".join(json.dumps(_result(s, 0.5 + s.lr / 1000)) + "\n" for s in grid))
+    before = log.read_bytes()
+    proc = subprocess.run(
+        [sys.executable, "-m", "largebatch", "study", "--report", "--batches", "3072",
+         "--optimizers", "lars", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "the report of the 6 finished runs" in proc.stdout
+    assert "planned runs not trained yet" in proc.stdout
+    assert log.read_bytes() == before  # nothing trained, nothing appended
+    text = (tmp_path / "study.md").read_text()
+    assert f"lr {study._lr(2 * CENTRE):g} **" in text  # the grid's best, in bold
+    assert json.loads((tmp_path / "study.json").read_text())["rows"] == []  # no finals yet
+
+
 def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, capsys):
     specs = plan(StudyConfig(quick=True, batches=(128,), optimizers=("sgd",), seeds=3), {})
     rows = [_result(s, 0.8) for s in specs]

@@ -29,7 +29,8 @@ so an interrupted study continues where it stopped (a line cut short by the inte
 skipped with a warning, and its run is redone). SIGTERM or Ctrl-C stops the workers with
 the study, and a worker whose parent is gone exits by itself. One study at a time holds
 ``OUT`` (a lock on ``OUT/.lock``). The end writes ``OUT/study.md`` (the tables),
-``OUT/study.json`` and ``OUT/study.png``, each replaced atomically.
+``OUT/study.json`` and ``OUT/study.png``, each replaced atomically; ``--report`` writes
+them from the finished runs without training any (a study stopped part-way).
 
 The package: :mod:`~largebatch.recipes.study.plan` (what to run: :class:`StudyConfig`,
 :class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.run` (training a
@@ -78,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no tuning: one seed of the recipes' settings for "
              + ", ".join(f"{o} at {b}" for b, o in QUICK_PAIRS)
              + " unless --batches or --optimizers say otherwise (make demo)")
+    add("--report", dest="report_only", action="store_true",
+        help="write the tables and plot of the runs already in OUT/runs.jsonl; train nothing")
     add("--out", default=None, metavar="DIR",
         help="output folder (default runs/study, or runs/study-quick)")
     add("--batches", type=_ints, default=None, metavar="B,B",
@@ -119,7 +122,7 @@ def config(args: argparse.Namespace) -> StudyConfig:
         small_warmups=args.small_warmups, large_warmups=args.large_warmups,
         label_smoothing=args.label_smoothing, power=args.power, ablate=args.ablate,
         seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
-        extend=args.extend, target=args.target,
+        extend=args.extend, target=args.target, report_only=args.report_only,
         subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,
         device=args.device,
         out=args.out or ("runs/study-quick" if args.quick else "runs/study"),

@@ -70,6 +70,7 @@ class StudyConfig:
     ablate: bool = True
     extend: int = 2  # how many times a grid may grow past an edge that holds the best lr
     only: tuple[tuple[int, str], ...] | None = None  # keep only these (batch, optimizer) pairs
+    report_only: bool = False  # write the report of the finished runs; train nothing
     target: float | None = None  # None: the baseline's mean test accuracy minus 0.01
     subset: int | None = None  # first N train (and test) images
     data: str | None = None

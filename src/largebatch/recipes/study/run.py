@@ -202,6 +202,30 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     out = Path(cfg.out)
     log = out / "runs.jsonl"
     results = _load_results(log)
+    start = time.perf_counter()
+    if cfg.report_only:
+        print_fn(f"largebatch study: the report of the {len(results)} finished runs in {log}; "
+                 f"{len(plan(cfg, results))} planned runs not trained yet")
+    else:
+        _train_planned(cfg, results, log, print_fn)
+
+    summary = summarize(cfg, results)
+    atomic_write(out / "study.json", json.dumps(summary, indent=2) + "\n")
+    text = study_markdown(summary)
+    atomic_write(out / "study.md", text)
+    wrote = [out / "study.md", out / "study.json"]
+    if plot(summary, out / "study.png"):
+        wrote.append(out / "study.png")
+    print_fn("")
+    print_fn(text)
+    print_fn(f"wrote {', '.join(map(str, wrote))} ({time.perf_counter() - start:.0f}s)")
+    return summary
+
+
+def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path,
+                   print_fn: Callable[[str], None]) -> None:
+    """Train every planned run on the pool, re-planning as runs finish; each finished run
+    goes into ``results`` and is appended to ``log``."""
     jobs = cfg.jobs or (1 if cfg.device == "cuda" else _cpus())
     threads = cfg.threads or max(1, _cpus() // jobs)
     reused = len(results)
@@ -251,17 +275,6 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
                 pool.shutdown(cancel_futures=True)
             else:  # SIGTERM, Ctrl-C or a failed run: the workers go now, not after their runs
                 _stop_workers(pool)
-    summary = summarize(cfg, results)
-    atomic_write(out / "study.json", json.dumps(summary, indent=2) + "\n")
-    text = study_markdown(summary)
-    atomic_write(out / "study.md", text)
-    wrote = [out / "study.md", out / "study.json"]
-    if plot(summary, out / "study.png"):
-        wrote.append(out / "study.png")
-    print_fn("")
-    print_fn(text)
-    print_fn(f"wrote {', '.join(map(str, wrote))} ({time.perf_counter() - start:.0f}s)")
-    return summary
 
 
 def _run_inline(fn: Callable[[RunSpec], dict[str, Any]],
