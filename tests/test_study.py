@@ -234,6 +234,10 @@ def test_tiny_study_end_to_end_then_resume_reuses_every_run(tmp_path):
     # 6 tuning runs per pair (+2 for each grid that grows) and 2 final seeds per pair.
     phases = [json.loads(line)["spec"]["phase"] for line in lines]
     assert phases.count("final") == 3 * 2 and phases.count("tune") >= 3 * 6, phases
+    # Pair by pair: the baseline's first final run is done before the last pair starts.
+    specs = [json.loads(line)["spec"] for line in lines]
+    order = [(sp["batch"], sp["optimizer"], sp["phase"]) for sp in specs]
+    assert order.index((128, "sgd", "final")) < order.index((384, "lars", "tune")), order
     summary = json.loads((out / "study.json").read_text())
     assert [(r["batch"], r["optimizer"]) for r in summary["rows"]] == [
         (128, "sgd"), (384, "sgd"), (384, "lars")]

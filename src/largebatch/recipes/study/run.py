@@ -224,8 +224,9 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
 
 def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path,
                    print_fn: Callable[[str], None]) -> None:
-    """Train every planned run on the pool, re-planning as runs finish; each finished run
-    goes into ``results`` and is appended to ``log``."""
+    """Train every planned run on the pool (``jobs`` at a time, in the plan's order),
+    re-planning as runs finish; each finished run goes into ``results`` and is appended
+    to ``log``."""
     jobs = cfg.jobs or (1 if cfg.device == "cuda" else _cpus())
     threads = cfg.threads or max(1, _cpus() // jobs)
     reused = len(results)
@@ -247,12 +248,15 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
     try:
         in_flight: dict[concurrent.futures.Future, RunSpec] = {}
         while True:
+            # At most one run per job in flight, taken in the plan's order (pair by pair):
+            # the pairs finish one after another, so a study stopped part-way has whole
+            # rows, and each run is planned with every result finished before it.
             busy = {s.key for s in in_flight.values()}
             for spec in plan(cfg, results):
+                if len(in_flight) >= jobs:
+                    break
                 if spec.key not in busy:
                     in_flight[submit(run_one, spec)] = spec
-                    if pool is None:
-                        break  # one at a time, logged before the next: re-plan after each run
             if not in_flight:
                 break
             finished, _ = concurrent.futures.wait(in_flight, return_when="FIRST_COMPLETED")
