@@ -234,3 +234,23 @@ def test_the_docs_table_is_the_registry():
     text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     start = text.index("-->\n", text.index("<!-- recipes-table")) + 4
     assert text[start:text.index("<!-- /recipes-table -->")] == recipes_markdown()
+
+
+def test_the_fashion_recipes_carry_the_studys_choices():
+    """Each Fashion-MNIST recipe the 30-epoch study has settled holds what the study chose
+    (its committed ``study.json``), and only those are marked tuned."""
+    import json
+    from pathlib import Path
+
+    from largebatch.recipes.registry import FASHION_TUNED
+
+    summary = json.loads((Path(__file__).resolve().parents[1] / "docs" / "study" / "headline"
+                          / "study.json").read_text())
+    settled = {(r["optimizer"], r["batch"]): r for r in summary["rows"]}
+    assert set(settled) == set(FASHION_TUNED)
+    for (optimizer, batch), row in settled.items():
+        recipe = get_recipe(f"fmnist-{optimizer}-{batch}")
+        assert (recipe.peak_lr, recipe.warmup_epochs, recipe.label_smoothing, recipe.power,
+                recipe.epochs) == (row["lr"], row["warmup_epochs"], row["label_smoothing"],
+                                   row["power"], row["epochs"]), recipe.name
+        assert recipe.note.endswith("the 30-epoch study's choice")

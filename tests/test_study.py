@@ -331,11 +331,12 @@ def test_report_writes_the_tables_of_a_part_finished_study_and_trains_nothing(tm
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "the report of the 6 finished runs" in proc.stdout
-    assert "planned runs not trained yet" in proc.stdout
+    assert "2 runs are planned next" in proc.stdout  # the grid grows past its top edge
     assert log.read_bytes() == before  # nothing trained, nothing appended
     text = (tmp_path / "study.md").read_text()
     assert f"lr {study._lr(2 * CENTRE):g} **" in text  # the grid's best, in bold
     assert json.loads((tmp_path / "study.json").read_text())["rows"] == []  # no finals yet
+    assert not (tmp_path / "study.png").exists() and "Warning" not in proc.stderr
 
 
 def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, capsys):

@@ -179,8 +179,10 @@ def _grid_cell(run: dict[str, Any] | None, lr: float, best: bool) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
-    """Draw ``study.png`` (:func:`largebatch.recipes.plots.plot_study`); a failure is a
-    one-line warning. Returns whether it was written."""
+    """Draw ``study.png`` (:func:`largebatch.recipes.plots.plot_study`) once some pair has
+    final runs; a failure is a one-line warning. Returns whether it was written."""
     from largebatch.recipes.plots import Plotter, plot_study
 
+    if not summary["rows"]:
+        return False  # nothing to draw before the first pair's final runs
     return Plotter("study", path, lambda s, p: plot_study(s, p, BASELINE))(summary)

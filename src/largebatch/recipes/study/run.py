@@ -205,7 +205,8 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     start = time.perf_counter()
     if cfg.report_only:
         print_fn(f"largebatch study: the report of the {len(results)} finished runs in {log}; "
-                 f"{len(plan(cfg, results))} planned runs not trained yet")
+                 f"{len(plan(cfg, results))} runs are planned next (and more once they "
+                 "finish)")
     else:
         _train_planned(cfg, results, log, print_fn)
 
