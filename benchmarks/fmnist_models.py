@@ -5,10 +5,10 @@
 
 Cost: one torch thread (the study runs one thread per run, two runs at a time on two
 cores), seconds per epoch of 60,000 images, timed over a few steps of random inputs at
-B=128 (momentum SGD) and B=1536 (LARS). ``--train N``: N epochs of momentum SGD at B=128
-(lr 0.2, no warmup, poly 2, weight decay 5e-4 on every parameter, no label smoothing,
-seed 0) on the study's tuning split (50,000 images), scored on its 10,000 validation
-images. Candidates run one after another; run it on an otherwise idle machine.
+B=128 and B=1536 with the optimizers of ``fmnist-sgd-128`` and ``fmnist-lars-1536``.
+``--train N``: N epochs of momentum SGD at B=128 (lr 0.2, no warmup, poly 2, weight decay
+5e-4 on every parameter, no label smoothing, seed 0) on the study's tuning split (50,000
+images), scored on its 10,000 validation images. Candidates run one after another; run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 import torch
 
 from largebatch.recipes import models
-from largebatch.recipes.build import decay_groups
+from largebatch.recipes.build import build_optimizer
 from largebatch.recipes.loop import evaluate, tensor_chunks, train_epoch
-from largebatch.torch import LARS, ScheduleLR, make_schedule
+from largebatch.recipes.registry import get_recipe
+from largebatch.torch import ScheduleLR, make_schedule
 
 CANDIDATES = {
     "small_cnn (width 8, pooled head)": models.small_cnn,
@@ -38,13 +39,8 @@ CANDIDATES = {
 def seconds_per_epoch(factory, batch: int, steps: int) -> float:
     torch.manual_seed(0)
     model = factory().to(memory_format=torch.channels_last)
-    groups = decay_groups(model, 5e-4, "bn_bias")
-    if batch == 128:
-        for g in groups:
-            g.pop("trust_ratio", None)
-        opt = torch.optim.SGD(groups, lr=0.01, momentum=0.9)
-    else:
-        opt = LARS(groups, lr=1.0)
+    recipe = get_recipe("fmnist-sgd-128" if batch == 128 else "fmnist-lars-1536")
+    opt = build_optimizer(recipe, model, recipe.peak_lr)
     x = torch.randn(batch, 1, 28, 28).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,))
     for i in range(steps + 2):

@@ -51,7 +51,7 @@ from largebatch.recipes.outputs import CommandError, require
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
     BASELINE, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES, LARGE_BATCHES,
-    QUICK_BATCHES, QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
+    QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
     _lr, _recipe, pair_plan, plan,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401

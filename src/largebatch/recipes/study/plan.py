@@ -19,18 +19,17 @@ from typing import Any
 from largebatch.recipes.registry import Recipe, get_recipe
 
 __all__ = ["BASELINE", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES", "GRID_CENTRES",
-           "LARGE_BATCHES", "QUICK_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
+           "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
            "RunSpec", "StudyConfig", "pair_plan", "plan"]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
 FULL_BATCHES = (BASELINE[0], *LARGE_BATCHES)
-QUICK_BATCHES = (BASELINE[0], 1536, 3072)
 STUDY_OPTIMIZERS = ("sgd", "nesterov", "lars", "lamb")
 # The headline study: the baseline, and the 32K- and 64K-equivalent batches with large-batch
 # SGD (Goyal et al.'s warmup), LARS and LAMB. ``--batches`` and ``--optimizers`` add 384
 # (8K-equivalent) and Nesterov.
-DEFAULT_BATCHES = QUICK_BATCHES
+DEFAULT_BATCHES = (BASELINE[0], 1536, 3072)
 DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 # ``--quick`` (``make demo``): the baseline, LARS and LAMB at the 32K-equivalent batch with
 # the 30-epoch study's settings, one seed each: three runs, within 10 minutes on 2 cores.
