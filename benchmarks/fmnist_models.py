@@ -8,7 +8,8 @@ cores), seconds per epoch of 60,000 images, timed over a few steps of random inp
 B=128 and B=1536 with the optimizers of ``fmnist-sgd-128`` and ``fmnist-lars-1536``.
 ``--train N``: N epochs of momentum SGD at B=128 (lr 0.2, no warmup, poly 2, weight decay
 5e-4 on every parameter, no label smoothing, seed 0) on the study's tuning split (50,000
-images), scored on its 10,000 validation images. Candidates run one after another; run it on an otherwise idle machine.
+images), scored on its 10,000 validation images. Candidates run one after another; run
+it on an otherwise idle machine.
 """
 
 from __future__ import annotations
