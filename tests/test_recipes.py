@@ -133,6 +133,14 @@ def test_a_recipes_warmup_start_and_decay_end_reach_the_schedule():
     assert sched(590) == pytest.approx(1e-4)
 
 
+def test_a_recipe_at_its_own_batch_keeps_its_stated_lr_exactly():
+    stated = [r for r in RECIPES.values() if r.lr is not None]
+    assert any(r.lr * r.batch_size / r.batch_size != r.lr for r in stated)  # rounding bites
+    for recipe in stated:
+        assert recipe.peak_lr == recipe.lr, recipe.name
+        assert recipe.lr_for(2 * recipe.batch_size) == 2 * recipe.lr, recipe.name
+
+
 def test_every_recipe_builds_its_optimizer_and_loss():
     for recipe in RECIPES.values():
         net = _net()
