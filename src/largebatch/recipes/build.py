@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from largebatch.mixed_precision.torch import NORM_LAYERS
 from largebatch.recipes import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
@@ -59,9 +60,6 @@ def build_optimizer(
                            **{"momentum": 0.9, **kw})
 
 
-_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
-
-
 def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[dict[str, Any]]:
     """``param_groups(model, weight_decay, ...)`` with the recipe's exclusion: ``"bn_bias"``
     (normalisation params and every bias: ``param_groups``' default), ``"bn"`` (only the
@@ -72,7 +70,7 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[di
     if exclude == "none":
         return param_groups(model, weight_decay, exclude=lambda name, p: False)
     if exclude == "bn":
-        norm = {id(p) for m in model.modules() if isinstance(m, _NORMS)
+        norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
                 for p in m.parameters(recurse=False)}
         return param_groups(model, weight_decay, exclude=lambda name, p: id(p) in norm)
     raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn or none)")

@@ -143,6 +143,22 @@ OURS = "largebatch (this project)"
 _NVIDIA_DIR = "NVIDIA/benchmarks/resnet/implementations/mxnet"
 _LARS_V3 = "arXiv:1708.03888v3"
 
+def _alexnet_bn_lars(batch: int, *, lr: float, top1: float, note: str = "") -> Recipe:
+    """An AlexNet-BN row of You, Gitman, Ginsburg 2017 (v3), Table 3(b): the rows differ
+    only in batch, lr and top-1."""
+    return Recipe(
+        f"alexnet-bn-lars-{batch // 1024}k", "alexnet_bn", "imagenet", "lars", batch, 100,
+        lr=lr, optimizer_kwargs={"momentum": 0.9, "trust_coefficient": 0.001, "eps": 0.0},
+        schedule="poly", power=2.0, warmup_epochs=5, weight_decay=5e-4, paper=YOU_LARS,
+        published_top1=top1,
+        source=f"{_LARS_V3} Table 3(b) (AlexNet-BN, warmup 5 epochs: B={batch // 1024}K, lr "
+               f"{lr:g}, {top1:g}% top-1), footnote 6 (100 epochs, momentum 0.9, weight decay "
+               "5e-4, poly(2), eta 0.001)",
+        unstated="eps (0 here); which params skip decay and adaptation (BN and biases here); "
+                 "precision (fp32 here)",
+        note=note)
+
+
 _IMAGENET = [
     Recipe("resnet50-goyal-8k", "resnet50", "imagenet", "nesterov", 8192, 90, base_lr=0.1,
            optimizer_kwargs={"momentum": 0.9}, schedule="step", warmup_epochs=5,
@@ -207,25 +223,9 @@ _IMAGENET = [
                     "checked); as above, "
                     "the fc bias has neither decay nor LARS here",
            note="the 64K-equivalent point of the Fashion-MNIST study; MLPerf's target is 75.9%"),
-    Recipe("alexnet-bn-lars-8k", "alexnet_bn", "imagenet", "lars", 8192, 100, lr=14.0,
-           optimizer_kwargs={"momentum": 0.9, "trust_coefficient": 0.001, "eps": 0.0},
-           schedule="poly", power=2.0, warmup_epochs=5, weight_decay=5e-4, paper=YOU_LARS,
-           published_top1=60.1,
-           source=f"{_LARS_V3} Table 3(b) (AlexNet-BN, warmup 5 epochs: B=8K, lr 14, 60.1% "
-                  "top-1), footnote 6 (100 epochs, momentum 0.9, weight decay 5e-4, poly(2), "
-                  "eta 0.001)",
-           unstated="eps (0 here); which params skip decay and adaptation (BN and biases "
-                    "here); precision (fp32 here)"),
-    Recipe("alexnet-bn-lars-32k", "alexnet_bn", "imagenet", "lars", 32768, 100, lr=22.0,
-           optimizer_kwargs={"momentum": 0.9, "trust_coefficient": 0.001, "eps": 0.0},
-           schedule="poly", power=2.0, warmup_epochs=5, weight_decay=5e-4, paper=YOU_LARS,
-           published_top1=57.8,
-           source=f"{_LARS_V3} Table 3(b) (AlexNet-BN, warmup 5 epochs: B=32K, lr 22, 57.8% "
-                  "top-1), footnote 6 (100 epochs, momentum 0.9, weight decay 5e-4, poly(2), "
-                  "eta 0.001)",
-           unstated="eps (0 here); which params skip decay and adaptation (BN and biases "
-                    "here); precision (fp32 here)",
-           note="Table 5: 59.9% top-1 at 32K when trained for 200 epochs"),
+    _alexnet_bn_lars(8192, lr=14.0, top1=60.1),
+    _alexnet_bn_lars(32768, lr=22.0, top1=57.8,
+                     note="Table 5: 59.9% top-1 at 32K when trained for 200 epochs"),
 ]
 
 
