@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from largebatch.recipes.build import build_model, build_optimizer
 from largebatch.recipes.cli import main as cli
 from largebatch.recipes.registry import (
     FASHION_SETTINGS, RECIPES, Recipe, get_recipe, imagenet_equivalent,
@@ -80,7 +81,6 @@ def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     assert set(buffers) == {"0", "1"} and buffers["0"] == buffers["1"], proc.stdout
     from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
     from largebatch.recipes.distributed import buffers_sha256
-    from largebatch.recipes.build import build_model
 
     model = build_model(get_recipe("fmnist-lars-1536").model, 10)
     model.load_state_dict(_params(tmp_path))
@@ -111,6 +111,53 @@ def test_batch_not_divisible_by_world_size(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit, match="batch size 128 is not divisible by the world size 3"):
         cli([*TINY, "--out", str(tmp_path)])
+
+
+def test_fsdp_needs_torchrun_and_refuses_fp16(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match="--fsdp shards the model over processes: run it under torchrun"):
+        cli([*TINY, "--fsdp", "--out", str(tmp_path)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--fsdp runs fp32 or bf16"):
+        cli([*TINY, "--fsdp", "--precision", "fp16", "--out", str(tmp_path)])
+
+
+def _torchrun_train(out, *args: str) -> str:
+    """``largebatch train`` on two gloo processes (fmnist-lars-1536 at batch 256, 2 x 2
+    micro-batches of 64); returns stdout after checking both ranks end with one model."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "largebatch", "train", "--batch-size", "256", "--micro-batch", "64",
+           "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = dict(re.findall(r"rank (\d)/2: params sha256 ([0-9a-f]{64})", proc.stdout))
+    assert set(digests) == {"0", "1"} and digests["0"] == digests["1"], proc.stdout
+    return digests["0"]
+
+
+def test_torchrun_fsdp_step_equals_ddp_step(tmp_path):
+    # One step (256 images): FSDP2's reduce-scatter and sharded LARS against DDP's
+    # all-reduce and whole-param LARS, to float32 tolerance.
+    one_step = ["--subset", "256", "--epochs", "1"]
+    _torchrun_train(tmp_path / "fsdp", *one_step, "--fsdp")
+    _torchrun_train(tmp_path / "ddp", *one_step)
+    fsdp, ddp = _params(tmp_path / "fsdp"), _params(tmp_path / "ddp")
+    assert fsdp.keys() == ddp.keys()
+    for key in ddp:
+        torch.testing.assert_close(fsdp[key], ddp[key], msg=key)
+    saved = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
+    assert saved["settings"]["fsdp"] is True
+    # The optimizer state is saved whole: the unsharded model's optimizer loads it.
+    model = build_model(get_recipe("fmnist-lars-1536").model, 10)
+    optimizer = build_optimizer(get_recipe("fmnist-lars-1536"), model, 1.0, "fp32")
+    optimizer.load_state_dict(saved["optimizer"])
+    assert optimizer.num_steps == 1
+
+
+def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
+    two_epochs = ["--subset", "512", "--epochs", "2"]
+    whole_run = _torchrun_train(tmp_path / "a", *two_epochs, "--fsdp")
+    _torchrun_train(tmp_path / "b", *two_epochs, "--fsdp", "--stop-after", "1")
+    assert _torchrun_train(tmp_path / "b", *two_epochs, "--fsdp", "--resume") == whole_run
 
 
 def test_recipes_table_lists_every_recipe(capsys):

@@ -1,6 +1,7 @@
 """The processes of ``largebatch train``: the ``--device`` check, joining the process group
-under ``torchrun``, one set of batch-norm statistics for all ranks, and the checksums each
-rank prints of its final model.
+under ``torchrun``, sharding the model with FSDP2 (``--fsdp``) and gathering it back whole,
+one set of batch-norm statistics for all ranks, and the checksums each rank prints of its
+final model.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import nn
 
 from largebatch.recipes.outputs import CommandError
 
-__all__ = ["buffers_sha256", "check_device", "join", "params_sha256", "sync_buffers"]
+__all__ = ["buffers_sha256", "check_device", "full_optimizer_state", "full_state", "join",
+           "params_sha256", "shard_model", "sync_buffers"]
 
 
 def check_device(device_arg: str | None) -> str:
@@ -65,6 +67,43 @@ def sync_buffers(model: nn.Module, world: int) -> None:
             buffer.div_(world)
         else:
             dist.broadcast(buffer, 0)
+
+
+def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """Shard ``model`` in place with FSDP2 over all processes: each top-level child that
+    holds params is one unit (its params all-gathered together), then the root. With a
+    half ``dtype`` the sharded params stay fp32 and FSDP2's mixed-precision policy runs the
+    forward and backward in ``dtype`` and reduces the grads in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = {}
+    if dtype != torch.float32:
+        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **policy)
+    fully_shard(model, **policy)
+
+
+def _full(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded tensor gathered whole (a collective: every
+    rank calls it): the state dict of the unsharded model."""
+    return {k: _full(v) for k, v in model.state_dict().items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every sharded state tensor gathered whole (a
+    collective): loadable by the same optimizer on the unsharded model, or, sharded again
+    on load, on a sharded one."""
+    saved = optimizer.state_dict()
+    state = {pid: {k: _full(v) for k, v in entry.items()} for pid, entry in saved["state"].items()}
+    return {**saved, "state": state}
 
 
 def _sha256(tensors: Any) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -49,7 +50,8 @@ from largebatch.recipes.build import (
     DTYPES, build_loss, build_model, build_optimizer, build_schedule,
 )
 from largebatch.recipes.distributed import (
-    buffers_sha256, check_device, join, params_sha256, sync_buffers,
+    buffers_sha256, check_device, full_optimizer_state, full_state, join, params_sha256,
+    shard_model, sync_buffers,
 )
 from largebatch.recipes.loop import evaluate, train_epoch
 from largebatch.recipes.outputs import (
@@ -115,7 +117,8 @@ class _EpochTelemetry:
 _OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
 # The settings a checkpoint records and ``--resume`` must match, with their flags.
 _SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--epochs",
-             "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision"}
+             "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision",
+             "fsdp": "--fsdp"}
 
 
 def _show(value: Any) -> str:
@@ -167,10 +170,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if micro > local_batch or local_batch % micro:
         raise _fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
                     f"(batch {batch} / world size {world})")
+    if args.fsdp and world < 2:
+        raise _fail("--fsdp shards the model over processes: run it under torchrun with 2 or "
+                    "more (torchrun --nproc_per_node=2 -m largebatch train --fsdp ...)")
+    if args.fsdp and precision == "fp16":
+        raise _fail("--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
+                    "loss scaler over sharded grads: use --precision bf16")
     device_name = check_device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
     settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
-                "seed": args.seed, "subset": args.subset, "precision": precision}
+                "seed": args.seed, "subset": args.subset, "precision": precision,
+                "fsdp": args.fsdp}
     with contextlib.ExitStack() as held:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
             held.enter_context(lock_folder(out, "train"))
@@ -200,9 +210,16 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
 
     torch.manual_seed(args.seed)
     model = build_model(recipe.model, data.num_classes)
-    model = model.to(device, memory_format=torch.channels_last)
+    fsdp = settings["fsdp"]
+    # FSDP2 shards contiguous params only: channels-last weights are not.
+    model = model.to(device) if fsdp else model.to(device, memory_format=torch.channels_last)
     dtype = DTYPES[precision]
-    if precision != "fp32":
+    if fsdp:  # sharded: fp32 params, FSDP2's policy computes in dtype; evaluated whole
+        if state is not None:
+            model.load_state_dict(state["model"])
+        whole = copy.deepcopy(model)
+        shard_model(model, dtype)
+    elif precision != "fp32":
         to_half(model, dtype)
     try:
         optimizer = build_optimizer(recipe, model, lr, precision)
@@ -221,7 +238,8 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     start_epoch, history = 0, []
     checkpoint = out / "checkpoint.pt"
     if state is not None:
-        model.load_state_dict(state["model"])
+        if not fsdp:
+            model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None:
@@ -231,7 +249,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         if cuda_rng is not None and device.type == "cuda":
             torch.cuda.set_rng_state(cuda_rng, device)
         start_epoch, history = state["epoch"], state["history"]
-    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 and not fsdp else model
     nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
     stop = min(epochs, args.stop_after or epochs)
     if rank == 0:
@@ -257,15 +275,17 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         loss_sum = train_epoch(
             ddp, batches(data.train, sampler, local_batch, args.workers, device, dtype),
             optimizer, scheduler, loss_fn, micro_batch=micro, scaler=scaler,
-            no_sync=ddp.no_sync if world > 1 else None,
+            no_sync=ddp.no_sync if ddp is not model else None,
             before_step=telemetry.before_step, after_step=telemetry.after_step)
         seconds, seen = telemetry.close(), telemetry.seen
         if world > 1:
             dist.all_reduce(loss_sum)
             loss_sum /= world
         sync_buffers(model, world)  # one model: evaluated, checkpointed and summarized
-        acc = evaluate(model, eval_chunks(data.test, rank, world, args.workers), device=device,
-                       dtype=dtype, world=world).accuracy
+        if fsdp:  # gathered whole (every rank), evaluated in fp32 without collectives
+            whole.load_state_dict(full_state(model))
+        acc = evaluate(whole if fsdp else model, eval_chunks(data.test, rank, world, args.workers),
+                       device=device, dtype=torch.float32 if fsdp else dtype, world=world).accuracy
         row = {
             "epoch": epoch + 1, "train_loss": float(loss_sum) / steps_per_epoch,
             "test_accuracy": acc, "lr": optimizer.param_groups[0]["lr"],
@@ -277,11 +297,14 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         if world > 1:
             mine, rng = rng[0], [None] * world
             dist.all_gather_object(rng, mine)
+        # A checkpoint holds the whole model and state, sharded or not (collectives).
+        saved_model = whole.state_dict() if fsdp else model.state_dict()
+        saved_optimizer = full_optimizer_state(optimizer) if fsdp else optimizer.state_dict()
         if rank == 0:
             print(f"epoch {epoch + 1:>3}/{epochs}  train loss {row['train_loss']:.4f}  "
                   f"test acc {acc:.2%}  lr {row['lr']:.4g}  "
                   f"{row['images_per_second']:,.0f} img/s", flush=True)
-            snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            snapshot = {"model": saved_model, "optimizer": saved_optimizer,
                         "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict() if scaler else None,
                         "epoch": epoch + 1, "rng": rng, "history": history,
@@ -296,7 +319,8 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         "batch_size": batch, "imagenet_equivalent_batch": nominal,
         "world_size": world, "precision": precision, "peak_lr": lr,
         "schedule": shape.schedule_text, "published_top1": recipe.published_top1,
-        "params_sha256": params_sha256(model), "buffers_sha256": buffers_sha256(model),
+        "params_sha256": params_sha256(whole if fsdp else model),
+        "buffers_sha256": buffers_sha256(whole if fsdp else model),
         "images_per_second": statistics.mean(h["images_per_second"] for h in history)
         if history else None,
     }
@@ -332,6 +356,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images")
     add("--workers", type=int, default=4, help="data-loader workers for ImageFolder data")
+    add("--fsdp", action="store_true", help="under torchrun: shard params, grads and optimizer "
+        "state with FSDP2 (fully_shard) instead of replicating them with DDP; trust ratios "
+        "use each whole param's norm")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -40,6 +40,16 @@ common case; a leaf whose plain sum of squares overflows (``||w||`` above about
 measured again after dividing it by a power of two taken from its largest magnitude
 (exact), inside a ``lax.cond``.
 
+Sharded params. Under ``jax.jit`` the norms of sharded arrays are global: nothing to
+do. Inside ``jax.shard_map`` a device holds only a block of each leaf; ``axis_name``
+(of ``lars``, ``lamb`` and the three transformations that take norms) names the mesh
+axes over which the params are sharded, and every norm becomes the local sum of squares
+``psum``-ed over them (the scaled pass with one power of two for all blocks, the
+``pmax`` of their largest magnitudes; the ``lax.cond`` reads the ``psum``, so every
+device takes the same branch). It applies to every leaf whose norm is taken: each must
+be sharded over all of those axes, since a replicated leaf would be counted once per
+device.
+
 Complex params. Norms use ``|x|^2 = re^2 + im^2``, so the trust ratios are real and a
 complex leaf steps as the pair of real leaves (re, im) would; LAMB's second moment is
 ``|g|^2``, as in ``optax.scale_by_adam``.

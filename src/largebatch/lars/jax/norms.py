@@ -1,10 +1,30 @@
 """The L2 norms of LARS and LAMB for JAX: one pass in the common case, exact where the
-plain sum of squares overflows or underflows; real for complex leaves."""
+plain sum of squares overflows or underflows; real for complex leaves; with an
+``axis_name``, the norms of whole arrays whose blocks the devices of a ``shard_map`` hold."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+AxisName = str | tuple[str, ...] | None
+_AXIS_RULE = "must be None, a non-empty str or a non-empty tuple of distinct non-empty str"
+
+
+def _check_axis_name(axis_name: Any) -> AxisName:
+    """``axis_name`` checked: None, a non-empty str, or a non-empty tuple of distinct
+    non-empty strs (mesh axis names); a TypeError or ValueError naming it otherwise."""
+    if axis_name is None:
+        return None
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not isinstance(axis_name, (str, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"Invalid axis_name: {axis_name!r} ({_AXIS_RULE})")
+    if not names or not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"Invalid axis_name: {axis_name!r} ({_AXIS_RULE})")
+    return axis_name
 
 
 def _compute_dtype(x: jax.Array) -> jnp.dtype:
@@ -36,28 +56,46 @@ def _powers_of_two(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
     return down, up
 
 
-def _exact_norm(x: jax.Array) -> jax.Array:
+def _psum(x: Any, axis_name: AxisName) -> Any:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _exact_norm(x: jax.Array, axis_name: AxisName = None) -> jax.Array:
     """The norm of ``x`` (real, at least float32) after an exact power-of-two scaling:
     ``x`` is multiplied by ``2**-k``, with ``2**k`` the power of two at or below
     ``max |x|`` (``max(|re|, |im|)`` for complex ``x``), before squaring, so the scaled
-    squares are below 8 and their sum cannot overflow. Two passes over ``x``."""
+    squares are below 8 and their sum cannot overflow. Two passes over ``x``.
+
+    With ``axis_name``, ``x`` is this device's block of an array sharded over those
+    axes: the largest magnitude is the ``pmax`` over the blocks, so every block is
+    scaled by the same power of two, and the scaled squares are ``psum``-ed."""
     x = x.astype(_compute_dtype(x))
     if jnp.iscomplexobj(x):
         magnitude = jnp.maximum(jnp.abs(x.real), jnp.abs(x.imag))
     else:
         magnitude = jnp.abs(x)
-    down, up = _powers_of_two(jnp.max(magnitude, initial=0.0))
-    return jnp.sqrt(jnp.sum(_abs_sq(x * down))) * up
+    largest = jnp.max(magnitude, initial=0.0)
+    if axis_name is not None:
+        largest = jax.lax.pmax(largest, axis_name)
+    down, up = _powers_of_two(largest)
+    return jnp.sqrt(_psum(jnp.sum(_abs_sq(x * down)), axis_name)) * up
+
+
+def _from_squares(squares: jax.Array, x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """The norm of ``x`` from its sum of squares ``squares`` (over all blocks with
+    ``axis_name``), or from :func:`_exact_norm` where that sum may be wrong."""
+    # One pass in the common case. The scaled pass runs only where the plain sum of
+    # squares may be wrong: past the float range (||x|| > ~1.8e19 in float32), or so
+    # small that squares of its elements may have rounded to zero (zero tensors too).
+    # With axis_name, ``squares`` is a psum, the same on every device, so every device
+    # takes the same branch (and the branch's collectives).
+    fast = jnp.isfinite(squares) & (squares >= jnp.finfo(squares.dtype).tiny * 2.0**30)
+    return jax.lax.cond(fast, lambda: jnp.sqrt(squares), lambda: _exact_norm(x, axis_name))
 
 
 def _norm_of(x: jax.Array) -> jax.Array:
     x = x.astype(_compute_dtype(x))
-    squares = jnp.sum(_abs_sq(x))
-    # One pass in the common case. The scaled pass runs only where the plain sum of
-    # squares may be wrong: past the float range (||x|| > ~1.8e19 in float32), or so
-    # small that squares of its elements may have rounded to zero (zero tensors too).
-    fast = jnp.isfinite(squares) & (squares >= jnp.finfo(squares.dtype).tiny * 2.0**30)
-    return jax.lax.cond(fast, lambda: jnp.sqrt(squares), lambda: _exact_norm(x))
+    return _from_squares(jnp.sum(_abs_sq(x)), x, None)
 
 
 _norm_of_jit = jax.jit(_norm_of)
@@ -78,9 +116,27 @@ def _norm(x: jax.Array) -> jax.Array:
     return _norm_of(x) if isinstance(x, jax.core.Tracer) else _norm_of_jit(x)
 
 
-def _global_norm(leaves: list[jax.Array]) -> jax.Array:
-    """The L2 norm of all ``leaves`` together: the norm of their norms, each overflow-safe."""
-    norms = [_norm(x) for x in leaves]
+def _norms(leaves: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
+    """The norm of each of ``leaves``, as :func:`_norm` takes it.
+
+    With ``axis_name`` each leaf is this device's block of an array sharded over those
+    mesh axes (inside ``shard_map``), and its norm is that of the whole array: the local
+    sums of squares of all leaves are ``psum``-ed together (one collective), and a leaf
+    whose global sum overflows or is tiny is measured again by the scaled pass, with a
+    common power of two for all its blocks. The result is the same on every device.
+    """
+    if axis_name is None:
+        return [_norm(x) for x in leaves]
+    leaves = [jnp.asarray(x) for x in leaves]
+    leaves = [x.astype(_compute_dtype(x)) for x in leaves]
+    squares = jax.lax.psum([jnp.sum(_abs_sq(x)) for x in leaves], axis_name)
+    return [_from_squares(s, x, axis_name) for s, x in zip(squares, leaves)]
+
+
+def _global_norm(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
+    """The L2 norm of all ``leaves`` together: the norm of their norms, each overflow-safe
+    (with ``axis_name``: the norms of the whole arrays, see :func:`_norms`)."""
+    norms = _norms(leaves, axis_name)
     dtype = jnp.result_type(*norms)
     return _norm(jnp.stack([n.astype(dtype) for n in norms]))
 

@@ -12,6 +12,7 @@ from typing import Any
 import optax
 
 from largebatch.lars.jax.masks import Mask, _mask_and, _masked
+from largebatch.lars.jax.norms import AxisName, _check_axis_name
 from largebatch.lars.jax.transforms import (
     ScalarOrSchedule,
     _keep_dtypes,
@@ -50,6 +51,7 @@ def lars(
     trust_clip: bool = _LARS["trust_clip"],
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
 
@@ -88,18 +90,33 @@ def lars(
       weight_decay_mask: optax mask; False removes weight decay from a leaf.
       trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
         ``exclusion_mask`` gives the usual choice.
+      axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
+        over which the params are sharded; see "Sharded params" below.
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
 
     Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
 
+    Sharded params. Under ``jax.jit`` params sharded with ``jax.sharding`` need nothing:
+    ``||w||`` and ``||g||`` are norms of whole arrays. Inside ``jax.shard_map`` each
+    device sees only its block of a leaf, and a norm of the block would give a wrong
+    ratio: there pass ``axis_name``, the mesh axes over which the params are sharded,
+    and every norm is formed from the local sums of squares ``psum``-ed over them (its
+    overflow-safe pass too), the same on every device. Every leaf that takes the trust
+    ratio must then be sharded over all of those axes: a leaf replicated over one of
+    them would be counted once per device, its norm ``sqrt(n)`` times too large
+    (leaves excluded by ``trust_ratio_mask`` take no norm and may be replicated).
+    Leave ``axis_name`` None for replicated, data-parallel params.
+
     Raises:
       ValueError: naming the value, for a negative rate or weight decay, momentum
         outside [0, 1), ``trust_coefficient <= 0``, ``eps < 0``, a non-finite number,
-        or ``nesterov=True`` with ``momentum=0``.
+        or ``nesterov=True`` with ``momentum=0``; for an empty ``axis_name`` or one
+        with an empty or repeated name.
       TypeError: naming the value, for a non-number (a bool, a string, None) where a
-        number belongs, or anything but ``True``/``False`` for a flag.
+        number belongs, anything but ``True``/``False`` for a flag, or an
+        ``axis_name`` that is not None, a str or a tuple of strs.
 
     Example::
 
@@ -133,11 +150,12 @@ def lars(
         names={"lr": "learning_rate"},
     )
     nesterov, trust_clip = checked["nesterov"], checked["trust_clip"]
+    axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
     def adapt(wd):
-        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip)
+        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name)
 
     # The structure of the chain depends on the masks only, never on a value.
     if weight_decay_mask is None:
@@ -166,6 +184,7 @@ def lamb(
     max_grad_norm: float | None = _LAMB["max_grad_norm"],
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
 
@@ -204,17 +223,32 @@ def lamb(
       max_grad_norm: > 0 or None; clip the gradients by their global norm first.
       weight_decay_mask: optax mask; False removes weight decay from a leaf.
       trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
+      axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
+        over which the params are sharded; see "Sharded params" below.
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
 
     Every numeric argument may be a JAX array, traced included (``optax.inject_hyperparams``).
 
+    Sharded params. Under ``jax.jit`` params sharded with ``jax.sharding`` need nothing:
+    the norms are norms of whole arrays. Inside ``jax.shard_map`` each device sees only
+    its block of a leaf: there pass ``axis_name``, the mesh axes over which the params
+    are sharded, and ``||w||``, ``||u||`` and the global gradient norm of
+    ``max_grad_norm`` are formed from the local sums of squares ``psum``-ed over them
+    (their overflow-safe pass too), the same on every device. Every leaf that takes the
+    trust ratio, and with ``max_grad_norm`` every leaf, must then be sharded over all of
+    those axes: a leaf replicated over one of them would be counted once per device,
+    its norm ``sqrt(n)`` times too large. Leave ``axis_name`` None for replicated,
+    data-parallel params.
+
     Raises:
       ValueError: naming the value, for a negative rate, eps or weight decay, betas
-        outside [0, 1), ``max_grad_norm <= 0`` or a non-finite number.
+        outside [0, 1), ``max_grad_norm <= 0`` or a non-finite number; for an empty
+        ``axis_name`` or one with an empty or repeated name.
       TypeError: naming the value, for a non-number (a bool, a string) where a number
-        belongs, or anything but ``True``/``False`` for ``bias_correction``.
+        belongs, anything but ``True``/``False`` for ``bias_correction``, or an
+        ``axis_name`` that is not None, a str or a tuple of strs.
 
     Example::
 
@@ -248,15 +282,16 @@ def lamb(
         names={"lr": "learning_rate", "betas": ("b1", "b2")},
     )
     bias_correction = checked["bias_correction"]
+    axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
-    clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm)]
+    clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm, axis_name)]
     moments = (optax.scale_by_adam if bias_correction else scale_by_uncorrected_adam)(b1, b2, eps)
     return _keep_dtypes(
         optax.chain(
             *clip,
             moments,
             optax.add_decayed_weights(weight_decay, _mask_and(trust_ratio_mask, weight_decay_mask)),
-            _masked(scale_by_lamb_trust_ratio(), trust_ratio_mask),
+            _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask),
             optax.scale_by_learning_rate(learning_rate),
         )
     )

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import optax
 
 from largebatch.lars import spec
-from largebatch.lars.jax.norms import _abs_sq, _compute_dtype, _global_norm, _norm, _safe_ratio
+from largebatch.lars.jax.norms import (
+    AxisName,
+    _abs_sq,
+    _check_axis_name,
+    _compute_dtype,
+    _global_norm,
+    _norms,
+    _safe_ratio,
+)
 from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 
 _NO_PARAMS = "this transformation needs the params: call update(updates, state, params)"
@@ -38,6 +46,16 @@ def _rate(learning_rate: ScalarOrSchedule, count: jax.Array):
 def _is_zero(value: Any) -> bool:
     """True for a Python number equal to 0 (a static zero: the term can be left out)."""
     return isinstance(value, (int, float)) and value == 0
+
+
+def _computed_leaves(updates: Any, params: Any) -> tuple[list, list, Any]:
+    """The leaves of ``updates`` and of ``params`` (its structure), both in the dtype
+    norms and ratios are computed in (that of the update leaf), and the treedef."""
+    leaves, treedef = jax.tree.flatten(updates)
+    dtypes = [_compute_dtype(u) for u in leaves]
+    us = [u.astype(d) for u, d in zip(leaves, dtypes)]
+    ws = [w.astype(d) for w, d in zip(treedef.flatten_up_to(params), dtypes)]
+    return us, ws, treedef
 
 
 def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -66,6 +84,7 @@ def scale_by_lars_trust_ratio(
     trust_coefficient: float = _LARS["trust_coefficient"],
     eps: float = _LARS["eps"],
     clip_learning_rate: ScalarOrSchedule | None = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Scale each leaf by the LARS trust ratio, with weight decay folded in.
 
@@ -82,10 +101,20 @@ def scale_by_lars_trust_ratio(
     ratio are real and computed in float32 (float64 for float64 leaves), safe from
     overflow; the update keeps the leaf's dtype. The hyperparameters may be traced;
     concrete ones are checked as ``lars()`` checks them (``largebatch.lars.spec``).
+
+    ``axis_name`` (a mesh axis name or a tuple of them) is for use inside
+    ``jax.shard_map`` where each device holds a block of every leaf, sharded over those
+    axes: ``||w||`` and ``||g||`` are then the norms of the whole leaf, from the local
+    sums of squares ``psum``-ed over ``axis_name`` (the exactly scaled pass, where it
+    runs, takes its power of two from the ``pmax`` of the blocks), the same on every
+    device. Every leaf must be sharded over all of those axes: a replicated one would be
+    counted once per device. Leave it None under plain ``jax.jit`` (sharded arrays
+    already give global norms) and for replicated, data-parallel params.
     """
     for name, value in [("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
                         ("eps", eps)]:
         LARS_SPEC.hyper(name).check(_known(value), name)
+    axis_name = _check_axis_name(axis_name)
     wd, tc = weight_decay, trust_coefficient
 
     def init_fn(params):
@@ -96,24 +125,25 @@ def scale_by_lars_trust_ratio(
         if params is None:
             raise ValueError(_NO_PARAMS)
         lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
+        gs, ws, treedef = _computed_leaves(updates, params)
+        norms = _norms(ws + gs, axis_name)
 
-        def leaf(g, w):
-            dtype = _compute_dtype(g)
-            g32, w32 = g.astype(dtype), w.astype(dtype)
-            w_norm, g_norm = _norm(w32), _norm(g32)
+        def leaf(g, g32, w32, w_norm, g_norm):
             ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
             if lr is not None:
                 ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
             d = g32 if _is_zero(wd) else g32 + wd * w32
             return (ratio * d).astype(g.dtype)
 
-        updates = jax.tree.map(leaf, updates, params)
+        n = len(gs)
+        new = map(leaf, treedef.flatten_up_to(updates), gs, ws, norms[:n], norms[n:])
+        updates = jax.tree.unflatten(treedef, list(new))
         return updates, LarsTrustRatioState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_lamb_trust_ratio() -> optax.GradientTransformation:
+def scale_by_lamb_trust_ratio(axis_name: AxisName = None) -> optax.GradientTransformation:
     """Scale each leaf ``u`` by the LAMB trust ratio ``||w|| / ||u||``.
 
     The ratio is 1 where ``||w|| == 0`` or ``||u|| == 0``; no bounds, no coefficient
@@ -121,24 +151,37 @@ def scale_by_lamb_trust_ratio() -> optax.GradientTransformation:
     float32 or wider and the update in the leaf's dtype). In ``lamb()``, ``u`` is the
     Adam direction with the weight decay already added, ``u = r + wd * w``, so the
     decay enters the denominator ``||u||``.
+
+    ``axis_name`` (a mesh axis name or a tuple of them) is for use inside
+    ``jax.shard_map`` where each device holds a block of every leaf, sharded over those
+    axes: ``||w||`` and ``||u||`` are then the norms of the whole leaf, from the local
+    sums of squares ``psum``-ed over ``axis_name`` (the exactly scaled pass, where it
+    runs, takes its power of two from the ``pmax`` of the blocks), the same on every
+    device. Every leaf must be sharded over all of those axes: a replicated one would be
+    counted once per device. Leave it None under plain ``jax.jit`` (sharded arrays
+    already give global norms) and for replicated, data-parallel params.
     """
+    axis_name = _check_axis_name(axis_name)
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(_NO_PARAMS)
+        us, ws, treedef = _computed_leaves(updates, params)
+        norms = _norms(ws + us, axis_name)
 
-        def leaf(u, w):
-            dtype = _compute_dtype(u)
-            u32 = u.astype(dtype)
-            w_norm, u_norm = _norm(w.astype(dtype)), _norm(u32)
+        def leaf(u, u32, w_norm, u_norm):
             return (_safe_ratio(w_norm, u_norm, w_norm, u_norm) * u32).astype(u.dtype)
 
-        return jax.tree.map(leaf, updates, params), state
+        n = len(us)
+        new = map(leaf, treedef.flatten_up_to(updates), us, norms[:n], norms[n:])
+        return jax.tree.unflatten(treedef, list(new)), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def divide_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def divide_by_global_norm(
+    max_norm: float, axis_name: AxisName = None
+) -> optax.GradientTransformation:
     """Divide all updates by ``max(1, ||all updates|| / max_norm)`` (NVIDIA's LAMB clip).
 
     The same rule as ``optax.clip_by_global_norm`` (which multiplies by
@@ -146,15 +189,24 @@ def divide_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     optimizers write it; the global norm is the norm of the per-leaf norms, each
     computed in float32 or wider and safe from overflow. ``max_norm`` is a number > 0
     (LAMB's ``max_grad_norm``), or traced.
+
+    ``axis_name`` (a mesh axis name or a tuple of them) is for use inside
+    ``jax.shard_map`` where each device holds a block of every leaf, sharded over those
+    axes: each leaf's norm is then that of the whole leaf, from the local sums of squares
+    ``psum``-ed over ``axis_name`` (overflow-safe as without it), so the divisor is the
+    same on every device. Every leaf must be sharded over all of those axes: a
+    replicated one would be counted once per device. Leave it None under plain
+    ``jax.jit`` and for replicated, data-parallel updates.
     """
     _MAX_NORM.check(_known(max_norm), "max_norm")
+    axis_name = _check_axis_name(axis_name)
 
     def update_fn(updates, state, params=None):
         del params
         leaves = jax.tree.leaves(updates)
         if not leaves:
             return updates, state
-        divisor = jnp.maximum(1.0, _global_norm(leaves) / max_norm)
+        divisor = jnp.maximum(1.0, _global_norm(leaves, axis_name) / max_norm)
         updates = jax.tree.map(lambda g: (g / divisor).astype(g.dtype), updates)
         return updates, state
 

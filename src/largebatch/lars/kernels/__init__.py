@@ -35,16 +35,23 @@ Host API
                              take the spec's defaults; an unknown key is a ValueError
                              naming it; the values pass ``spec.check`` when a plan is built.
 
-``fused_lars_step_(groups, *, grad_scale=None, found_inf=None, counter=None)`` and
-``fused_lamb_step_(groups, *, max_grad_norm=None, grad_scale=None, found_inf=None,
-counter=None)`` take one step on every group. ``grad_scale`` (fp32 device tensor)
-divides every grad first; ``max_grad_norm`` (LAMB, a Python float) divides all grads by
+``fused_lars_step_(groups, *, grad_scale=None, found_inf=None, counter=None,
+reduce_norms=None)`` and ``fused_lamb_step_(groups, *, max_grad_norm=None,
+grad_scale=None, found_inf=None, counter=None, reduce_norms=None, reduce_global=None)``
+take one step on every group. ``grad_scale`` (fp32 device tensor) divides every grad
+first; ``max_grad_norm`` (LAMB, a Python float) divides all grads by
 ``max(1, ||all grads|| / max_grad_norm)`` over every group. If ``found_inf`` (fp32
 device tensor, as set by ``torch.amp.GradScaler``) is nonzero, the step changes nothing:
 params, masters, state and steps stay bitwise as they were. That is decided on the
 device; nothing here reads a device value on the host. Without ``found_inf`` an inf/NaN
 gradient is applied, as in every other path and in torch.optim. ``counter`` (fp32
-0-dim, optional) counts the applied steps, like the per-param counts.
+0-dim, optional) counts the applied steps, like the per-param counts. For params
+sharded across processes (FSDP2) the groups hold each rank's local blocks, and
+``reduce_norms(table)`` sums the fp64 per-tensor sums of squares over the shards in place
+after the pass that forms them (pass 1), before any norm is read; LAMB's
+``reduce_global(table)`` does the same for the global grad sum of squares after pass 0
+(sharded params, or an optimizer that holds only part of the model, as under
+``ZeroRedundancyOptimizer``).
 
 Kernels and launches
 --------------------

@@ -6,7 +6,7 @@ launches and the plan cache)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +282,7 @@ def fused_lars_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     counter: torch.Tensor | None = None,
+    reduce_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """One LARS step on every group, in place (package docstring: semantics and launches)."""
     plan = _plan(LARS_SPEC, groups, counter)
@@ -294,6 +295,8 @@ def fused_lars_step_(
             b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=True, G_SQ=True, GLOBAL_SQ=False,
             **has, **b.consts,
         )  # fmt: skip
+    if reduce_norms is not None:
+        reduce_norms(plan.ws[_WS_HEAD:])
     for b in plan.buckets:
         _lars_apply_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
@@ -309,6 +312,8 @@ def fused_lamb_step_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     counter: torch.Tensor | None = None,
+    reduce_norms: Callable[[torch.Tensor], None] | None = None,
+    reduce_global: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """One LAMB step on every group, in place (package docstring: semantics and launches)."""
     plan = _plan(LAMB_SPEC, groups, counter)
@@ -323,11 +328,15 @@ def fused_lamb_step_(
                 b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=False, G_SQ=False,
                 GLOBAL_SQ=True, **has, **b.consts,
             )  # fmt: skip
+        if reduce_global is not None:
+            reduce_global(plan.ws[:_WS_HEAD])
     for b in plan.buckets:
         _lamb_moments_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.ws, plan.hyper, scale, inf,
             float(max_grad_norm) if clip else 1.0, CLIP=clip, **has, **b.consts,
         )  # fmt: skip
+    if reduce_norms is not None:
+        reduce_norms(plan.ws[_WS_HEAD:])
     for b in plan.buckets:
         _lamb_apply_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,

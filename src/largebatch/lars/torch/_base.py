@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from largebatch.lars.spec import OptimizerSpec, as_flag
-from largebatch.lars.torch import _fused, _paths
+from largebatch.lars.torch import _fused, _paths, _sharded
 from largebatch.lars.torch._common import (
     LOW_PRECISION,
     SUPPORTED_DTYPES,
@@ -49,6 +49,7 @@ class LayerwiseOptimizer(Optimizer):
     def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
                  compiled: Any, **hyper: Any) -> None:
         params = param_list(params)
+        _sharded.check_not_flat(tensors_of(params))
         paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
         self._applied = torch.zeros((), dtype=torch.float32)
         super().__init__(params, {**hyper, "master_weights": master_weights, **paths})
@@ -204,7 +205,7 @@ class LayerwiseOptimizer(Optimizer):
             math_dtype = param.dtype
         for key in self.spec.state:
             state[key] = saved[key].to(device=param.device, dtype=math_dtype, copy=True)
-        return state
+        return _sharded.laid_out_as(param, state)
 
     # ------------------------------------------------------------------ the step
 
@@ -257,6 +258,9 @@ class LayerwiseOptimizer(Optimizer):
         fused = {group["fused"] for group in self.param_groups}
         if len(fused) > 1:
             raise ValueError("fused must be the same in every param group")
+        reducer = _sharded.reducer_for(self._params_with_grads())
+        if reducer is not None:  # sharded grads: every rank checked only its own shard
+            found_inf = reducer.found_inf(found_inf)
         if fused.pop():
             # The fused kernels decide the skip on the device, from found_inf.
             gathered = [self._gather(g) for g in self.param_groups]
@@ -269,6 +273,9 @@ class LayerwiseOptimizer(Optimizer):
             self._applied += 1
         return loss
 
+    def _params_with_grads(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+
     def _lists(self, tensors: dict[str, list]) -> tuple[list, ...]:
         """A gathered group as the functional's positional lists."""
         return (tensors["params"], tensors["grads"], *(tensors[k] for k in self.spec.state),
@@ -280,14 +287,23 @@ class LayerwiseOptimizer(Optimizer):
 
     def _fused_step(self, gathered: list[dict[str, list]], **kwargs: Any) -> None:
         buffers = self.__dict__.setdefault("_fused_lr", {})
+        names = ("params", "grads", *self.spec.state, "masters", "steps")
+        reducer = _sharded.reducer_for([p for tensors in gathered for p in tensors["params"]])
         groups = []
         for group, tensors in zip(self.param_groups, gathered):
             if not tensors["params"]:
                 continue
+            lists, _ = _sharded.local(tuple(tensors[k] for k in names))  # sharded: local blocks
+            tensors = dict(zip(names, lists))
             lr = _fused.device_lr(group["lr"], tensors["params"][0].device, buffers, id(group))
             groups.append(_fused.fused_group(self.spec, tensors, lr, group))
         options = {o.name: getattr(self, o.name) for o in self.spec.options}
-        self._applied = _fused.fused_step(self.spec, groups, counter=self._applied, **options, **kwargs)
+        self._applied = _fused.fused_step(self.spec, groups, counter=self._applied, **options,
+                                          **self._fused_reductions(reducer), **kwargs)
+
+    def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:
+        """The kernels' reduction hooks (none unless params are sharded)."""
+        return {} if reducer is None else reducer.fused_kwargs(self.spec)
 
     def _check_grads(self) -> None:
         for group in self.param_groups:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LAMB_SPEC, applied_weight_decay
-from largebatch.lars.torch import _paths
+from largebatch.lars.spec import LAMB_SPEC, applied_weight_decay, as_flag
+from largebatch.lars.torch import _paths, _sharded
 from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import (
     norm,
@@ -118,27 +118,33 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
 
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
-                        grad_scale, compiled=False, **hyper) -> None:  # noqa: ANN001, ANN003
+                        grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     betas, trust_ratio = hyper["betas"], hyper["trust_ratio"]
     lr, eps, wd = hyper["lr"], hyper["eps"], applied_weight_decay(hyper)
     numbers = (lr, *betas, eps, wd)
     body = _paths.compiled_body(_lamb_one) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
-    for p, grad, m, v, master, step in zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps):
+    lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
+    for i, (p, grad, m, v, master, step) in enumerate(lists):
         step.add_(1)
         bcs = bias_corrections(step, betas, hyper["bias_correction"])
         chosen, tensors = _paths.pick_body(_lamb_one, body, (p, grad, m, v, master))
-        if chosen is _lamb_one:
+        if reduce is not None:  # a sharded param: norms summed over its shards
+            sharded_norm = reduce.norm_of(i)
+            _lamb_one(*tensors, grad_scale, *numbers, *bcs, trust_ratio=trust_ratio,
+                      norm=sharded_norm, plain_norm=sharded_norm)
+        elif chosen is _lamb_one:
             chosen(*tensors, grad_scale, *numbers, *bcs, trust_ratio=trust_ratio)
-            continue
-        u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
-                        trust_ratio=trust_ratio, **_paths.COMPILED_NORMS)
-        if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
-            _lamb_after_overflow(p, m, v, master, lr, eps, wd, *bcs)
+        else:
+            u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
+                            trust_ratio=trust_ratio, **_paths.COMPILED_NORMS)
+            if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
+                _lamb_after_overflow(p, m, v, master, lr, eps, wd, *bcs)
 
 
 def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
-                  grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio) -> None:  # noqa: ANN001
+                  grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio,  # noqa: ANN001
+                  reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     b1, b2 = betas
@@ -162,7 +168,8 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
     if wd != 0:
         torch._foreach_add_(us, ws, alpha=wd)
     if trust_ratio:
-        coefs = (lamb_ratio(stacked_norms(ws), stacked_norms(us)) * lr).unbind()
+        norms = stacked_norms if reduce is None else reduce.norms
+        coefs = (lamb_ratio(norms(ws), norms(us)) * lr).unbind()
         torch._foreach_mul_(us, coefs)
     else:
         torch._foreach_mul_(us, lr)
@@ -209,6 +216,12 @@ class LAMB(LayerwiseOptimizer):
         bias_correction: divide the moments by ``1 - b^t``.
         trust_ratio: adapt the group; False gives ratio 1 and no weight decay.
         max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
+        partitioned: this optimizer holds only some of the model's params and the other
+            ranks of the default process group hold the rest, as each rank's optimizer
+            under ``torch.distributed.optim.ZeroRedundancyOptimizer``: the global gradient
+            norm of ``max_grad_norm`` then sums the squares over every rank (a collective
+            in each step, so every rank must step). Not needed for sharded (FSDP2)
+            params, whose norms are always summed over their shards.
         master_weights: as in :class:`LARS`.
         foreach: as in :class:`LARS`.
         fused: as in :class:`LARS`.
@@ -221,7 +234,7 @@ class LAMB(LayerwiseOptimizer):
 
     spec = LAMB_SPEC
     functional = staticmethod(lamb)
-    _extra_state = ("_applied", "max_grad_norm")
+    _extra_state = ("_applied", "max_grad_norm", "partitioned")
 
     def __init__(
         self,
@@ -234,6 +247,7 @@ class LAMB(LayerwiseOptimizer):
         bias_correction: bool = _D["bias_correction"],
         trust_ratio: bool = _D["trust_ratio"],
         max_grad_norm: float | None = _D["max_grad_norm"],
+        partitioned: bool = False,
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -241,6 +255,9 @@ class LAMB(LayerwiseOptimizer):
     ) -> None:
         LAMB_SPEC.check({"max_grad_norm": max_grad_norm})
         self.max_grad_norm = max_grad_norm
+        self.partitioned = as_flag("partitioned", partitioned)
+        if self.partitioned:
+            _sharded.check_default_group("partitioned=True")
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             bias_correction=bias_correction, trust_ratio=trust_ratio,
@@ -249,12 +266,33 @@ class LAMB(LayerwiseOptimizer):
 
     def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
         """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
-        if self.max_grad_norm is None or not grads:
+        if self.max_grad_norm is None or not (grads or self.partitioned):
             return None
-        total = torch.linalg.vector_norm(stacked_norms(grads))
+        (grads,), reducer = _sharded.local((grads,))
+        if self.partitioned:  # the other ranks hold the other params' grads
+            if reducer is not None:
+                raise ValueError("partitioned=True is for whole params (ZeroRedundancyOptimizer); "
+                                 "sharded (DTensor) params need no option")
+            total = _sharded.partitioned_norm(grads, self._device())
+        else:
+            norms = stacked_norms(grads) if reducer is None else reducer.norms(grads)
+            total = torch.linalg.vector_norm(norms)
         if grad_scale is not None:
             total = total / grad_scale.to(total.device)
         return torch.clamp(total / self.max_grad_norm, min=1.0)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("partitioned", False)
+
+    def _device(self) -> torch.device:
+        """Where this optimizer's params live (the first one's device)."""
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+
+    def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:
+        if self.partitioned:
+            return {"reduce_global": _sharded.sum_over((None,))}  # None: the default group
+        return super()._fused_reductions(reducer)
 
     def _grad_scales(self, gathered: list[dict[str, list]], grad_scale: Tensor | None) -> list:
         divisor = self._clip_divisor([g for entry in gathered for g in entry["grads"]], grad_scale)
@@ -280,12 +318,15 @@ class LAMB(LayerwiseOptimizer):
                 if p.grad is None:
                     continue
                 state = self.state.get(p, {})
-                w = state.get("master_param", p)
-                g = unscaled(p.grad, w, divisor)
-                m = state["exp_avg"] * b1 + g * (1 - b1) if state else g * (1 - b1)
-                v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
+                lists = ([state.get("master_param", p)], [p.grad], [state.get("exp_avg")],
+                         [state.get("exp_avg_sq")])
+                (w, grad, m, v), _ = _sharded.local(lists)  # a sharded param's local block
+                w, grad, m, v = w[0], grad[0], m[0], v[0]
+                g = unscaled(grad, w, divisor)
+                m = m * b1 + g * (1 - b1) if state else g * (1 - b1)
+                v = v * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
                 step = state["step"] + 1 if state else torch.tensor(1.0)
                 bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"])
                 u = lamb_direction(w, m, v, hyper["eps"], wd, *bcs)
-                out.append(float(lamb_ratio(norm(w), norm(u))))
+                out.append(float(lamb_ratio(_sharded.whole_norm(p, w), _sharded.whole_norm(p, u))))
         return out

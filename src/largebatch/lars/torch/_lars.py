@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from largebatch.lars.spec import LARS_SPEC, applied_weight_decay
-from largebatch.lars.torch import _paths
+from largebatch.lars.torch import _paths, _sharded
 from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import (
     norm,
@@ -92,15 +92,18 @@ def _lars_one(
 
 
 def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
-                        grad_scale, compiled=False, **hyper) -> None:  # noqa: ANN001, ANN003
+                        grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     flags = {k: hyper[k] for k in ("nesterov", "trust_clip", "trust_ratio")}
     numbers = (hyper["lr"], hyper["momentum"], applied_weight_decay(hyper),
                hyper["trust_coefficient"], hyper["eps"])
     body = _paths.compiled_body(_lars_one) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
-    for p, grad, buf, master, step in zip(params, grads, momentum_buffers, masters, state_steps):
+    lists = zip(params, grads, momentum_buffers, masters, state_steps)
+    for i, (p, grad, buf, master, step) in enumerate(lists):
         chosen, tensors = _paths.pick_body(_lars_one, body, (p, grad, buf, master))
-        if chosen is _lars_one:
+        if reduce is not None:  # a sharded param: norms summed over its shards
+            _lars_one(*tensors, grad_scale, *numbers, **flags, norm=reduce.norm_of(i))
+        elif chosen is _lars_one:
             chosen(*tensors, grad_scale, *numbers, **flags)
         else:
             chosen(*tensors, grad_scale, *compiled_numbers, **flags, **_paths.COMPILED_NORMS)
@@ -109,7 +112,7 @@ def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *
 
 def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
                   grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
-                  nesterov, trust_clip, trust_ratio) -> None:  # noqa: ANN001
+                  nesterov, trust_clip, trust_ratio, reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
@@ -119,7 +122,8 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
         gs = torch._foreach_div(gs, grad_scale)
     ds = torch._foreach_add(gs, ws, alpha=wd) if wd != 0 else gs
     if trust_ratio:
-        ratios = lars_ratio(stacked_norms(ws), stacked_norms(gs), lr=lr, weight_decay=wd,
+        norms = stacked_norms if reduce is None else reduce.norms
+        ratios = lars_ratio(norms(ws), norms(gs), lr=lr, weight_decay=wd,
                             trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip)
         scaled = torch._foreach_mul(ds, (ratios * lr).unbind())
     else:
@@ -241,8 +245,11 @@ class LARS(LayerwiseOptimizer):
                 if p.grad is None:
                     continue
                 w = self.state.get(p, {}).get("master_param", p)
-                g = unscaled(p.grad, w, None if grad_scale is None else torch.as_tensor(grad_scale))
-                ratio = lars_ratio(norm(w), norm(g), lr=hyper["lr"], weight_decay=hyper["weight_decay"],
+                (w, grad), _ = _sharded.local(([w], [p.grad]))  # a sharded param's local block
+                w, grad = w[0], grad[0]
+                g = unscaled(grad, w, None if grad_scale is None else torch.as_tensor(grad_scale))
+                w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
+                ratio = lars_ratio(w_norm, g_norm, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
                                    trust_coefficient=hyper["trust_coefficient"], eps=hyper["eps"],
                                    trust_clip=hyper["trust_clip"])
                 out.append(float(ratio))

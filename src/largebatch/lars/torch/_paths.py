@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from largebatch.lars.spec import OptimizerSpec
+from largebatch.lars.torch import _sharded
 from largebatch.lars.torch._common import check_paths, skipped
 
 # The compiled path pays a one-time compile (seconds, cached on disk by Inductor): by
@@ -51,7 +52,8 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> d
     ``fused=None``: fused when every tensor is on CUDA and triton imports, unless
     ``foreach`` or ``compiled`` is True.
     ``compiled=None``: compiled for CPU tensors of COMPILE_MIN_NUMEL+ elements in all,
-    unless fused. ``foreach=None`` stays None (foreach, where nothing else is chosen).
+    unless fused or sharded (DTensors, which ``compiled=True`` refuses).
+    ``foreach=None`` stays None (foreach, where nothing else is chosen).
     """
     check_paths(foreach, fused, compiled)
     if fused and foreach:
@@ -69,8 +71,15 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> d
                 f"fused=True needs CUDA params ({len(on_cpu)} are on {on_cpu[0].device}); on the "
                 "CPU the Triton kernels run only under TRITON_INTERPRET=1 (set before import)"
             )
+    sharded = _sharded.any_sharded(tensors)
+    if compiled and sharded:
+        raise ValueError(
+            "compiled=True does not apply to sharded (DTensor) params: their norms need an "
+            "all-reduce between the passes; use foreach (the default) or fused"
+        )
     if compiled is None:
-        compiled = (not fused and bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+        compiled = (not fused and not sharded and bool(tensors)
+                    and all(t.device.type == "cpu" for t in tensors)
                     and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL)
     return {"foreach": foreach, "fused": bool(fused), "compiled": bool(compiled)}
 
@@ -90,6 +99,9 @@ def dispatch(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], lists:
     """What a functional does: pick the path for ``lists`` (params first, then grads, the
     spec's state lists, masters, step counts) and run it with ``hyper``."""
     path = pick(**resolve(foreach, fused, compiled, lists[0]))
+    lists, reducer = _sharded.local(lists)
+    if reducer is not None:
+        found_inf = reducer.found_inf(found_inf)
     if path == "fused":
         from largebatch.lars.torch import _fused
 
@@ -97,16 +109,20 @@ def dispatch(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], lists:
         tensors = dict(zip(names, lists))
         groups = [_fused.fused_group(spec, tensors, _fused.device_lr(hyper["lr"], lists[0][0].device), hyper)
                   ] if lists[0] else []
-        _fused.fused_step(spec, groups, counter=None, grad_scale=grad_scale, found_inf=found_inf)
+        reductions = {} if reducer is None else reducer.fused_kwargs(spec)
+        _fused.fused_step(spec, groups, counter=None, grad_scale=grad_scale, found_inf=found_inf,
+                          **reductions)
     elif not skipped(found_inf):
-        bodies[path](*lists, grad_scale=grad_scale, **hyper)
+        bodies[path](*lists, grad_scale=grad_scale, reduce=reducer, **hyper)
 
 
 def compiled_path(single_tensor: Callable[..., None], foreach: Callable[..., None]) -> Callable[..., None]:
     """The compiled path from an optimizer's two bodies: its large contiguous tensors
     through ``single_tensor(..., compiled=True)``, the rest through ``foreach``."""
 
-    def run(*lists: list, **kwargs: Any) -> None:
+    def run(*lists: list, reduce: Any = None, **kwargs: Any) -> None:
+        if reduce is not None:  # resolve() keeps sharded params off this path
+            raise RuntimeError("the compiled path does not take sharded params")
         large, small = split_for_compile(lists)
         single_tensor(*large, compiled=True, **kwargs)
         foreach(*small, **kwargs)

@@ -1,0 +1,256 @@
+"""Run under ``torch.distributed.run`` (gloo, CPU) by ``test_torch_sharded.py``: LARS and
+LAMB on params sharded by FSDP2 and on ZeroRedundancyOptimizer, against the same optimizer
+on one process with the same gradients. Rank 0 writes one JSON line per case to argv[1].
+
+Each case trains a few real steps (forward, backward, FSDP2's reduce-scatter or DDP's
+all-reduce), then gives a plain copy of the model the gathered full gradients and steps
+the reference optimizer on it. ``err`` is the largest ``|a - b| / (atol + rtol * |b|)``
+over every element of every param (and master) at torch's float32 tolerances (bfloat16's
+for bfloat16 params): 1 or less is "equal to float32 tolerance".
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from largebatch.lars.torch import _sharded
+from largebatch.torch import LAMB, LARS, param_groups
+
+STEPS = 4
+TOL = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}  # torch's (rtol, atol)
+PATHS = {"single_tensor": dict(foreach=False), "foreach": dict(foreach=True),
+         "fused": dict(fused=True)}
+
+
+class Net(nn.Module):
+    """Rows that split unevenly over 2 ranks (7 -> 4 + 3, 3 -> 2 + 1, 1 -> 1 + 0: an empty
+    shard), a LayerNorm (excluded group) and a zero-initialised head (ratio-1 rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.fc2 = nn.Linear(7, 3)
+        self.head = nn.Linear(3, 1)
+        nn.init.zeros_(self.head.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc2(torch.tanh(self.norm(self.fc1(x))))))
+
+
+CLASSES = {"lars": LARS, "lamb": LAMB}
+
+
+def make_kwargs(name: str, path: str) -> dict:
+    """Settings where a trust ratio formed from part of a param, or LAMB's clipping from
+    part of the grads, moves the params well past float32 tolerance."""
+    if name == "lars":
+        return dict(lr=2.0, trust_coefficient=0.02, momentum=0.9, **PATHS[path])
+    return dict(lr=0.05, max_grad_norm=0.05, **PATHS[path])
+
+
+def make_optimizer(name: str, groups: list, path: str, **extra):
+    return CLASSES[name](groups, **make_kwargs(name, path), **extra)
+
+
+def batches(rank: int, world: int):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)
+        yield x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    rtol, atol = TOL[b.dtype]
+    a, b = a.detach().double(), b.detach().double()
+    return float(((a - b).abs() / (atol + rtol * b.abs())).max()) if b.numel() else 0.0
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if _sharded.is_sharded(t) else t
+
+
+def compare(model: nn.Module, ref: nn.Module, opt, ref_opt) -> float:
+    worst = 0.0
+    for p, r in zip(model.parameters(), ref.parameters()):
+        worst = max(worst, err(full(p), r))
+        master = opt.state[p].get("master_param")
+        if master is not None:
+            worst = max(worst, err(full(master), ref_opt.state[r]["master_param"]))
+    return worst
+
+
+def train_fsdp2(name: str, path: str, *, dtype=torch.float32, mp_policy=None, master=False,
+                layers: tuple[str, ...] = ("fc1", "fc2", "head"), root: bool = True):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    ref = copy.deepcopy(model)
+    extra = {"master_weights": True} if master else {}
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in layers:
+        fully_shard(getattr(model, layer), **policy)
+    if root:
+        fully_shard(model, **policy)
+    opt = make_optimizer(name, param_groups(model, 1e-2), path, **extra)
+    ref_opt = make_optimizer(name, param_groups(ref, 1e-2), "foreach", **extra)
+    for x, y in batches(rank, world):
+        nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        for p in model.parameters():  # params left plain are replicated: average their grads
+            if not _sharded.is_sharded(p):
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        for p, r in zip(model.parameters(), ref.parameters()):
+            r.grad = full(p.grad).to(r.dtype)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert all(_sharded.is_sharded(p) for p in model.parameters()) == root
+    return compare(model, ref, opt, ref_opt)
+
+
+def train_zero(name: str, path: str, partitioned: bool = True, **zero_kwargs):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    model = nn.parallel.DistributedDataParallel(net)
+    extra = {"partitioned": partitioned} if name == "lamb" else {}
+    opt = ZeroRedundancyOptimizer(param_groups(net, 1e-2), optimizer_class=CLASSES[name],
+                                  **make_kwargs(name, path), **extra, **zero_kwargs)
+    ref_opt = make_optimizer(name, param_groups(ref, 1e-2), "foreach")
+    whole = check_whole_params(opt, net)
+    for x, y in batches(rank, world):
+        nn.functional.mse_loss(model(x), y).backward()
+        for p, r in zip(net.parameters(), ref.parameters()):
+            r.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return max(err(p, r) for p, r in zip(net.parameters(), ref.parameters())), whole
+
+
+def check_whole_params(opt: ZeroRedundancyOptimizer, net: nn.Module) -> bool:
+    """Each rank's local optimizer holds whole params of the model, and every param is held
+    by exactly one rank."""
+    mine = [p for g in opt.optim.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(net.parameters())}
+    params = list(net.parameters())
+    local_ok = all(id(p) in index and p.shape == params[index[id(p)]].shape for p in mine)
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, [index.get(id(p), -1) for p in mine])
+    every = sorted(i for ids in held for i in ids)
+    return bool(local_ok and every == list(range(len(index))))
+
+
+@contextmanager
+def per_shard_norms():
+    """The failure mode: norms of each rank's own block, as an optimizer unaware of the
+    sharding would form them."""
+    saved = _sharded.shard_key
+    _sharded.shard_key = lambda param: ()
+    try:
+        yield
+    finally:
+        _sharded.shard_key = saved
+
+
+def skip_when_one_rank_found_inf(name: str, path: str) -> bool:
+    """GradScaler's flag set on rank 1 only: every rank must skip (and none may hang)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model)
+    opt = make_optimizer(name, param_groups(model, 1e-2), path)
+    x, y = next(batches(rank, world))
+    nn.functional.mse_loss(model(x), y).backward()
+    before = [p.to_local().clone() for p in model.parameters()]
+    opt.grad_scale, opt.found_inf = None, torch.tensor(float(rank == 1))
+    opt.step()
+    del opt.grad_scale, opt.found_inf
+    same = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    return same and opt.num_steps == 0
+
+
+def refusal(make) -> str:
+    """The message of the ValueError ``make()`` raises ("" if none)."""
+    try:
+        make()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def sharded_net() -> nn.Module:
+    model = Net()
+    fully_shard(model)
+    return model
+
+
+def fused_step_on_mixed_layouts() -> None:
+    """fc1 sharded, the rest plain: the fused kernels reduce whole tables, so they refuse."""
+    model = Net()
+    fully_shard(model.fc1)
+    opt = LARS(model.parameters(), lr=1.0, fused=True)
+    x, y = next(batches(dist.get_rank(), dist.get_world_size()))
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def main() -> None:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    cases = []
+
+    def record(case: str, **values) -> None:
+        cases.append({"case": case, **values})
+        if rank == 0:
+            with open(out, "a") as f:
+                f.write(json.dumps(cases[-1]) + "\n")
+
+    for name in ("lars", "lamb"):
+        for path in PATHS:
+            record(f"fsdp2/{name}/{path}", err=train_fsdp2(name, path))
+        with per_shard_norms():
+            record(f"fsdp2-per-shard-norms/{name}/foreach", err=train_fsdp2(name, "foreach"))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        record(f"fsdp2-mp-policy/{name}/foreach",
+               err=train_fsdp2(name, "foreach", mp_policy=policy))
+        for path in ("foreach", "fused"):
+            record(f"fsdp2-bf16-masters/{name}/{path}",
+                   err=train_fsdp2(name, path, dtype=torch.bfloat16, master=True))
+        for path in ("foreach", "fused"):
+            e, whole = train_zero(name, path)
+            record(f"zero/{name}/{path}", err=e, whole=whole)
+        e, whole = train_zero(name, "foreach", parameters_as_bucket_view=True)
+        record(f"zero-bucket-view/{name}/foreach", err=e, whole=whole)
+        if name == "lamb":  # the failure mode: clipping from this rank's grads alone
+            e, whole = train_zero(name, "foreach", partitioned=False)
+            record(f"zero-not-partitioned/{name}/foreach", err=e, whole=whole)
+        for path in ("single_tensor", "fused"):
+            record(f"skip/{name}/{path}", ok=skip_when_one_rank_found_inf(name, path))
+        for path in ("single_tensor", "foreach"):  # fc1 sharded, the rest plain tensors
+            record(f"fsdp2-some-layers/{name}/{path}",
+                   err=train_fsdp2(name, path, layers=("fc1",), root=False))
+    record("refused/compiled",
+           message=refusal(lambda: LARS(sharded_net().parameters(), compiled=True)))
+    record("refused/fused-mixed-layouts", message=refusal(fused_step_on_mixed_layouts))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
