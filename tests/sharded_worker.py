@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import io
 import json
 import os
 import sys
@@ -185,6 +186,65 @@ def skip_when_one_rank_found_inf(name: str, path: str) -> bool:
     return same and opt.num_steps == 0
 
 
+def resumes_exactly(name: str, zero: bool) -> bool:
+    """2 steps, a checkpoint of model and optimizer, 2 more steps: a copy restored from
+    the checkpoint ends with bitwise the params of the run that went on. FSDP2 through
+    torch.distributed.checkpoint (sharded state), ZeRO through its consolidated state dict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps = list(batches(rank, world))
+
+    def make():
+        torch.manual_seed(0)
+        net = Net()
+        if zero:
+            extra = {"partitioned": True} if name == "lamb" else {}
+            opt = ZeroRedundancyOptimizer(param_groups(net, 1e-2), optimizer_class=CLASSES[name],
+                                          **make_kwargs(name, "foreach"), **extra)
+            return net, nn.parallel.DistributedDataParallel(net), opt
+        fully_shard(net)
+        return net, net, make_optimizer(name, param_groups(net, 1e-2), "foreach")
+
+    def train(model, opt, chunk) -> None:
+        for x, y in chunk:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    net, model, opt = make()
+    train(model, opt, steps[:2])
+    net_b, model_b, opt_b = make()
+    if zero:
+        opt.consolidate_state_dict(to=0)
+        saved = [None]
+        if rank == 0:  # written out as a checkpoint is: the live state is not shared
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            saved = [buffer.getvalue()]
+        dist.broadcast_object_list(saved, src=0)
+        net_b.load_state_dict(net.state_dict())
+        opt_b.load_state_dict(torch.load(io.BytesIO(saved[0]), weights_only=False))
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        folder = [os.environ.get("SHARDED_WORKER_TMP", "/tmp") + f"/dcp-{name}"]
+        dist.broadcast_object_list(folder, src=0)
+        model_sd, optim_sd = get_state_dict(net, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder[0])
+        model_sd, optim_sd = get_state_dict(net_b, opt_b)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=folder[0])
+        set_state_dict(net_b, opt_b, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+    train(model, opt, steps[2:])
+    train(model_b, opt_b, steps[2:])
+    local = (lambda t: t.to_local()) if not zero else (lambda t: t)
+    same = all(torch.equal(local(a), local(b)) for a, b in zip(net.parameters(), net_b.parameters()))
+    if zero:  # ZeRO sets the state of its local optimizer itself: only the state is kept
+        return same
+    return same and opt.num_steps == opt_b.num_steps == STEPS
+
+
 def refusal(make) -> str:
     """The message of the ValueError ``make()`` raises ("" if none)."""
     try:
@@ -243,6 +303,8 @@ def main() -> None:
             record(f"zero-not-partitioned/{name}/foreach", err=e, whole=whole)
         for path in ("single_tensor", "fused"):
             record(f"skip/{name}/{path}", ok=skip_when_one_rank_found_inf(name, path))
+        record(f"resume-dcp/{name}", ok=resumes_exactly(name, zero=False))
+        record(f"resume-zero/{name}", ok=resumes_exactly(name, zero=True))
         for path in ("single_tensor", "foreach"):  # fc1 sharded, the rest plain tensors
             record(f"fsdp2-some-layers/{name}/{path}",
                    err=train_fsdp2(name, path, layers=("fc1",), root=False))

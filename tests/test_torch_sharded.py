@@ -41,6 +41,7 @@ FAILURE_MODES = [f"fsdp2-per-shard-norms/{o}/foreach" for o in OPTIMIZERS] + [
     "zero-not-partitioned/lamb/foreach"
 ]
 SKIPS = [f"skip/{o}/{p}" for o in OPTIMIZERS for p in ("single_tensor", "fused")]
+RESUMES = [f"resume-{how}/{o}" for how in ("dcp", "zero") for o in OPTIMIZERS]
 REFUSED = {
     "refused/compiled": "compiled=True does not apply to sharded (DTensor) params",
     "refused/fused-mixed-layouts":
@@ -53,7 +54,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complet
     out = tmp_path_factory.mktemp("sharded") / "cases.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(WORKER), str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "SHARDED_WORKER_TMP": str(out.parent)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     found = {}
     if out.exists():
@@ -77,7 +79,7 @@ def cases(worker) -> dict[str, dict]:
 def test_the_worker_ran_every_case(worker):
     proc, found = worker
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert set(found) == {*EQUAL, *ZERO, *FAILURE_MODES, *SKIPS, *REFUSED}
+    assert set(found) == {*EQUAL, *ZERO, *FAILURE_MODES, *SKIPS, *RESUMES, *REFUSED}
 
 
 @pytest.mark.parametrize("case", EQUAL)
@@ -100,6 +102,13 @@ def test_the_failure_modes_are_caught(cases, case):
 
 @pytest.mark.parametrize("case", SKIPS)
 def test_a_step_found_inf_on_one_rank_is_skipped_on_every_rank(cases, case):
+    assert cases[case]["ok"]
+
+
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_checkpoint_resumes_bit_exactly(cases, case):
+    # FSDP2 through torch.distributed.checkpoint (sharded optimizer state), ZeRO through
+    # its consolidated state dict: the restored run goes on with bitwise the same params.
     assert cases[case]["ok"]
 
 

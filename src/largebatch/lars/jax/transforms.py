@@ -152,14 +152,8 @@ def scale_by_lamb_trust_ratio(axis_name: AxisName = None) -> optax.GradientTrans
     Adam direction with the weight decay already added, ``u = r + wd * w``, so the
     decay enters the denominator ``||u||``.
 
-    ``axis_name`` (a mesh axis name or a tuple of them) is for use inside
-    ``jax.shard_map`` where each device holds a block of every leaf, sharded over those
-    axes: ``||w||`` and ``||u||`` are then the norms of the whole leaf, from the local
-    sums of squares ``psum``-ed over ``axis_name`` (the exactly scaled pass, where it
-    runs, takes its power of two from the ``pmax`` of the blocks), the same on every
-    device. Every leaf must be sharded over all of those axes: a replicated one would be
-    counted once per device. Leave it None under plain ``jax.jit`` (sharded arrays
-    already give global norms) and for replicated, data-parallel params.
+    ``axis_name``: as in :func:`scale_by_lars_trust_ratio`, for ``||w||`` and ``||u||``
+    (inside ``jax.shard_map``, over the axes that shard every leaf).
     """
     axis_name = _check_axis_name(axis_name)
 
