@@ -186,6 +186,38 @@ def skip_when_one_rank_found_inf(name: str, path: str) -> bool:
     return same and opt.num_steps == 0
 
 
+def with_grad_scaler(name: str, path: str) -> dict:
+    """torch.amp.GradScaler on FSDP2: the optimizer unscales; on step 1 rank 1 alone finds
+    an inf in its shard. Every rank skips that step and halves its scale; the other steps
+    equal the one-process run given the unscaled full grads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    fully_shard(model)
+    opt = make_optimizer(name, param_groups(model, 1e-2), path)
+    ref_opt = make_optimizer(name, param_groups(ref, 1e-2), "foreach")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    for i, (x, y) in enumerate(batches(rank, world)):
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if i == 1 and rank == 1:
+            next(iter(model.parameters())).grad.to_local()[0, 0] = float("inf")
+        scale = scaler.get_scale()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            r.grad = full(p.grad) / scale
+        scaler.step(opt)
+        scaler.update()
+        if i != 1:
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        scales.append(scaler.get_scale())
+    every = [None] * world
+    dist.all_gather_object(every, scales)
+    return {"err": compare(model, ref, opt, ref_opt), "scales": every, "steps": opt.num_steps}
+
+
 def resumes_exactly(name: str, zero: bool) -> bool:
     """2 steps, a checkpoint of model and optimizer, 2 more steps: a copy restored from
     the checkpoint ends with bitwise the params of the run that went on. FSDP2 through
@@ -303,6 +335,8 @@ def main() -> None:
             record(f"zero-not-partitioned/{name}/foreach", err=e, whole=whole)
         for path in ("single_tensor", "fused"):
             record(f"skip/{name}/{path}", ok=skip_when_one_rank_found_inf(name, path))
+        for path in ("foreach", "fused"):
+            record(f"grad-scaler/{name}/{path}", **with_grad_scaler(name, path))
         record(f"resume-dcp/{name}", ok=resumes_exactly(name, zero=False))
         record(f"resume-zero/{name}", ok=resumes_exactly(name, zero=True))
         for path in ("single_tensor", "foreach"):  # fc1 sharded, the rest plain tensors

@@ -41,6 +41,7 @@ FAILURE_MODES = [f"fsdp2-per-shard-norms/{o}/foreach" for o in OPTIMIZERS] + [
     "zero-not-partitioned/lamb/foreach"
 ]
 SKIPS = [f"skip/{o}/{p}" for o in OPTIMIZERS for p in ("single_tensor", "fused")]
+SCALERS = [f"grad-scaler/{o}/{p}" for o in OPTIMIZERS for p in ("foreach", "fused")]
 RESUMES = [f"resume-{how}/{o}" for how in ("dcp", "zero") for o in OPTIMIZERS]
 REFUSED = {
     "refused/compiled": "compiled=True does not apply to sharded (DTensor) params",
@@ -79,7 +80,7 @@ def cases(worker) -> dict[str, dict]:
 def test_the_worker_ran_every_case(worker):
     proc, found = worker
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert set(found) == {*EQUAL, *ZERO, *FAILURE_MODES, *SKIPS, *RESUMES, *REFUSED}
+    assert set(found) == {*EQUAL, *ZERO, *FAILURE_MODES, *SKIPS, *SCALERS, *RESUMES, *REFUSED}
 
 
 @pytest.mark.parametrize("case", EQUAL)
@@ -103,6 +104,14 @@ def test_the_failure_modes_are_caught(cases, case):
 @pytest.mark.parametrize("case", SKIPS)
 def test_a_step_found_inf_on_one_rank_is_skipped_on_every_rank(cases, case):
     assert cases[case]["ok"]
+
+
+@pytest.mark.parametrize("case", SCALERS)
+def test_grad_scaler_on_fsdp2_skips_together_and_equals_one_process(cases, case):
+    result = cases[case]
+    assert result["scales"] == [[1024.0, 512.0, 512.0, 512.0]] * 2  # one skip, on both ranks
+    assert result["steps"] == 3
+    assert result["err"] <= 1.0, result
 
 
 @pytest.mark.parametrize("case", RESUMES)
