@@ -218,6 +218,21 @@ def with_grad_scaler(name: str, path: str) -> dict:
     return {"err": compare(model, ref, opt, ref_opt), "scales": every, "steps": opt.num_steps}
 
 
+def partitioned_with_no_grads_on_one_rank(path: str) -> float:
+    """LAMB(partitioned=True) where rank 1 holds a param without a grad: rank 1 still adds
+    its (empty) share to the global norm, so neither rank waits forever, and rank 0's step
+    equals one process's on the grads there are."""
+    gen = torch.Generator().manual_seed(2)
+    w, g = torch.randn(7, 6, generator=gen), torch.randn(7, 6, generator=gen)
+    param, ref = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    if dist.get_rank() == 0:
+        param.grad, ref.grad = g.clone(), g.clone()
+    opt = CLASSES["lamb"]([param], **make_kwargs("lamb", path), partitioned=True)
+    make_optimizer("lamb", [ref], "foreach").step()
+    opt.step()
+    return err(param, ref)
+
+
 def resumes_exactly(name: str, zero: bool) -> bool:
     """2 steps, a checkpoint of model and optimizer, 2 more steps: a copy restored from
     the checkpoint ends with bitwise the params of the run that went on. FSDP2 through
@@ -337,6 +352,10 @@ def main() -> None:
             record(f"skip/{name}/{path}", ok=skip_when_one_rank_found_inf(name, path))
         for path in ("foreach", "fused"):
             record(f"grad-scaler/{name}/{path}", **with_grad_scaler(name, path))
+    for path in ("foreach", "fused"):
+        record(f"zero-rank-without-grads/lamb/{path}",
+               err=partitioned_with_no_grads_on_one_rank(path))
+    for name in ("lars", "lamb"):
         record(f"resume-dcp/{name}", ok=resumes_exactly(name, zero=False))
         record(f"resume-zero/{name}", ok=resumes_exactly(name, zero=True))
         for path in ("single_tensor", "foreach"):  # fc1 sharded, the rest plain tensors

@@ -37,6 +37,8 @@ EQUAL = (
 ZERO = [f"zero/{o}/{p}" for o in OPTIMIZERS for p in ("foreach", "fused")] + [
     f"zero-bucket-view/{o}/foreach" for o in OPTIMIZERS
 ]
+# LAMB(partitioned=True) on a rank that holds no grad: it still joins the global norm.
+NO_GRADS = [f"zero-rank-without-grads/lamb/{p}" for p in ("foreach", "fused")]
 FAILURE_MODES = [f"fsdp2-per-shard-norms/{o}/foreach" for o in OPTIMIZERS] + [
     "zero-not-partitioned/lamb/foreach"
 ]
@@ -80,7 +82,8 @@ def cases(worker) -> dict[str, dict]:
 def test_the_worker_ran_every_case(worker):
     proc, found = worker
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert set(found) == {*EQUAL, *ZERO, *FAILURE_MODES, *SKIPS, *SCALERS, *RESUMES, *REFUSED}
+    expected = {*EQUAL, *ZERO, *NO_GRADS, *FAILURE_MODES, *SKIPS, *SCALERS, *RESUMES, *REFUSED}
+    assert set(found) == expected
 
 
 @pytest.mark.parametrize("case", EQUAL)
@@ -91,6 +94,11 @@ def test_fsdp2_equals_one_process(cases, case):
 @pytest.mark.parametrize("case", ZERO)
 def test_zero_redundancy_equals_one_process_and_keeps_params_whole(cases, case):
     assert cases[case]["whole"], "a rank's optimizer holds a part of a param, or a param twice"
+    assert cases[case]["err"] <= 1.0, cases[case]
+
+
+@pytest.mark.parametrize("case", NO_GRADS)
+def test_a_partitioned_rank_without_grads_still_joins_the_global_norm(cases, case):
     assert cases[case]["err"] <= 1.0, cases[case]
 
 

@@ -264,7 +264,7 @@ class LayerwiseOptimizer(Optimizer):
         if fused.pop():
             # The fused kernels decide the skip on the device, from found_inf.
             gathered = [self._gather(g) for g in self.param_groups]
-            self._fused_step(gathered, grad_scale=grad_scale, found_inf=found_inf)
+            self._fused_step(gathered, reducer, grad_scale=grad_scale, found_inf=found_inf)
         elif not skipped(found_inf):  # decided before any state is created or changed
             gathered = [self._gather(g) for g in self.param_groups]
             for group, tensors, scale in zip(self.param_groups, gathered, self._grad_scales(gathered, grad_scale)):
@@ -272,6 +272,10 @@ class LayerwiseOptimizer(Optimizer):
                                 foreach=group["foreach"], fused=False, compiled=group["compiled"])
             self._applied += 1
         return loss
+
+    def _device(self) -> torch.device:
+        """Where this optimizer's params live (the first one's device)."""
+        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
 
     def _params_with_grads(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -285,10 +289,11 @@ class LayerwiseOptimizer(Optimizer):
         """What divides each group's grads (LAMB adds its clipping divisor)."""
         return [grad_scale] * len(gathered)
 
-    def _fused_step(self, gathered: list[dict[str, list]], **kwargs: Any) -> None:
+    def _fused_step(self, gathered: list[dict[str, list]], reducer: _sharded.Reducer | None,
+                    **kwargs: Any) -> None:
+        """The kernels on every group; ``reducer``: that of the params with grads (sharded)."""
         buffers = self.__dict__.setdefault("_fused_lr", {})
         names = ("params", "grads", *self.spec.state, "masters", "steps")
-        reducer = _sharded.reducer_for([p for tensors in gathered for p in tensors["params"]])
         groups = []
         for group, tensors in zip(self.param_groups, gathered):
             if not tensors["params"]:
@@ -298,8 +303,13 @@ class LayerwiseOptimizer(Optimizer):
             lr = _fused.device_lr(group["lr"], tensors["params"][0].device, buffers, id(group))
             groups.append(_fused.fused_group(self.spec, tensors, lr, group))
         options = {o.name: getattr(self, o.name) for o in self.spec.options}
+        reductions = self._fused_reductions(reducer)
+        clips = options.get("max_grad_norm") is not None
+        if not groups and clips and "reduce_global" in reductions:
+            # No grads here, but the other ranks' global norm waits for this rank's share.
+            reductions["reduce_global"](torch.zeros(1, dtype=torch.float64, device=self._device()))
         self._applied = _fused.fused_step(self.spec, groups, counter=self._applied, **options,
-                                          **self._fused_reductions(reducer), **kwargs)
+                                          **reductions, **kwargs)
 
     def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:
         """The kernels' reduction hooks (none unless params are sharded)."""

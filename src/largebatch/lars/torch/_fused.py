@@ -37,10 +37,6 @@ def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
 
     step = {"LARS": kernels.fused_lars_step_, "LAMB": kernels.fused_lamb_step_}[spec.name]
     groups = [g for g in groups if g.params]
-    if not groups and kwargs.get("max_grad_norm") is not None and "reduce_global" in kwargs:
-        # Nothing here, but the other ranks' global norm waits for this rank's share.
-        kwargs["reduce_global"](torch.zeros(1, dtype=torch.float64, device=found_inf.device
-                                            if found_inf is not None else "cpu"))
     if not groups:  # nothing to update: count the step unless GradScaler skips it
         if counter is not None and (found_inf is None or not bool(found_inf.item())):
             counter += 1

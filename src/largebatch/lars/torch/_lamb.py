@@ -285,10 +285,6 @@ class LAMB(LayerwiseOptimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("partitioned", False)
 
-    def _device(self) -> torch.device:
-        """Where this optimizer's params live (the first one's device)."""
-        return next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
-
     def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:
         if self.partitioned:
             return {"reduce_global": _sharded.sum_over((None,))}  # None: the default group
