@@ -1,0 +1,169 @@
+"""AdaComp in float64 NumPy: the statement every other path is tested against.
+
+AdaComp (Chen, Choi, Brand, Agrawal, Zhang, Gopalakrishnan, "AdaComp: Adaptive Residual
+Gradient Compression for Data-Parallel Distributed Training", AAAI 2018, arXiv 1712.02679,
+Algorithm 1) compresses each layer's gradient on each worker before the exchange:
+
+1. **Residual.** Every worker keeps, per layer, a residual ``r`` of what it has not sent
+   yet. The gradient ``g`` of the step is added to it: ``G = r + g``.
+2. **Self-adjusting selection.** ``H = G + g`` weighs the newest gradient twice. ``G`` is
+   cut into bins of ``L_T`` consecutive elements (the last bin may be shorter); in each
+   bin ``gmax = max |G|``; an element is selected when ``|H| >= gmax`` of its bin. A bin
+   whose residuals are all zero sends nothing (an element with ``G = 0`` is never sent).
+   Since ``gmax`` is local, every bin has a chance to send, and a layer whose gradients
+   grow sends more: the compression rate tunes itself.
+3. **Quantization.** A selected element is sent as its sign times one scale per layer,
+   the mean of ``|G|`` over the layer's selected elements: a ternary vector
+   ``{-scale, 0, +scale}`` that travels as the selected indices with one sign bit each.
+4. **Error feedback.** What is not sent stays: ``r_new = G - sent``. So
+   ``sent + r_new = r + g``, up to the one rounding of that subtraction (for unselected
+   elements it is exact: ``r_new = G`` and nothing is sent).
+
+``L_T`` is 50 for convolution weights and 500 for fully connected (and recurrent) weights,
+the paper's values; the paper reports about 40x compression on convolutional layers and
+about 200x on fully connected ones. Biases and normalization parameters (tensors of rank 0
+or 1) are sent uncompressed: :func:`bin_length` returns ``None`` for them.
+
+Two exchanges are stated here, both averaging over ``n`` workers:
+
+- :func:`allgather_exchange`: every worker receives every worker's compressed vector and
+  sums them in worker order, then divides by ``n``. Each worker's traffic grows with ``n``.
+- :func:`two_phase_exchange`: the layer is cut into ``n`` chunks, each a whole number of
+  bins; worker ``j`` receives everyone's chunk ``j``, averages it, compresses the average
+  again with a residual of its own (error feedback on the receiving side too), and the
+  re-compressed chunks are gathered by everyone. Each worker's traffic stays about
+  ``2 * size / compression`` whatever ``n``.
+
+``select="all"`` and ``values="exact"`` switch the two stages off (every nonzero element
+selected; its value sent as it is): with both, the exchange is the plain average, which is
+how the hooks' plumbing is tested against the default all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["CONV_BIN", "FC_BIN", "SELECTIONS", "VALUES", "Compressed", "allgather_exchange",
+           "bin_length", "chunk_bounds", "compress", "two_phase_exchange"]
+
+CONV_BIN = 50  # L_T for convolution weights (Chen et al. 2018)
+FC_BIN = 500  # L_T for fully connected and recurrent weights
+SELECTIONS = ("adacomp", "all")
+VALUES = ("ternary", "exact")
+
+
+def bin_length(shape: Sequence[int], conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN) -> int | None:
+    """``L_T`` for a parameter of this shape: rank 3 or more (convolutions) ``conv_bin``,
+    rank 2 (fully connected) ``fc_bin``, rank 0 or 1 (biases, normalization) ``None``:
+    sent uncompressed."""
+    rank = len(shape)
+    if rank >= 3:
+        return conv_bin
+    if rank == 2:
+        return fc_bin
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+    """One layer's compression on one worker: ``sent`` is the decoded vector the others
+    receive, ``residual`` the new residual, ``mask`` the selected elements, ``scale`` the
+    ternary scale (0 when nothing is selected)."""
+
+    sent: np.ndarray
+    residual: np.ndarray
+    mask: np.ndarray
+    scale: float
+
+
+def _check(bin_len: int, select: str, values: str) -> None:
+    if not isinstance(bin_len, (int, np.integer)) or isinstance(bin_len, bool) or bin_len < 1:
+        raise ValueError(f"bin length L_T must be a positive int, got {bin_len!r}")
+    if select not in SELECTIONS:
+        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
+    if values not in VALUES:
+        raise ValueError(f"values must be one of {VALUES}, got {values!r}")
+
+
+def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp",
+             values: str = "ternary") -> Compressed:
+    """Algorithm 1 of Chen et al. 2018 on one layer (flattened), in float64."""
+    _check(bin_len, select, values)
+    r = np.asarray(residual, dtype=np.float64).ravel()
+    g = np.asarray(grad, dtype=np.float64).ravel()
+    if r.shape != g.shape:
+        raise ValueError(f"residual has {r.size} elements, gradient {g.size}")
+    big_g = r + g
+    if select == "all":
+        mask = big_g != 0
+    else:
+        h = big_g + g
+        nbins = -(-big_g.size // bin_len)
+        padded = np.zeros(nbins * bin_len)
+        padded[: big_g.size] = np.abs(big_g)
+        gmax = np.repeat(padded.reshape(nbins, bin_len).max(axis=1), bin_len)[: big_g.size]
+        mask = (np.abs(h) >= gmax) & (big_g != 0)
+    if values == "exact":
+        scale = 0.0
+        sent = np.where(mask, big_g, 0.0)
+    else:
+        count = int(mask.sum())
+        scale = math.fsum(np.abs(big_g[mask])) / count if count else 0.0
+        sent = np.where(mask, np.sign(big_g) * scale, 0.0)
+    return Compressed(sent=sent, residual=big_g - sent, mask=mask, scale=scale)
+
+
+def allgather_exchange(residuals: Sequence[np.ndarray], grads: Sequence[np.ndarray],
+                       bin_len: int | None, **kwargs: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The average over the workers of what each sends (summed in worker order, then divided
+    by the number of workers), and each worker's new residual. ``bin_len=None``: the layer
+    is sent uncompressed (the plain average; residuals are returned as they came)."""
+    n = len(grads)
+    if n < 1 or len(residuals) != n:
+        raise ValueError(f"need one residual per worker: {len(residuals)} residuals, {n} grads")
+    if bin_len is None:
+        return _ordered_sum([np.asarray(g, np.float64).ravel() for g in grads]) / n, list(residuals)
+    parts = [compress(r, g, bin_len, **kwargs) for r, g in zip(residuals, grads)]
+    return _ordered_sum([p.sent for p in parts]) / n, [p.residual for p in parts]
+
+
+def chunk_bounds(numel: int, bin_len: int, n: int) -> list[tuple[int, int]]:
+    """The two-phase exchange's chunks: ``n`` ranges of whole bins (the last ones may be
+    short or empty) covering ``numel`` elements; chunk ``j`` belongs to worker ``j``."""
+    nbins = -(-numel // bin_len)
+    size = -(-nbins // n) * bin_len
+    return [(min(j * size, numel), min((j + 1) * size, numel)) for j in range(n)]
+
+
+def two_phase_exchange(residuals: Sequence[np.ndarray], server_residuals: Sequence[np.ndarray],
+                       grads: Sequence[np.ndarray], bin_len: int, **kwargs: str,
+                       ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Phase 1: each worker compresses its layer (as :func:`compress`) and worker ``j``
+    averages everyone's chunk ``j`` (:func:`chunk_bounds`). Phase 2: worker ``j`` compresses
+    that average with its own residual for the chunk (``server_residuals[j]``, the chunk's
+    length) and everyone receives every re-compressed chunk. Returns the result, the new
+    residuals and the new chunk residuals."""
+    n = len(grads)
+    if len(residuals) != n or len(server_residuals) != n:
+        raise ValueError(f"need one residual and one chunk residual per worker for {n} grads")
+    parts = [compress(r, g, bin_len, **kwargs) for r, g in zip(residuals, grads)]
+    numel = parts[0].sent.size
+    out = np.zeros(numel)
+    new_server = []
+    for j, (lo, hi) in enumerate(chunk_bounds(numel, bin_len, n)):
+        mean = _ordered_sum([p.sent[lo:hi] for p in parts]) / n
+        again = compress(server_residuals[j], mean, bin_len, **kwargs)
+        out[lo:hi] = again.sent
+        new_server.append(again.residual)
+    return out, [p.residual for p in parts], new_server
+
+
+def _ordered_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    total = np.array(arrays[0], dtype=np.float64, copy=True)
+    for a in arrays[1:]:
+        total = total + a
+    return total

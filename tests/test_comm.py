@@ -1,0 +1,309 @@
+"""AdaComp: the float64 reference on hand-made bins, the error-feedback identity, the torch
+compressor and the one-process simulation against the reference, and the DDP hook on 2
+and 4 gloo processes (``comm_worker.py``): its contract, the reference, the simulation bit
+for bit, real training, non-finite gradients, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from largebatch.comm import reference as ref
+from largebatch.comm.torch import AdaCompState, SimulatedWorkers, compress
+
+WORKER = Path(__file__).with_name("comm_worker.py")
+FORMS = ("allgather", "two_phase")
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def _torch_compress(r, g, bin_len, **kwargs) -> ref.Compressed:
+    c = compress(torch.tensor(r, dtype=torch.float64), torch.tensor(g, dtype=torch.float64),
+                 bin_len, **kwargs)
+    return ref.Compressed(c.sent.numpy(), c.residual.numpy(), c.mask.numpy(), float(c.scale))
+
+
+# the rules on hand-made bins hold for the reference and the torch compressor alike
+IMPLS = pytest.mark.parametrize("impl", [ref.compress, _torch_compress], ids=["numpy", "torch"])
+
+
+@IMPLS
+def test_hand_made_bins(impl) -> None:
+    """L_T = 4, no residual: G = g and H = 2g; bin 1 sends |H| >= 3, bin 2 is all zero and
+    sends nothing, bin 3 sends its three 4s, the short last bin its one element; the scale
+    is the mean |G| of the selected: (3 + 2 + 4 + 4 + 4 + 2) / 6."""
+    g = np.array([1, -3, 2, 0.5, 0, 0, 0, 0, 4, 4, -4, 1, 2])
+    c = impl(np.zeros(13), g, 4)
+    want_mask = np.array([0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 0, 1], bool)
+    np.testing.assert_array_equal(c.mask, want_mask)
+    assert c.scale == 19 / 6
+    np.testing.assert_array_equal(c.sent, np.where(want_mask, np.sign(g) * 19 / 6, 0))
+    np.testing.assert_array_equal(c.residual, g - c.sent)
+
+
+@IMPLS
+def test_residual_is_sent_later_and_h_weighs_the_new_gradient(impl) -> None:
+    """With no new gradient, H = G: each bin sends exactly its largest residual. With a new
+    gradient, an element whose gradient pushes the same way as its residual is selected
+    although its |G| is below the bin's maximum (the self-adjusting rule)."""
+    r = np.array([0.5, -2.0, 1.0, 0.25, 3.0, -1.0])
+    c = impl(r, np.zeros(6), 3)
+    np.testing.assert_array_equal(c.mask, [False, True, False, False, True, False])
+    g = np.array([0.0, 0.0, 0.6, 0.0, 0.0, 0.0])  # G = 1.6 < 2 = max, H = 2.2 >= 2
+    c = impl(r, g, 3)
+    np.testing.assert_array_equal(c.mask, [False, True, True, False, True, False])
+
+
+def test_error_feedback_identity() -> None:
+    """What is sent plus the new residual is the residual plus the gradient: unselected
+    elements keep G bit for bit and send 0; a selected element's new residual is G - sent
+    correctly rounded (checked in rational arithmetic), the only rounding there is."""
+    rng = np.random.default_rng(0)
+    r = np.zeros(1000)
+    for _ in range(20):
+        g = rng.normal(size=1000) * rng.choice([1e-3, 1.0, 1e3], size=1000)
+        c = ref.compress(r, g, 50)
+        big_g = r + g
+        np.testing.assert_array_equal(c.residual[~c.mask], big_g[~c.mask])
+        assert not c.sent[~c.mask].any()
+        for i in np.flatnonzero(c.mask)[:200]:
+            exact = Fraction(big_g[i]) - Fraction(c.sent[i])
+            assert c.residual[i] == float(exact)  # float(Fraction) rounds correctly
+            assert abs(Fraction(c.residual[i]) - exact) <= abs(Fraction(np.spacing(c.residual[i]))) / 2
+        r = c.residual
+    # the residual stays bounded: it is sent, it does not pile up
+    assert np.abs(r).max() < 20 * 1e3
+
+
+def test_everything_selected_and_exact_is_the_plain_average() -> None:
+    rng = np.random.default_rng(1)
+    grads = [rng.normal(size=(8, 3, 3, 3)) for _ in range(4)]
+    avg, res = ref.allgather_exchange([np.zeros(216)] * 4, grads, 50, select="all",
+                                      values="exact")
+    np.testing.assert_array_equal(avg, (((grads[0] + grads[1]) + grads[2]) + grads[3]).ravel() / 4)
+    assert not any(r.any() for r in res)
+
+
+def test_two_phase_chunks_are_whole_bins() -> None:
+    for numel, bin_len, n in [(1000, 50, 4), (1001, 50, 4), (7, 50, 8), (0, 50, 2), (5000, 500, 3)]:
+        b = ref.chunk_bounds(numel, bin_len, n)
+        assert len(b) == n and b[0][0] == 0 and b[-1][1] == numel
+        assert all((lo % bin_len == 0 or lo == numel) and lo <= hi for lo, hi in b)
+        assert all(b[j][1] == b[j + 1][0] for j in range(n - 1))
+
+
+def test_bin_lengths_by_layer_kind() -> None:
+    assert ref.bin_length((64, 3, 7, 7)) == 50 and ref.bin_length((1000, 2048)) == 500
+    assert ref.bin_length((64,)) is None and ref.bin_length(()) is None
+    assert ref.bin_length((8, 4, 3), conv_bin=10) == 10
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_reference_refuses_bad_bins(bad) -> None:
+    with pytest.raises(ValueError, match=f"L_T must be a positive int, got {bad!r}"):
+        ref.compress(np.zeros(3), np.ones(3), bad)
+
+
+def test_reference_refuses_unknown_modes() -> None:
+    with pytest.raises(ValueError, match="select must be one of .* got 'top'"):
+        ref.compress(np.zeros(3), np.ones(3), 2, select="top")
+    with pytest.raises(ValueError, match="values must be one of .* got 'int8'"):
+        ref.compress(np.zeros(3), np.ones(3), 2, values="int8")
+
+
+# ----------------------------------------------------------------------------- torch, one process
+
+
+@pytest.mark.parametrize("numel,bin_len", [(1000, 50), (1234, 500), (7, 50), (50, 50), (0, 50)])
+def test_torch_compress_equals_reference_float64(numel: int, bin_len: int) -> None:
+    rng = np.random.default_rng(numel)
+    r = np.zeros(numel)
+    for _ in range(5):
+        g = rng.normal(size=numel) * np.where(rng.random(numel) < 0.05, 10, 1)
+        want = ref.compress(r, g, bin_len)
+        got = compress(torch.tensor(r), torch.tensor(g), bin_len)
+        np.testing.assert_array_equal(got.mask.numpy(), want.mask)
+        # the scale is a mean over the selected: torch's summation order against math.fsum's
+        # correctly rounded sum, a few ulps of the scale, in sent and residual alike
+        ulps = 4 * np.spacing(want.scale)
+        assert abs(float(got.scale) - want.scale) <= ulps
+        np.testing.assert_allclose(got.sent.numpy(), want.sent, rtol=0, atol=ulps)
+        np.testing.assert_allclose(got.residual.numpy(), want.residual, rtol=0, atol=ulps)
+        r = want.residual
+
+
+def _grads(n: int, steps: int, shapes, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [[[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(n)]
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_simulation_equals_reference(form: str, n: int) -> None:
+    """float64 simulation (messages encoded and decoded) against the reference exchange."""
+    shapes = [(5, 3, 3, 3), (5,), (10, 120), (4, 4, 1, 1)]
+    names = [f"p{i}" for i in range(len(shapes))]
+    sim = SimulatedWorkers(names, shapes, n, form=form, dtype=torch.float64)
+    res = {k: [np.zeros(int(np.prod(s)))] * n for k, s in zip(names, shapes)}
+    server = {k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)),
+                                                                     ref.bin_length(s) or 1, n)]
+              for k, s in zip(names, shapes)}
+    for step in _grads(n, 4, shapes):
+        got = sim.exchange(step)
+        for i, (k, s) in enumerate(zip(names, shapes)):
+            grads = [w[i].numpy().ravel() for w in step]
+            b = ref.bin_length(s)
+            if b is None:
+                want = ref.allgather_exchange(res[k], [g / n for g in grads], None)[0] * n
+            elif form == "allgather":
+                want, res[k] = ref.allgather_exchange(res[k], grads, b)
+            else:
+                want, res[k], server[k] = ref.two_phase_exchange(res[k], server[k], grads, b)
+            np.testing.assert_array_equal(got[i].numpy().ravel() != 0, want != 0)
+            np.testing.assert_allclose(got[i].numpy().ravel(), want, rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("numel", [127, 128, 40_000])
+def test_message_widths_round_trip(numel: int) -> None:
+    """Indices are packed into as few bytes as twice the layer size needs (a sign bit): at
+    127 one byte, at 128 two, at 40,000 three; every index survives, the last included."""
+    n = 2
+    sim = SimulatedWorkers(["w"], [(numel, 1, 1)], n, conv_bin=1, select="all", values="exact",
+                           dtype=torch.float64)
+    grads = [[torch.arange(1, numel + 1, dtype=torch.float64).view(numel, 1, 1) * (w + 1)]
+             for w in range(n)]
+    out = sim.exchange(grads)[0]
+    torch.testing.assert_close(out, grads[0][0] * 1.5, rtol=0, atol=0)
+    assert sim.layout.width == {127: 1, 128: 2, 40_000: 3}[numel]
+    ternary = SimulatedWorkers(["w"], [(numel, 1, 1)], 1, conv_bin=numel)
+    g = torch.zeros(numel, 1, 1)
+    g[-1] = -2.0
+    torch.testing.assert_close(ternary.exchange([[g]])[0], g, rtol=0, atol=0)
+
+
+def test_simulation_warmup_and_nonfinite_are_plain_averages() -> None:
+    sim = SimulatedWorkers(["w"], [(4, 50)], 2, warmup_steps=1)
+    a, b = torch.randn(4, 50), torch.randn(4, 50)
+    torch.testing.assert_close(sim.exchange([[a], [b]])[0], a / 2 + b / 2, rtol=0, atol=0)
+    assert sim.workers[0].residuals == {}
+    sim.exchange([[a], [b]])
+    before = {k: v.clone() for k, v in sim.workers[0].residuals.items()}
+    bad = b.clone()
+    bad[0, 0] = float("nan")
+    out = sim.exchange([[a], [bad]])[0]
+    assert torch.isnan(out[0, 0])
+    assert all(torch.equal(before[k], sim.workers[0].residuals[k]) for k in before)
+
+
+def test_simulation_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="workers must be an int >= 1, got 0"):
+        SimulatedWorkers(["w"], [(2, 2)], 0)
+    with pytest.raises(ValueError, match="form must be one of .* got 'ring'"):
+        SimulatedWorkers(["w"], [(2, 2)], 2, form="ring")
+    with pytest.raises(ValueError, match="need gradients from 2 workers, got 1"):
+        SimulatedWorkers(["w"], [(2, 2)], 2).exchange([[torch.zeros(2, 2)]])
+
+
+def test_state_needs_a_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(ValueError, match="needs an initialized process group"):
+        AdaCompState(torch.nn.Linear(2, 2), form="allgather")
+
+
+# ----------------------------------------------------------------------------- the hook, N processes
+
+
+def _run_worker(tmp_path_factory, nproc: int, *extra: str):
+    out = tmp_path_factory.mktemp(f"comm{nproc}") / "cases.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(WORKER), str(out), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    found = {}
+    if out.exists():
+        found = {c["case"]: c for c in map(json.loads, out.read_text().splitlines())}
+
+    class Cases(dict):
+        def __missing__(self, case: str) -> dict:
+            pytest.fail(f"the worker did not reach {case}: {proc.stderr[-3000:]}")
+
+    return Cases(found)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _run_worker(tmp_path_factory, 2, "full")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _run_worker(tmp_path_factory, 4)
+
+
+@pytest.fixture(params=[2, 4])
+def world(request, two, four):
+    return request.param, {2: two, 4: four}[request.param]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hook_with_everything_selected_equals_default_allreduce(world, form: str) -> None:
+    """select="all", values="exact": the hook returns DDP's default all-reduce bit for bit
+    (gradients are multiples of 2**-10, exact in any summation order), in every param's
+    shape, over several small buckets."""
+    n, cases = world
+    c = cases[f"everything/{form}/{n}"]
+    assert c["same"] and c["shapes_kept"] and c["compressed_steps"] == 3
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hook_equals_reference(world, form: str) -> None:
+    """float64 DDP with the hook against the NumPy reference for 4 compressed steps after a
+    warm-up step: the same selection, values and residuals to 1e-15 (the scale's sum is
+    taken in a different order)."""
+    n, cases = world
+    c = cases[f"reference/{form}/{n}"]
+    assert c["masks_equal"] and c["compressed_steps"] == 4
+    assert c["worst"] < 1e-15 and c["residual_err"] < 1e-14
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_hook_equals_simulation_bit_for_bit(world, form: str) -> None:
+    n, cases = world
+    c = cases[f"simulation/{form}/{n}"]
+    assert c["same"]
+    assert 0 < c["sent_bytes"] < c["dense_bytes"] / 3
+    assert c["rates"]["dense"] == 1.0 and c["rates"]["conv"] > 5 and c["rates"]["fc"] > 5
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_training_with_hook_equals_simulation(two, form: str) -> None:
+    """A CNN with batch norm, SGD with momentum, 2 warm-up steps then 4 compressed: the
+    2-process run and the one-process simulation end with the same params, buffers and
+    residuals, bit for bit."""
+    c = two[f"training/{form}/2"]
+    assert c["same"] and c["moved"] and c["residuals_same"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str) -> None:
+    c = two[f"nonfinite/{form}/2"]
+    assert c["inf_seen"] and c["others_finite"] and c["kept"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_resume_is_bit_exact_and_refuses_other_settings(two, form: str) -> None:
+    c = two[f"resume/{form}/2"]
+    assert c["same"]
+    assert "saved with different settings" in c["refused"] and "form: saved" in c["refused"]
