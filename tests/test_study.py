@@ -210,6 +210,9 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     (["--seeds", "0"], "Invalid seeds: 0"),
     (["--target", "90"], "Invalid target: 90"),
     (["--batches", "384", "--optimizers", "sgd,sgd", "--extend", "-1"], "Invalid extend: -1"),
+    (["--batches", "384", "--workers", "5"], "Invalid workers: 5 does not divide the batch 384"),
+    (["--workers", "0"], "Invalid workers: 0"),
+    (["--compression", "adacomp"], "Invalid compression: adacomp needs --workers 2 or more"),
 ])
 def test_bad_flags_fail_before_any_run(tmp_path, args, message):
     proc = subprocess.run(
@@ -417,3 +420,20 @@ def test_a_worker_exits_when_its_parent_is_killed():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_simulated_workers_runs_record_their_compression():
+    """``--workers 4 --compression adacomp``: the run splits each batch over 4 simulated
+    workers and records the compression per kind of layer; ``none`` is the plain average
+    of the same workers (no record), and trains the same model to a different point."""
+    common = dict(phase="final", batch=384, optimizer="lars", lr=8.0, warmup_epochs=0.0, seed=0,
+                  epochs=2, subset=2400, label_smoothing=0.1, power=2.0, workers=4)
+    ada = study.run_one(study.RunSpec(**common, compression="adacomp"))
+    plain = study.run_one(study.RunSpec(**common, compression="none"))
+    assert "compression" not in plain and plain["accuracy"] > 0.5
+    rates = ada["compression"]["rates"]
+    assert rates["dense"] == 1.0 and rates["conv"] > 2 and rates["fc"] > 2
+    assert ada["compression"]["warmup_steps"] == ada["steps_per_epoch"]
+    assert ada["compression"]["stats"]["compressed_steps"] == ada["steps_per_epoch"]
+    assert ada["curve"][0]["accuracy"] == plain["curve"][0]["accuracy"]  # epoch 1: warm-up
+    assert ada["curve"][1]["accuracy"] != plain["curve"][1]["accuracy"]

@@ -698,7 +698,7 @@ def simulate_step(model: torch.nn.Module, sim: SimulatedWorkers,
             p.grad = None
         loss = loss_fn(model(x), y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append([p.grad for p in params])
         if w == 0:
             after_first = [b.clone() for b in model.buffers()]

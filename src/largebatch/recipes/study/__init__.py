@@ -50,7 +50,8 @@ from largebatch.recipes.outputs import CommandError, require
 
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
-    BASELINE, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES, LARGE_BATCHES,
+    BASELINE, COMPRESSIONS, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
+    LARGE_BATCHES,
     QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
     _lr, _recipe, pair_plan, plan,
 )
@@ -110,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", default="cpu", choices=("cpu", "cuda"))
     add("--data", default=None, metavar="DIR", help="folder with the four Fashion-MNIST files")
     add("--subset", type=int, default=None, metavar="N", help="first N train and test images")
+    add("--workers", type=int, default=1, metavar="N",
+        help="simulate N data-parallel workers in one process: each batch split N ways, "
+             "each part with its own batch-norm statistics (default 1: no split)")
+    add("--compression", default="none", choices=COMPRESSIONS,
+        help="how the simulated workers exchange gradients: the plain average, or AdaComp "
+             "after one epoch uncompressed (default %(default)s)")
 
 
 def config(args: argparse.Namespace) -> StudyConfig:
@@ -124,7 +131,7 @@ def config(args: argparse.Namespace) -> StudyConfig:
         seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
         extend=args.extend, target=args.target, report_only=args.report_only,
         subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,
-        device=args.device,
+        device=args.device, workers=args.workers, compression=args.compression,
         out=args.out or ("runs/study-quick" if args.quick else "runs/study"),
     )
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from largebatch.recipes.registry import Recipe, get_recipe
 
-__all__ = ["BASELINE", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES", "GRID_CENTRES",
+__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES", "GRID_CENTRES",
            "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
            "RunSpec", "StudyConfig", "pair_plan", "plan"]
 
@@ -34,7 +34,8 @@ DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 # ``--quick`` (``make demo``): the baseline, LARS and LAMB at the 32K-equivalent batch with
 # the 30-epoch study's settings, one seed each: three runs, within 10 minutes on 2 cores.
 QUICK_PAIRS = ((BASELINE[0], BASELINE[1]), (1536, "lars"), (1536, "lamb"))
-VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
+VAL_SIZE = 10_000
+COMPRESSIONS = ("none", "adacomp")  # held out from the 60,000 training images for tuning
 
 # Where each pair's lr grid starts (the grid is this times 1/2, 1, 2, and grows past an edge).
 # Fixed here, apart from the recipes, so that the recipes can carry the study's results
@@ -77,6 +78,11 @@ class StudyConfig:
     jobs: int | None = None
     threads: int | None = None
     device: str = "cpu"
+    # Data parallelism simulated in one process: each batch split over ``workers`` (each
+    # with its own normalization statistics, as under DDP) and their gradients exchanged
+    # plainly ("none") or with AdaComp (:class:`largebatch.comm.torch.SimulatedWorkers`).
+    workers: int = 1
+    compression: str = "none"
 
     def pairs(self) -> list[tuple[int, str]]:
         """``(batch, optimizer)`` in the order of the table: the baseline, then by batch."""
@@ -120,6 +126,16 @@ def _check(cfg: StudyConfig) -> None:
         raise ValueError(f"Invalid target: {cfg.target} (an accuracy in (0, 1])")
     if cfg.device not in ("cpu", "cuda"):
         raise ValueError(f"Invalid device: {cfg.device!r} (cpu or cuda)")
+    if not (isinstance(cfg.workers, int) and cfg.workers >= 1):
+        raise ValueError(f"Invalid workers: {cfg.workers!r} (must be an integer >= 1)")
+    for b in cfg.batches:
+        if b % cfg.workers:
+            raise ValueError(f"Invalid workers: {cfg.workers} does not divide the batch {b}")
+    if cfg.compression not in COMPRESSIONS:
+        raise ValueError(f"Invalid compression: {cfg.compression!r} "
+                         f"(one of {', '.join(COMPRESSIONS)})")
+    if cfg.compression != "none" and cfg.workers < 2:
+        raise ValueError(f"Invalid compression: {cfg.compression} needs --workers 2 or more")
 
 
 def _recipe(batch: int, optimizer: str) -> Recipe:
@@ -146,6 +162,8 @@ class RunSpec:
     subset: int | None = None
     label_smoothing: float = 0.0
     power: float = 2.0
+    workers: int = 1
+    compression: str = "none"
 
     @property
     def key(self) -> str:
@@ -154,7 +172,8 @@ class RunSpec:
     def describe(self) -> str:
         return (f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
                 f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
-                f"power={self.power:g} seed={self.seed}")
+                f"power={self.power:g} seed={self.seed}"
+                + (f" workers={self.workers} {self.compression}" if self.workers > 1 else ""))
 
 
 def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -193,12 +212,13 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     if cfg.quick:
         return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
                                   recipe.warmup_epochs, 0, epochs, cfg.subset,
-                                  recipe.label_smoothing, recipe.power))
+                                  recipe.label_smoothing, recipe.power, cfg.workers,
+                                  cfg.compression))
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
         grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), w, 0, epochs,
-                        cfg.subset, cfg.label_smoothing, cfg.power)
+                        cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers, cfg.compression)
                 for k in exponents for w in cfg.warmups(batch)]
         if any(s.key not in results for s in grid):
             return grid, []

@@ -111,12 +111,16 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     order = torch.Generator().manual_seed(spec.seed)
     loss_fn = build_loss(recipe)
 
+    sim = _simulated_workers(spec, model, steps_per_epoch)
     curve, diverged, start = [], False, time.perf_counter()
     for epoch in range(1, spec.epochs + 1):
         perm = torch.randperm(len(y_train), generator=order).to(device)
         batches = ((x_train[idx], y_train[idx])
                    for idx in perm[: steps_per_epoch * spec.batch].split(spec.batch))
-        loss_sum = train_epoch(model, batches, optimizer, scheduler, loss_fn)
+        if sim is None:
+            loss_sum = train_epoch(model, batches, optimizer, scheduler, loss_fn)
+        else:
+            loss_sum = _train_epoch_workers(model, batches, optimizer, scheduler, loss_fn, sim)
         train_loss = float(loss_sum) / steps_per_epoch
         diverged = not math.isfinite(train_loss)
         accuracy = evaluate(model, tensor_chunks(x_eval, y_eval, _EVAL_CHUNK),
@@ -125,9 +129,50 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
                       "accuracy": accuracy})
         if diverged:
             break
-    return {"spec": dataclasses.asdict(spec), "accuracy": curve[-1]["accuracy"],
-            "diverged": diverged, "steps_per_epoch": steps_per_epoch, "curve": curve,
-            "seconds": time.perf_counter() - start}
+    row = {"spec": dataclasses.asdict(spec), "accuracy": curve[-1]["accuracy"],
+           "diverged": diverged, "steps_per_epoch": steps_per_epoch, "curve": curve,
+           "seconds": time.perf_counter() - start}
+    if sim is not None and spec.compression != "none":
+        row["compression"] = {"rates": sim.compression_rates(), "stats": sim.stats,
+                              "warmup_steps": sim.warmup_steps}
+    return row
+
+
+# AdaComp's uncompressed warm-up in the study: the first epoch.
+ADACOMP_WARMUP_EPOCHS = 1
+
+
+def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
+    """The exchange of ``spec.workers`` simulated workers (None for one): plain averages
+    for ``compression="none"``, AdaComp after a warm-up of one epoch for ``"adacomp"``."""
+    if spec.workers == 1:
+        return None
+    from largebatch.comm.torch import SimulatedWorkers
+
+    params = list(model.named_parameters())
+    steps = spec.epochs * steps_per_epoch
+    warmup = steps if spec.compression == "none" else ADACOMP_WARMUP_EPOCHS * steps_per_epoch
+    return SimulatedWorkers([n for n, _ in params], [p.shape for _, p in params], spec.workers,
+                            warmup_steps=warmup)
+
+
+def _train_epoch_workers(model: Any, batches: Any, optimizer: Any, scheduler: Any, loss_fn: Any,
+                         sim: Any) -> Any:
+    """:func:`largebatch.recipes.loop.train_epoch` for simulated workers: each batch split
+    over ``sim.n`` workers, their gradients exchanged by ``sim``
+    (:func:`largebatch.comm.torch.simulate_step`), then the optimizer and schedule step."""
+    import torch
+
+    from largebatch.comm.torch import simulate_step
+
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        parts = list(zip(x.chunk(sim.n), y.chunk(sim.n)))
+        loss_sum += sum(simulate_step(model, sim, parts, loss_fn)) / sim.n
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return loss_sum
 
 
 # --------------------------------------------------------------------------- the sweep
