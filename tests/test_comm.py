@@ -307,3 +307,19 @@ def test_resume_is_bit_exact_and_refuses_other_settings(two, form: str) -> None:
     c = two[f"resume/{form}/2"]
     assert c["same"]
     assert "saved with different settings" in c["refused"] and "form: saved" in c["refused"]
+
+
+def test_auto_form_is_the_cheaper_exchange_by_the_formulas() -> None:
+    """n = 4, 5 us, 10 GB/s: all-gather 3(a + P/B) against two-phase 6(a + P/(4B)): equal
+    at P = 2aB = 100,000 bytes (all-gather wins ties: one collective). Two workers: always
+    all-gather (the same bytes, fewer messages)."""
+    from largebatch.comm.torch import _choose_form
+
+    def model(bytes_: int) -> torch.nn.Module:
+        return torch.nn.Linear(bytes_ // 4, 1, bias=False)  # float32: 4 bytes a param
+
+    net = (5e-6, 10e9)
+    assert _choose_form(4, model(4_000_000), 40.0, net) == "allgather"  # P = 100,000
+    assert _choose_form(4, model(4_000_160), 40.0, net) == "two_phase"  # P = 100,004
+    assert _choose_form(2, model(400_000_000), 40.0, net) == "allgather"
+    assert _choose_form(64, model(4_000_000), 40.0, net) == "two_phase"

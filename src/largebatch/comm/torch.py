@@ -31,8 +31,8 @@ the layers; the tensor fusion is DDP's own buckets, ``bucket_cap_mb``):
   all-to-all sends each rank its chunk of everyone's message, the owner averages it and
   compresses the average again with a residual of its own, and an all-gather of the
   re-compressed chunks finishes the exchange: each rank's traffic stays about twice its
-  compressed message whatever the world size. ``form="auto"`` asks
-  :func:`largebatch.comm.scaling.choose_form` once, at construction.
+  compressed message whatever the world size. ``form="auto"`` picks the cheaper of the
+  two for the model's size and the world size, once, at construction.
 - **Non-finite gradients** (an fp16 overflow that a ``GradScaler`` will skip): if any rank
   has one in the bucket, every rank all-reduces the bucket uncompressed so the scaler sees
   the inf, and no residual changes.
@@ -351,8 +351,8 @@ class AdaCompState:
             for this world size and model, made once here).
         select, values: ``"adacomp"``/``"ternary"``; ``"all"``/``"exact"`` switch the
             selection and the quantization off (the hook then equals the plain average).
-        network: for ``form="auto"``, a :class:`largebatch.comm.scaling.Network`
-            (default: the scaling model's default).
+        network: for ``form="auto"``, ``(latency in s, bandwidth in bytes/s)`` of the
+            links (default :data:`DEFAULT_NETWORK`, 5 us and 10 GB/s).
         compression: for ``form="auto"``, the compression rate to plan for (default 40,
             the paper's rate on convolutional layers).
         scaler: the ``torch.amp.GradScaler`` of the run, if any: DDP hands the hook scaled
@@ -455,11 +455,19 @@ def _copy_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in stats.items()}
 
 
-def _choose_form(world: int, module: torch.nn.Module, compression: float, network: Any) -> str:
-    from largebatch.comm import scaling
+DEFAULT_NETWORK = (5e-6, 10e9)  # latency (s) and bandwidth (bytes/s) that "auto" plans for
 
-    size = sum(p.numel() * 4 for p in module.parameters())
-    return scaling.choose_form(world, size, compression, network)
+
+def _choose_form(world: int, module: torch.nn.Module, compression: float, network: Any) -> str:
+    """The cheaper exchange for a message of ``P`` = model bytes / ``compression``, with
+    latency ``a`` and bandwidth ``B``: all-gather ``(n-1)(a + P/B)`` against two-phase
+    ``2(n-1)(a + P/(nB))`` (an all-to-all, then an all-gather, of ``P/n`` each)."""
+    alpha, bandwidth = DEFAULT_NETWORK if network is None else network
+    payload = sum(p.numel() * 4 for p in module.parameters()) / compression
+    n = world
+    allgather = (n - 1) * (alpha + payload / bandwidth)
+    two_phase = 2 * (n - 1) * (alpha + payload / (n * bandwidth))
+    return "allgather" if allgather <= two_phase else "two_phase"
 
 
 def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:
