@@ -10,6 +10,12 @@ schedules; the transformations they are built from are public too, to be chained
 differently. See ``docs/jax.md``.
 """
 
+from largebatch.comm.jax import (
+    AdaCompState,
+    adacomp,
+    adacomp_init_state,
+    adacomp_state_specs,
+)
 from largebatch.lars.jax import (
     LarsTrustRatioState,
     divide_by_global_norm,
@@ -64,4 +70,9 @@ __all__ = [
     "SkipIfNonfiniteState",
     "Policy",
     "get_policy",
+    # gradient compression (largebatch.comm.jax)
+    "adacomp",
+    "AdaCompState",
+    "adacomp_init_state",
+    "adacomp_state_specs",
 ]

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from largebatch.comm.reference import CONV_BIN, FC_BIN, SELECTIONS, VALUES, bin_length, chunk_bounds
+from largebatch.comm.scaling import DEFAULT_LINK, choose_form
 
 __all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_hook", "compress",
            "simulate_step"]
@@ -455,19 +456,15 @@ def _copy_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in stats.items()}
 
 
-DEFAULT_NETWORK = (5e-6, 10e9)  # latency (s) and bandwidth (bytes/s) that "auto" plans for
+DEFAULT_NETWORK = tuple(DEFAULT_LINK)  # latency (s) and bandwidth (bytes/s) "auto" plans for
 
 
 def _choose_form(world: int, module: torch.nn.Module, compression: float, network: Any) -> str:
-    """The cheaper exchange for a message of ``P`` = model bytes / ``compression``, with
-    latency ``a`` and bandwidth ``B``: all-gather ``(n-1)(a + P/B)`` against two-phase
-    ``2(n-1)(a + P/(nB))`` (an all-to-all, then an all-gather, of ``P/n`` each)."""
-    alpha, bandwidth = DEFAULT_NETWORK if network is None else network
-    payload = sum(p.numel() * 4 for p in module.parameters()) / compression
-    n = world
-    allgather = (n - 1) * (alpha + payload / bandwidth)
-    two_phase = 2 * (n - 1) * (alpha + payload / (n * bandwidth))
-    return "allgather" if allgather <= two_phase else "two_phase"
+    """:func:`largebatch.comm.scaling.choose_form` for this model's fp32 gradient bytes on one
+    link ``network`` (``(latency, bandwidth)``; default :data:`DEFAULT_NETWORK`)."""
+    latency, bandwidth = DEFAULT_NETWORK if network is None else network
+    size = sum(p.numel() * 4 for p in module.parameters())
+    return choose_form(world, size, compression, latency, bandwidth)
 
 
 def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:

@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "largebatch.recipes.study",
         "the batch-size sweep on Fashion-MNIST, every optimizer tuned alike (--quick: make demo)",
     ),
+    "scaling": ("largebatch.recipes.scaling",
+                "step time and scaling efficiency of dense and compressed all-reduce, modelled"),
 }
 
 

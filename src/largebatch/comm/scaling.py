@@ -1,0 +1,625 @@
+"""A latency-bandwidth (alpha-beta) model of data-parallel gradient exchange: step time and
+scaling efficiency of a dense all-reduce and of AdaComp's two compressed exchanges.
+
+Symbols, used in every docstring here:
+
+- ``S``: bytes of one step's fp32 gradients (4 bytes a parameter);
+- ``n``: workers (GPUs), ``g``: GPUs per node, ``m = n / g``: nodes;
+- ``a``, ``B``: a link's latency (seconds a message) and bandwidth (bytes a second);
+  ``a_i, B_i`` inside a node, ``a_e, B_e`` between nodes (``B_e``: one node's injection
+  bandwidth, shared by everything that leaves the node);
+- ``k``: buckets (DDP's tensor fusion): every bucket pays the latency terms, the bytes are
+  paid once;
+- ``c``: compression rate, dense bytes / compressed bytes (AdaComp: about 40 on
+  convolutions, Chen et al. 2018, arXiv 1712.02679).
+
+The exchanges, each a function of plain numbers (:func:`ring`, :func:`hierarchical`,
+:func:`allgather`, :func:`two_phase`):
+
+====================  ================================================================
+``ring``              ``2(n-1) k a + 2(n-1)/n S/B``
+``hierarchical``      ``2(g-1) k a_i + 2(g-1)/g S/B_i + 2(m-1) k a_e + 2(m-1)/m S/B_e``
+``allgather``         ``(n-1) k a + (n-1) S/(c B)``
+``two_phase``         ``2(n-1) k a + (n-1)/n (s+1) S/(c B)``, ``s`` workers per link
+====================  ================================================================
+
+Consequences worth knowing (tested):
+
+- The all-gather form receives ``n - 1`` compressed messages, the ring about two dense
+  copies: with negligible latency it beats the ring exactly while ``n < 2c`` (80 workers
+  at ``c = 40``), and its cost grows linearly with ``n`` (:func:`allgather_crossover`).
+- The two-phase form costs the ring's latency plus the ring's bytes divided by ``c``
+  (``s = 1``): it never stops paying off with ``n``, but it sends twice as many messages
+  as the all-gather form, so that one wins at small ``n`` or small payloads
+  (:func:`choose_form`, which the DDP hook's ``form="auto"`` can call).
+- The hierarchical all-reduce moves about as many bytes between nodes as the flat ring
+  (``2(m-1)/m S`` against ``2(n-1)/n S``: the ``g`` concurrent inter-node rings share the
+  node's link) and adds its phases inside the node, but pays ``2(g-1) + 2(m-1)``
+  latencies a bucket instead of ``2(n-1)``: it wins where latency dominates (many nodes,
+  many buckets, small buckets).
+
+:func:`predict` turns a :class:`Workload` (gradient bytes, compute time per step per
+worker: weak scaling, a fixed batch per worker) and a :class:`Network` into step time and
+scaling efficiency for every form; :func:`fit_ring` fits ``a`` and ``B`` of the ring
+formula to measured all-reduce times (``benchmarks/comm_calibrate.py``); :data:`PUBLISHED`
+holds published scaling points with the hardware assumed for each, so the model can be set
+against them.
+
+What the model leaves out: compute of compression and decompression (and the two-phase
+form's second compression), contention beyond the shared node link, stragglers, the
+pipelining of buckets with each other. Pure Python and NumPy; no framework is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_LINK", "DDP_BUCKET_BYTES", "FORMS", "MODELS", "PUBLISHED", "Estimate", "Link",
+    "Network", "Prediction", "PublishedPoint", "Workload", "allgather", "allgather_crossover",
+    "choose_form", "compressed_best", "ddp_buckets", "fit_ring", "hierarchical", "predict",
+    "predict_many", "published_table", "ring", "two_phase",
+]
+
+FORMS = ("ring", "hierarchical", "allgather", "two_phase")
+COMPRESSED = ("allgather", "two_phase")
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb=25
+
+# Parameter counts of the presets (fp32 gradients: 4 bytes each).
+MODELS: dict[str, tuple[float, str]] = {
+    "resnet50": (25.6e6, "ResNet-50 (He et al. 2016); torchvision's has 25,557,032"),
+    "bert-large": (340e6, "BERT-Large (Devlin et al. 2019, arXiv 1810.04805): 340M"),
+    "alexnet": (61.1e6, "AlexNet; torchvision's has 61,100,840"),
+}
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _number(name: str, value: Any, *, low: float = 0.0, strict: bool = True) -> float:
+    """``value`` as a float; a ``ValueError`` naming ``name`` and the value unless it is a
+    finite real number above ``low`` (``strict``) or at least ``low``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        value_f = float(value)
+        ok = math.isfinite(value_f) and (value_f > low if strict else value_f >= low)
+    if not ok:
+        bound = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number {bound})")
+    return value_f
+
+
+def _integer(name: str, value: Any, low: int = 1) -> int:
+    """``value`` as an int; a ``ValueError`` naming ``name`` unless it is an integer >= ``low``
+    (bools refused; NumPy integers accepted)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low:
+        return int(value)
+    raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+
+
+def _common(size_bytes: Any, workers: Any, latency: Any, bandwidth: Any,
+            buckets: Any) -> tuple[float, int, float, float, int]:
+    return (_number("size_bytes", size_bytes), _integer("workers", workers),
+            _number("latency", latency, strict=False), _number("bandwidth", bandwidth),
+            _integer("buckets", buckets))
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+class Link(NamedTuple):
+    """One kind of link: ``latency`` (seconds a message, ``a``) and ``bandwidth`` (bytes a
+    second, ``B``). A plain ``(latency, bandwidth)`` tuple works wherever a link is asked."""
+
+    latency: float
+    bandwidth: float
+
+
+DEFAULT_LINK = Link(5e-6, 10e9)  # what the DDP hook's form="auto" plans for by default
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """A cluster of nodes of ``gpus_per_node`` GPUs: one link inside a node, one between.
+
+    Attributes:
+        intra_latency: ``a_i``, seconds a message between GPUs of one node.
+        intra_bandwidth: ``B_i``, bytes a second between GPUs of one node (per GPU).
+        inter_latency: ``a_e``, seconds a message between nodes.
+        inter_bandwidth: ``B_e``, bytes a second in and out of one node (its network
+            adapters together): the GPUs of a node share it.
+        gpus_per_node: ``g``. A job of ``n <= g`` workers stays inside one node.
+    """
+
+    intra_latency: float
+    intra_bandwidth: float
+    inter_latency: float
+    inter_bandwidth: float
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("intra_latency", "inter_latency"):
+            _number(name, getattr(self, name), strict=False)
+        for name in ("intra_bandwidth", "inter_bandwidth"):
+            _number(name, getattr(self, name))
+        _integer("gpus_per_node", self.gpus_per_node)
+
+    @classmethod
+    def flat(cls, latency: float, bandwidth: float) -> Network:
+        """One link everywhere, one GPU a node: every form sees the same ``a`` and ``B``."""
+        return cls(latency, bandwidth, latency, bandwidth, 1)
+
+    @property
+    def intra(self) -> Link:
+        """The link inside a node."""
+        return Link(self.intra_latency, self.intra_bandwidth)
+
+    @property
+    def inter(self) -> Link:
+        """The link between nodes."""
+        return Link(self.inter_latency, self.inter_bandwidth)
+
+    def link(self, workers: int) -> Link:
+        """The link a flat collective over ``workers`` GPUs is bound by: inside the node
+        while ``workers <= gpus_per_node``, between nodes beyond."""
+        return self.intra if _integer("workers", workers) <= self.gpus_per_node else self.inter
+
+    def sharing(self, workers: int) -> int:
+        """Workers whose all-to-all traffic shares one link: ``g`` once the job spans nodes
+        (they all leave through the node's adapter), 1 inside a node."""
+        return self.gpus_per_node if _integer("workers", workers) > self.gpus_per_node else 1
+
+
+def ddp_buckets(size_bytes: float, bucket_bytes: float = DDP_BUCKET_BYTES) -> int:
+    """Buckets DDP cuts ``size_bytes`` of gradients into: ``ceil(S / bucket_bytes)`` (its
+    default ``bucket_cap_mb=25``; DDP's first bucket is smaller, ignored here)."""
+    return max(1, math.ceil(_number("size_bytes", size_bytes)
+                            / _number("bucket_bytes", bucket_bytes)))
+
+
+# ----------------------------------------------------------------------------- the exchanges
+
+
+def ring(size_bytes: float, workers: int, latency: float, bandwidth: float, *,
+         buckets: int = 1) -> float:
+    """Seconds of a flat ring all-reduce: ``2(n-1) k a + 2(n-1)/n S/B``.
+
+    A reduce-scatter then an all-gather, each ``n - 1`` steps of ``S/(k n)`` bytes a bucket.
+    On a two-level network, a ring whose ranks are numbered node by node crosses each
+    node's adapter once in each direction: pass the inter-node link when ``n > g``
+    (:meth:`Network.link`).
+
+    Args:
+        size_bytes: ``S``.
+        workers: ``n`` (1: no exchange, 0 seconds).
+        latency: ``a`` in seconds.
+        bandwidth: ``B`` in bytes a second.
+        buckets: ``k``, each paying the latency terms.
+    """
+    s, n, a, b, k = _common(size_bytes, workers, latency, bandwidth, buckets)
+    return 2 * (n - 1) * k * a + 2 * (n - 1) / n * s / b
+
+
+def hierarchical(size_bytes: float, workers: int, network: Network, *,
+                 buckets: int = 1) -> float:
+    """Seconds of a hierarchical (2-D) all-reduce over ``m = n/g`` nodes of ``g`` GPUs.
+
+    1. reduce-scatter inside each node: ``(g-1) k a_i + (g-1)/g S/B_i``;
+    2. ``g`` concurrent ring all-reduces between nodes, one per shard of ``S/g``, which
+       share each node's link (``B_e / g`` each): ``2(m-1) k a_e + 2(m-1)/m S/B_e``;
+    3. all-gather inside each node: ``(g-1) k a_i + (g-1)/g S/B_i``.
+
+    This is the reduce-scatter form, as Horovod's hierarchical all-reduce arranges it; Jia
+    et al. 2018 (arXiv 1807.11205) use a hierarchical all-reduce too, whose phases inside
+    the node may instead be a reduce to and a broadcast from one GPU (then ``S``, not
+    ``S/g``, crosses between nodes per ring; not modelled). Its bytes between nodes are
+    about the flat ring's (``2(m-1)/m S`` against ``2(n-1)/n S``); its gain is latency: ``2(g-1) + 2(m-1)`` messages a bucket instead
+    of ``2(n-1)``. With ``n <= g`` it is the ring inside the node.
+
+    Args:
+        size_bytes: ``S``.
+        workers: ``n``.
+        network: the two links and ``g``.
+        buckets: ``k``.
+
+    Raises:
+        ValueError: ``n > g`` and ``n`` is not a multiple of ``g``.
+    """
+    if not isinstance(network, Network):
+        raise ValueError(f"Invalid network: {network!r} (must be a Network)")
+    s, n, _, _, k = _common(size_bytes, workers, 0.0, 1.0, buckets)
+    g = network.gpus_per_node
+    if n <= g:
+        return ring(s, n, *network.intra, buckets=k)
+    if n % g:
+        raise ValueError(f"Invalid workers: {n} (the hierarchical all-reduce needs a multiple "
+                         f"of gpus_per_node={g} beyond one node)")
+    m = n // g
+    a_i, b_i = network.intra
+    a_e, b_e = network.inter
+    return (2 * (g - 1) * k * a_i + 2 * (g - 1) / g * s / b_i
+            + 2 * (m - 1) * k * a_e + 2 * (m - 1) / m * s / b_e)
+
+
+def allgather(size_bytes: float, workers: int, compression: float, latency: float,
+              bandwidth: float, *, buckets: int = 1) -> float:
+    """Seconds of the compressed all-gather exchange: ``(n-1) k a + (n-1) S/(c B)``.
+
+    Every worker ring-all-gathers every other worker's compressed message of ``S/c``
+    bytes: ``n - 1`` steps a bucket, ``n - 1`` messages received in all. Its cost grows
+    linearly with ``n``.
+
+    Args:
+        size_bytes: ``S``, the dense fp32 bytes.
+        workers: ``n``.
+        compression: ``c >= 1``: a message is ``S/c`` bytes.
+        latency: ``a``; bandwidth: ``B`` (as :func:`ring`).
+        buckets: ``k``.
+    """
+    s, n, a, b, k = _common(size_bytes, workers, latency, bandwidth, buckets)
+    c = _number("compression", compression, low=1.0, strict=False)
+    return (n - 1) * k * a + (n - 1) * s / (c * b)
+
+
+def two_phase(size_bytes: float, workers: int, compression: float, latency: float,
+              bandwidth: float, *, buckets: int = 1, sharing: int = 1) -> float:
+    """Seconds of the compressed two-phase exchange:
+    ``2(n-1) k a + (n-1)/n (s+1) S/(c B)``.
+
+    1. all-to-all: each worker sends shard ``j`` (``S/(c n)`` bytes) of its compressed
+       message to worker ``j``: ``(n-1) k a + (n-1)/n s S/(c B)``, where ``s`` workers
+       share one link (``sharing``: ``g`` when the job spans nodes, since an all-to-all's
+       messages all leave through the node's adapter);
+    2. each owner sums its shard and compresses it again; a ring all-gather of the
+       re-compressed shards: ``(n-1) k a + (n-1)/n S/(c B)``.
+
+    Assumption: the re-compressed shard is ``S/(c n)`` bytes too, i.e. the sum of ``n``
+    compressed shards compresses as well as one (AdaComp's per-bin selection keeps roughly
+    the same count per bin). The second compression's compute is not counted.
+    With ``s = 1`` and ``a = 0`` this is exactly ``ring / c``.
+    """
+    s_, n, a, b, k = _common(size_bytes, workers, latency, bandwidth, buckets)
+    c = _number("compression", compression, low=1.0, strict=False)
+    share = _integer("sharing", sharing)
+    return 2 * (n - 1) * k * a + (n - 1) / n * (share + 1) * s_ / (c * b)
+
+
+def choose_form(workers: int, size_bytes: float, compression: float = 40.0,
+                latency: float = DEFAULT_LINK.latency,
+                bandwidth: float = DEFAULT_LINK.bandwidth, *, buckets: int = 1,
+                sharing: int = 1) -> str:
+    """``"allgather"`` or ``"two_phase"``: the compressed exchange the model predicts
+    faster for ``n`` workers, ``S`` dense bytes, rate ``c`` and one link ``(a, B)``.
+
+    All-gather ``(n-1)(k a + S/(c B))`` against two-phase ``(n-1)(2 k a + (s+1) S/(c n B))``;
+    a tie goes to the all-gather (one collective instead of two). Two workers always get
+    the all-gather (the same bytes, half the messages, with ``s = 1``). The switch is at
+    :func:`allgather_crossover` with ``against="two_phase"``.
+
+    >>> choose_form(4, 4_000_000, 40.0, 5e-6, 10e9)   # P = S/c = 100 kB: the tie
+    'allgather'
+    >>> choose_form(64, 4_000_000, 40.0, 5e-6, 10e9)
+    'two_phase'
+    """
+    ag = allgather(size_bytes, workers, compression, latency, bandwidth, buckets=buckets)
+    tp = two_phase(size_bytes, workers, compression, latency, bandwidth, buckets=buckets,
+                   sharing=sharing)
+    return "allgather" if ag <= tp else "two_phase"
+
+
+def allgather_crossover(compression: float, *, against: str = "ring", size_bytes: float = 1.0,
+                        latency: float = 0.0, bandwidth: float = 1.0, buckets: int = 1,
+                        sharing: int = 1) -> float:
+    """The worker count ``n*`` at which the all-gather form costs as much as ``against``:
+    it is faster for ``n < n*`` and slower for ``n > n*`` (``inf``: never slower).
+
+    - ``against="ring"``: ``(n-1)(k a + S/(cB)) = 2(n-1)(k a + S/(nB))`` gives
+      ``n* = 2c / (1 - c k a B / S)``; with negligible latency ``n* = 2c``.
+    - ``against="two_phase"``: ``(n-1)(k a + S/(cB)) = (n-1)(2 k a + (s+1) S/(c n B))``
+      gives ``n* = (s+1) / (1 - c k a B / S)``; with negligible latency ``n* = s + 1``.
+
+    ``inf`` when ``c k a >= S/B``: a compressed message takes no longer to send than the
+    latency the all-gather saves.
+    """
+    c = _number("compression", compression, low=1.0, strict=False)
+    s, _, a, b, k = _common(size_bytes, 1, latency, bandwidth, buckets)
+    share = _integer("sharing", sharing)
+    if against not in ("ring", "two_phase"):
+        raise ValueError(f"Invalid against: {against!r} (must be 'ring' or 'two_phase')")
+    margin = 1.0 - c * k * a * b / s
+    if margin <= 0:
+        return math.inf
+    return (2 * c if against == "ring" else share + 1) / margin
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One training step of one worker (weak scaling: the batch per worker is fixed).
+
+    Attributes:
+        size_bytes: ``S``, bytes of the fp32 gradients exchanged each step.
+        compute_time: seconds of forward and backward a step on one worker.
+        buckets: ``k`` (:func:`ddp_buckets` gives DDP's count).
+        compression: ``c`` for the compressed forms.
+        overlap: fraction of the exchange hidden behind the backward pass (0: none; the
+            hidden part is at most ``compute_time``).
+    """
+
+    size_bytes: float
+    compute_time: float
+    buckets: int = 1
+    compression: float = 40.0
+    overlap: float = 0.0
+
+    def __post_init__(self) -> None:
+        _number("size_bytes", self.size_bytes)
+        _number("compute_time", self.compute_time)
+        _integer("buckets", self.buckets)
+        _number("compression", self.compression, low=1.0, strict=False)
+        overlap = _number("overlap", self.overlap, strict=False)
+        if overlap > 1:
+            raise ValueError(f"Invalid overlap: {self.overlap!r} (must be between 0 and 1)")
+
+    @classmethod
+    def from_params(cls, params: float, compute_time: float, **kwargs: Any) -> Workload:
+        """The workload of a model of ``params`` parameters (fp32 gradients: ``4 * params``
+        bytes); ``kwargs`` as the class's."""
+        return cls(4 * _number("params", params), compute_time, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One form at one worker count: ``comm_time`` (the whole exchange), ``step_time``
+    (compute plus the exposed exchange) and ``efficiency = compute_time / step_time``
+    (against one worker that exchanges nothing). Seconds."""
+
+    comm_time: float
+    step_time: float
+    efficiency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Every form at ``workers``: ``forms[name]`` is an :class:`Estimate` for each of
+    :data:`FORMS`; ``choice`` is the compressed form :func:`compressed_best` picks."""
+
+    workers: int
+    compute_time: float
+    forms: dict[str, Estimate]
+    choice: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for JSON)."""
+        return {"workers": self.workers, "compute_time": self.compute_time,
+                "choice": self.choice,
+                "forms": {k: dataclasses.asdict(v) for k, v in self.forms.items()}}
+
+
+def _comm_times(workload: Workload, network: Network, workers: int) -> dict[str, float]:
+    n = _integer("workers", workers)
+    s, k, c = workload.size_bytes, workload.buckets, workload.compression
+    a, b = network.link(n)
+    return {
+        "ring": ring(s, n, a, b, buckets=k),
+        "hierarchical": hierarchical(s, n, network, buckets=k),
+        "allgather": allgather(s, n, c, a, b, buckets=k),
+        "two_phase": two_phase(s, n, c, a, b, buckets=k, sharing=network.sharing(n)),
+    }
+
+
+def compressed_best(workload: Workload, network: Network, workers: int) -> str:
+    """The compressed form faster on ``network`` at ``workers``: :func:`choose_form` with
+    the link of :meth:`Network.link` and the sharing of :meth:`Network.sharing`. On a
+    :meth:`Network.flat` network it is ``choose_form`` with that network's link."""
+    n = _integer("workers", workers)
+    a, b = network.link(n)
+    return choose_form(n, workload.size_bytes, workload.compression, a, b,
+                       buckets=workload.buckets, sharing=network.sharing(n))
+
+
+def predict(workload: Workload, network: Network, workers: int) -> Prediction:
+    """Step time and scaling efficiency of every form at ``workers``.
+
+    ``step = compute + comm - min(overlap * comm, compute)``; ``efficiency = compute /
+    step``: 1 at one worker, and the fraction of the ideal weak-scaling speedup ``n``
+    reached at ``n`` (throughput ``n * efficiency`` workers' worth).
+    """
+    if not isinstance(workload, Workload):
+        raise ValueError(f"Invalid workload: {workload!r} (must be a Workload)")
+    if not isinstance(network, Network):
+        raise ValueError(f"Invalid network: {network!r} (must be a Network)")
+    t = workload.compute_time
+    forms = {}
+    for name, comm in _comm_times(workload, network, workers).items():
+        step = t + comm - min(workload.overlap * comm, t)
+        forms[name] = Estimate(comm, step, t / step)
+    return Prediction(int(workers), t, forms, compressed_best(workload, network, workers))
+
+
+def predict_many(workload: Workload, network: Network,
+                 workers: Iterable[int]) -> list[Prediction]:
+    """:func:`predict` at each of ``workers``, in order."""
+    return [predict(workload, network, n) for n in workers]
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def fit_ring(samples: Iterable[Sequence[float]]) -> Link:
+    """``(latency, bandwidth)`` of the ring formula fitted to measured all-reduce times.
+
+    ``samples``: ``(workers, size_bytes, seconds)`` triples, ``workers >= 2``. The model
+    ``t = a * 2(n-1) + (1/B) * 2(n-1)/n S`` is linear in ``a`` and ``1/B``; it is fitted by
+    least squares on relative residuals (each row divided by its ``t``), so 4 kB and 16 MB
+    timings weigh alike. A negative ``a`` (noise on a link whose latency is below the
+    timer's reach) is refitted as ``a = 0``.
+
+    Raises:
+        ValueError: fewer than two samples, a sample out of range, sizes that do not
+            vary, or data with no bandwidth term (``1/B <= 0``).
+    """
+    rows = [tuple(x) for x in samples]
+    if len(rows) < 2:
+        raise ValueError(f"Invalid samples: {len(rows)} given (fit_ring needs at least 2)")
+    lat, vol, t = [], [], []
+    for row in rows:
+        if len(row) != 3:
+            raise ValueError(f"Invalid sample: {row!r} (must be (workers, size_bytes, seconds))")
+        n = _integer("workers", row[0], low=2)
+        s = _number("size_bytes", row[1])
+        lat.append(2 * (n - 1))
+        vol.append(2 * (n - 1) / n * s)
+        t.append(_number("seconds", row[2]))
+    x = np.column_stack([lat, vol]) / np.asarray(t)[:, None]
+    ones = np.ones(len(t))
+    if np.linalg.matrix_rank(x) < 2:
+        raise ValueError("Invalid samples: latency and volume terms are proportional "
+                         "(vary the sizes)")
+    (a, inv_b), *_ = np.linalg.lstsq(x, ones, rcond=None)
+    if a < 0:
+        a = 0.0
+        inv_b = float(x[:, 1] @ ones / (x[:, 1] @ x[:, 1]))
+    if inv_b <= 0:
+        raise ValueError(f"Invalid samples: the fitted 1/bandwidth is {inv_b!r} (the times "
+                         "do not grow with size)")
+    return Link(float(a), float(1.0 / inv_b))
+
+
+# ----------------------------------------------------------------------------- published points
+
+_GBIT = 1e9 / 8  # bytes a second in one Gbit/s
+_IMAGENET = 1_281_167
+_RESNET50 = 4 * MODELS["resnet50"][0]
+
+
+def _step_time(minutes: float, epochs: int, batch: int) -> float:
+    """Wall-clock seconds a step, from a run's total time: ``60 m / (epochs * N / batch)``."""
+    return 60 * minutes / (epochs * _IMAGENET / batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedPoint:
+    """A published scaling result and the hardware the model assumes for it.
+
+    Attributes:
+        name: short key.
+        paper: authors, year, arXiv id.
+        reported: what the paper (or its authors' announcement) reports, in words.
+        gpus: ``n`` of the result.
+        efficiency: the reported scaling efficiency, ``None`` where none is reported.
+        baseline: the GPU count ``efficiency`` is relative to (``None``: not stated, or 1).
+        network: the assumed :class:`Network`.
+        workload: the assumed :class:`Workload` (ResNet-50 gradients, compute time).
+        assumptions: where each assumed number comes from.
+    """
+
+    name: str
+    paper: str
+    reported: str
+    gpus: int
+    efficiency: float | None
+    baseline: int | None
+    network: Network
+    workload: Workload
+    assumptions: str
+
+    def prediction(self) -> Prediction:
+        """The model at :attr:`gpus`."""
+        return predict(self.workload, self.network, self.gpus)
+
+    def model_efficiency(self, form: str) -> float:
+        """The model's efficiency of ``form`` at :attr:`gpus`, relative to :attr:`baseline`
+        GPUs when the paper states one (as the reported number is), else to one."""
+        eff = self.prediction().forms[form].efficiency
+        if self.baseline:
+            eff /= predict(self.workload, self.network, self.baseline).forms[form].efficiency
+        return eff
+
+
+# Goyal et al.: 90 epochs of 8,192 images a step in one hour on 256 P100: 0.256 s a step.
+_P100_STEP = _step_time(60, 90, 8192)
+_P100_NOTE = (
+    "compute: 0.256 s a step for 32 images a P100, the wall-clock a step implied by Goyal et "
+    "al.'s abstract (ResNet-50, 90 epochs at 8,192 a step in one hour on 256 P100); it "
+    "includes their exchange, evaluation and data loading, so it overstates compute and "
+    "the model's efficiency errs high; ResNet-50: 25.6M fp32 gradients (102.4 MB); "
+    "4 buckets (DDP's 25 MiB); no overlap with backward")
+
+PUBLISHED: tuple[PublishedPoint, ...] = (
+    PublishedPoint(
+        name="ddl-256",
+        paper="Cho et al. 2017, PowerAI DDL, arXiv 1708.02188",
+        reported=("95% scaling efficiency on 256 P100 GPUs (64 IBM S822LC servers of 4) with "
+                  "Caffe, as IBM announced it (Aug 2017); the abstract says only 'better "
+                  "communication overhead for Resnet-50' than Goyal et al.; baseline not "
+                  "stated"),
+        gpus=256, efficiency=0.95, baseline=None,
+        network=Network(5e-6, 20e9, 5e-6, 100 * _GBIT, 4),
+        workload=Workload(_RESNET50, _P100_STEP, buckets=4),
+        assumptions=("network assumed, not from the paper: 100 Gbit/s InfiniBand a server, "
+                     "5 us; NVLink 20 GB/s, 5 us inside; " + _P100_NOTE),
+    ),
+    PublishedPoint(
+        name="goyal-256",
+        paper="Goyal et al. 2017, arXiv 1706.02677",
+        reported=("'~90% scaling efficiency when moving from 8 to 256 GPUs' (abstract): "
+                  "ResNet-50, 8,192 a step, 256 P100 in 32 servers of 8, 50 Gbit Ethernet"),
+        gpus=256, efficiency=0.90, baseline=8,
+        network=Network(5e-6, 20e9, 10e-6, 50 * _GBIT, 8),
+        workload=Workload(_RESNET50, _P100_STEP, buckets=4),
+        assumptions=("50 Gbit/s Ethernet a server (the paper's); 10 us latency assumed; "
+                     "NVLink 20 GB/s, 5 us inside assumed; " + _P100_NOTE),
+    ),
+    PublishedPoint(
+        name="jia-1024",
+        paper="Jia et al. 2018, arXiv 1807.11205",
+        reported=("ResNet-50, 64K batch, 1024 Tesla P40: 8.7 minutes; no scaling efficiency "
+                  "reported (the 8.7 is not in the abstract; not re-checked against the "
+                  "paper's tables here)"),
+        gpus=1024, efficiency=None, baseline=None,
+        network=Network(5e-6, 10e9, 5e-6, 100 * _GBIT, 8),
+        workload=Workload(_RESNET50, _step_time(8.7, 90, 65536), buckets=4),
+        assumptions=("network assumed, not from the paper: 100 Gbit/s InfiniBand a node of 8, "
+                     "5 us; PCIe 10 GB/s, 5 us inside; compute: 0.297 s a step for 64 images "
+                     "a P40, the wall-clock a step of the 8.7 minutes (90 epochs assumed, of "
+                     "65,536 a step), an overstatement as for the P100 points; fp32 "
+                     "gradients (the paper's fp16 exchange, if any, would halve S); 4 "
+                     "buckets; no overlap"),
+    ),
+    PublishedPoint(
+        name="jia-2048",
+        paper="Jia et al. 2018, arXiv 1807.11205",
+        reported=("ResNet-50, 64K batch, 2048 Tesla P40: 6.6 minutes to 75.8% top-1 "
+                  "(abstract); no scaling efficiency reported"),
+        gpus=2048, efficiency=None, baseline=None,
+        network=Network(5e-6, 10e9, 5e-6, 100 * _GBIT, 8),
+        workload=Workload(_RESNET50, _step_time(6.6, 90, 65536), buckets=4),
+        assumptions=("as jia-1024; compute: 0.225 s a step for 32 images a P40, the "
+                     "wall-clock a step of the 6.6 minutes"),
+    ),
+)
+
+
+def published_table() -> list[dict[str, Any]]:
+    """One row a :data:`PUBLISHED` point: the reported efficiency (``None`` where none is
+    reported) and the model's, for every form, relative to the point's baseline."""
+    rows = []
+    for p in PUBLISHED:
+        pred = p.prediction()
+        rows.append({
+            "name": p.name, "paper": p.paper, "gpus": p.gpus, "reported": p.reported,
+            "efficiency": p.efficiency, "baseline": p.baseline,
+            "compute_time": p.workload.compute_time, "choice": pred.choice,
+            "model": {form: p.model_efficiency(form) for form in FORMS},
+            "assumptions": p.assumptions,
+        })
+    return rows
