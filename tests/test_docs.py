@@ -74,6 +74,7 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
                      "DynamicLossScale"]),
         ("api/schedules", ["Schedule", "make_schedule", "linear_scaling"]),
         ("api/spec", []),
+        ("api/comm", []),
     ],
 )
 def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> None:
@@ -85,6 +86,11 @@ def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> 
         assert f'id="{module}.{name}"' in html, f"{page}: {name} is not rendered"
     if page == "api/torch":
         assert "trust_coefficient" in html  # a parameter, from LARS's signature/docstring
+    if page == "api/comm":
+        for name in ("reference.compress", "torch.AdaCompState", "torch.adacomp_hook",
+                     "jax.adacomp", "jax.adacomp_init_state", "scaling.predict",
+                     "scaling.choose_form"):
+            assert f'id="largebatch.comm.{name}"' in html, f"{page}: {name} is not rendered"
     if page == "api/spec":
         assert 'id="largebatch.lars.spec"' in html
         assert 'id="largebatch.lars.reference"' in html

@@ -562,6 +562,42 @@ def test_module_example_runs():
     assert state[0].residuals["w1"].shape == (jax.device_count(), 16, 64)
 
 
+def test_docs_example_runs():
+    """docs/communication.md's JAX block, as written, given params, a loss and batches:
+    past its warm-up of 100 steps it compresses, and it compiles its step once."""
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "communication.md").read_text()
+    block = page.split("## JAX:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    setup = (
+        "import jax, jax.numpy as jnp, numpy as np, optax\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "from largebatch.jax import adacomp, adacomp_init_state, lars\n"
+        "k1, k2 = jax.random.split(jax.random.key(0))\n"
+        "params = {'w': jax.random.normal(k1, (3, 3, 2, 4)) / 4, 'b': jnp.zeros(4),\n"
+        "          'fc': jax.random.normal(k2, (36, 2)) / 8}\n"
+        "def loss_fn(p, x, y):\n"
+        "    h = jax.lax.conv_general_dilated(x, p['w'], (1, 1), 'SAME',\n"
+        "                                     dimension_numbers=('NHWC', 'HWIO', 'NHWC'))\n"
+        "    h = jnp.tanh(h + p['b']).reshape(x.shape[0], -1)[:, :36]\n"
+        "    return jnp.mean((h @ p['fc'] - y) ** 2)\n"
+    )
+    namespace: dict = {}
+    exec(setup + block, namespace)  # noqa: S102
+    mesh, step = namespace["mesh"], namespace["train_step"]
+    params, state = namespace["params"], namespace["state"]
+    rng = np.random.default_rng(0)
+    data = NamedSharding(mesh, P("data"))
+    for _ in range(102):
+        x = jax.device_put(f32(rng.standard_normal((16, 6, 6, 2))), data)
+        y = jax.device_put(f32(rng.standard_normal((16, 2))), data)
+        params, state = step(params, state, x, y)
+    assert step._cache_size() == 1
+    assert int(state[0].count) == 102
+    assert np.asarray(state[0].residuals["w"]).any()  # compressed steps ran
+    assert np.asarray(state[0].residuals["fc"]).any()
+
+
 # ------------------------------------------------------------------------------ checks
 
 BAD_ADACOMP = [

@@ -347,11 +347,13 @@ class AdaCompState:
             parameter names key the residuals in :meth:`state_dict`.
         process_group: the group to exchange over (default: the default group).
         warmup_steps: iterations sent uncompressed before compression starts.
-        conv_bin, fc_bin: ``L_T`` for convolution and fully connected weights (50, 500).
+        conv_bin: ``L_T`` for convolution weights (rank 3 or more; 50).
+        fc_bin: ``L_T`` for fully connected weights (rank 2; 500).
         form: ``"allgather"``, ``"two_phase"`` or ``"auto"`` (the scaling model's choice
             for this world size and model, made once here).
-        select, values: ``"adacomp"``/``"ternary"``; ``"all"``/``"exact"`` switch the
-            selection and the quantization off (the hook then equals the plain average).
+        select: ``"adacomp"``, or ``"all"``: every element with ``G != 0`` (no selection).
+        values: ``"ternary"``, or ``"exact"``: no quantization. With ``"all"`` and
+            ``"exact"`` the hook equals the plain average.
         network: for ``form="auto"``, ``(latency in s, bandwidth in bytes/s)`` of the
             links (default :data:`DEFAULT_NETWORK`, 5 us and 10 GB/s).
         compression: for ``form="auto"``, the compression rate to plan for (default 40,
