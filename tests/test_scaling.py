@@ -10,25 +10,13 @@ import math
 import numpy as np
 import pytest
 
+from test_cli_errors import _user_error  # the one-line-error check every command shares
+
 from largebatch.comm import scaling as sc
 from largebatch.recipes.cli import main as cli
 
 MB = 1e6
 GB = 1e9
-
-
-def _user_error(argv: list[str], capsys) -> str:
-    """Run ``largebatch ARGV`` in this process; its one stderr line, after checking the rest
-    (as tests/test_cli_errors.py does it)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as err:
-        cli(argv)
-    stderr = capsys.readouterr().err
-    assert err.value.code == 2, (err.value.code, stderr)
-    assert stderr.count("\n") == 1 and stderr.endswith("\n"), stderr
-    assert stderr.startswith(f"largebatch {argv[0]}: ") and "Traceback" not in stderr, stderr
-    assert str(err.value) == stderr.rstrip("\n")
-    return stderr.rstrip("\n")
 
 
 # ----------------------------------------------------------------------------- formulas

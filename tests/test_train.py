@@ -160,6 +160,42 @@ def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     assert _torchrun_train(tmp_path / "b", *two_epochs, "--fsdp", "--resume") == whole_run
 
 
+def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tmp_path, capsys):
+    # AdaComp from the first step (no warm-up), 2 x 2 micro-batches of 64 (the hook runs
+    # at the last one): a run cut after epoch 1 and resumed ends as the whole run does.
+    args = ["--subset", "512", "--epochs", "2", "--compression", "adacomp",
+            "--compression-warmup", "0"]
+    whole_run = _torchrun_train(tmp_path / "a", *args)
+    _torchrun_train(tmp_path / "b", *args, "--stop-after", "1")
+    saved = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    ranks = saved["adacomp"]
+    assert [r["config"]["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["step"] == 2 and saved["settings"]["compression"] == "adacomp"  # 512 / 256
+    for r in ranks:  # compressed steps ran: residuals hold what was not sent
+        assert any(bool(v.any()) for v in r["residuals"].values())
+    assert not all(torch.equal(ranks[0]["residuals"][k], ranks[1]["residuals"][k])
+                   for k in ranks[0]["residuals"])
+    assert _torchrun_train(tmp_path / "b", *args, "--resume") == whole_run
+    rates = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rates["compression_rates"]["fc"] > 1 and rates["compression_rates"]["dense"] == 1
+    # A compressed run is not resumed as a plain one.
+    with pytest.raises(SystemExit):
+        cli(["train", "--batch-size", "256", "--subset", "512", "--epochs", "2",
+             "--out", str(tmp_path / "b"), "--resume"])
+    assert "is a run with --compression adacomp, not none" in capsys.readouterr().err
+
+
+def test_compression_needs_torchrun_without_fsdp(monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--compression adacomp compresses DDP's all-reduce"):
+        cli([*TINY, "--compression", "adacomp", "--out", str(tmp_path)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="without --fsdp"):
+        cli([*TINY, "--compression", "adacomp", "--fsdp", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=re.escape("invalid --compression-warmup -1 (must be >= 0)")):
+        cli([*TINY, "--compression", "adacomp", "--compression-warmup", "-1",
+             "--out", str(tmp_path)])
+
+
 def test_recipes_table_lists_every_recipe(capsys):
     assert cli(["recipes"]) == 0
     out = capsys.readouterr().out

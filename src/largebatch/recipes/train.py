@@ -17,6 +17,11 @@ settings other than the run's own, and gives the same parameters as an uninterru
 ``--epochs`` other than the recipe's scales the recipe's warmup and milestones with it
 (``Recipe.with_epochs``).
 
+``--compression adacomp`` (under ``torchrun``, DDP) registers the AdaComp communication hook
+(:mod:`largebatch.comm.torch`) after ``--compression-warmup`` epochs of plain all-reduce:
+every rank's residuals go into the checkpoint, and each metrics line records the
+compression rates so far.
+
 The trust ratio is recomputed here from params and gradients with the optimizer's own
 formula (DESIGN §2) at the last step of each epoch; for SGD it is the ratio LARS would
 apply, a diagnostic only.
@@ -118,7 +123,20 @@ _OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
 # The settings a checkpoint records and ``--resume`` must match, with their flags.
 _SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--epochs",
              "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision",
-             "fsdp": "--fsdp"}
+             "fsdp": "--fsdp", "compression": "--compression",
+             "compression_warmup": "--compression-warmup"}
+# What a checkpoint made before a setting existed ran with.
+_SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None}
+COMPRESSIONS = ("none", "adacomp")
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` (dicts of tensors and plain values) with every tensor on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    return tree
 
 
 def _show(value: Any) -> str:
@@ -133,7 +151,8 @@ def _read_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 -- any unreadable checkpoint is a user error
         raise _fail(f"--resume: cannot read {path} ({type(err).__name__}: {err})") from None
-    saved = state.get("settings") or {"recipe": state.get("recipe")}
+    saved = ({**_SETTINGS_BEFORE, **state["settings"]} if state.get("settings")
+             else {"recipe": state.get("recipe")})
     for key, flag in _SETTINGS.items():
         if key in saved and saved[key] != settings[key]:
             raise _fail(f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
@@ -176,11 +195,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.fsdp and precision == "fp16":
         raise _fail("--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
                     "loss scaler over sharded grads: use --precision bf16")
+    compression = args.compression
+    if compression != "none" and (world < 2 or args.fsdp):
+        raise _fail(f"--compression {compression} compresses DDP's all-reduce: run it under "
+                    "torchrun with 2 or more processes, without --fsdp")
     device_name = check_device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
     settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
                 "seed": args.seed, "subset": args.subset, "precision": precision,
-                "fsdp": args.fsdp}
+                "fsdp": args.fsdp, "compression": compression,
+                "compression_warmup": args.compression_warmup if compression != "none" else None}
     with contextlib.ExitStack() as held:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
             held.enter_context(lock_folder(out, "train"))
@@ -250,6 +274,15 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
             torch.cuda.set_rng_state(cuda_rng, device)
         start_epoch, history = state["epoch"], state["history"]
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 and not fsdp else model
+    comm = None
+    if settings["compression"] == "adacomp":
+        from largebatch.comm.torch import AdaCompState, adacomp_hook
+
+        comm = AdaCompState(ddp, warmup_steps=settings["compression_warmup"] * steps_per_epoch,
+                            scaler=scaler)
+        if state is not None:
+            comm.load_state_dict(_to_device(state["adacomp"][rank], device))
+        ddp.register_comm_hook(comm, adacomp_hook)
     nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
     stop = min(epochs, args.stop_after or epochs)
     if rank == 0:
@@ -291,12 +324,18 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
             "test_accuracy": acc, "lr": optimizer.param_groups[0]["lr"],
             "images_per_second": seen / seconds, "seconds": seconds, **telemetry.row(),
         }
+        if comm is not None:  # elements per selected element so far, rank 0's
+            row["compression_rates"] = comm.compression_rates()
         history.append(row)
         rng = [(torch.get_rng_state(),
                 torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
         if world > 1:
             mine, rng = rng[0], [None] * world
             dist.all_gather_object(rng, mine)
+        residuals = None
+        if comm is not None:  # every rank's own residuals
+            residuals = [None] * world
+            dist.all_gather_object(residuals, _to_device(comm.state_dict(), torch.device("cpu")))
         # A checkpoint holds the whole model and state, sharded or not (collectives).
         saved_model = whole.state_dict() if fsdp else model.state_dict()
         saved_optimizer = full_optimizer_state(optimizer) if fsdp else optimizer.state_dict()
@@ -308,6 +347,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
                         "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict() if scaler else None,
                         "epoch": epoch + 1, "rng": rng, "history": history,
+                        "adacomp": residuals,
                         "recipe": recipe.name, "settings": settings}
             atomic_write(checkpoint, lambda f: torch.save(snapshot, f))
             atomic_write(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
@@ -359,6 +399,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--fsdp", action="store_true", help="under torchrun: shard params, grads and optimizer "
         "state with FSDP2 (fully_shard) instead of replicating them with DDP; trust ratios "
         "use each whole param's norm")
+    add("--compression", choices=COMPRESSIONS, default="none",
+        help="under torchrun: compress DDP's gradient all-reduce with AdaComp (a communication "
+             "hook; docs/communication.md) after --compression-warmup epochs uncompressed")
+    add("--compression-warmup", type=int, default=1, metavar="EPOCHS",
+        help="epochs of plain all-reduce before AdaComp starts (default %(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -368,6 +413,8 @@ def main(args: argparse.Namespace) -> int:
             raise _fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
     if args.workers < 0:
         raise _fail(f"invalid --workers {args.workers} (must be >= 0)")
+    if args.compression_warmup < 0:
+        raise _fail(f"invalid --compression-warmup {args.compression_warmup} (must be >= 0)")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise _fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
     require("train", ("tqdm", "matplotlib"))
