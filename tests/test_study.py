@@ -213,6 +213,8 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     (["--batches", "384", "--workers", "5"], "Invalid workers: 5 does not divide the batch 384"),
     (["--workers", "0"], "Invalid workers: 0"),
     (["--compression", "adacomp"], "Invalid compression: adacomp needs --workers 2 or more"),
+    (["--workers", "2", "--compression", "adacomp", "--compression-warmup", "-1"],
+     "Invalid compression warmup: -1"),
 ])
 def test_bad_flags_fail_before_any_run(tmp_path, args, message):
     proc = subprocess.run(
@@ -437,3 +439,26 @@ def test_simulated_workers_runs_record_their_compression():
     assert ada["compression"]["stats"]["compressed_steps"] == ada["steps_per_epoch"]
     assert ada["curve"][0]["accuracy"] == plain["curve"][0]["accuracy"]  # epoch 1: warm-up
     assert ada["curve"][1]["accuracy"] != plain["curve"][1]["accuracy"]
+    # No warm-up: every step compressed, from the first epoch on.
+    now = study.run_one(study.RunSpec(**common, compression="adacomp", compression_warmup=0))
+    assert now["compression"]["warmup_steps"] == 0
+    assert now["compression"]["stats"]["compressed_steps"] == 2 * now["steps_per_epoch"]
+    assert now["curve"][0]["accuracy"] != plain["curve"][0]["accuracy"]
+
+
+@pytest.mark.parametrize("compression", ["adacomp", "none"])
+def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
+    """docs/study's 8-worker runs were recorded before the AdaComp warm-up became a flag:
+    the command that made them, run again, finds every run done (the default warm-up is the
+    one they ran with)."""
+    from pathlib import Path
+
+    folder = "adacomp-8" if compression == "adacomp" else "workers-8"
+    results = study._load_results(Path(__file__).parents[1] / "docs" / "study" / folder
+                                  / "runs.jsonl")
+    cfg = StudyConfig(quick=True, batches=(1536,), optimizers=("lars", "lamb"), seeds=3,
+                      workers=8, compression=compression)
+    for optimizer in ("lars", "lamb"):
+        tune, finals = study.pair_plan(cfg, results, 1536, optimizer)
+        assert not tune and len(finals) == 3
+        assert all(spec.key in results for spec in finals), optimizer

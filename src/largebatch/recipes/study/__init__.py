@@ -116,7 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "each part with its own batch-norm statistics (default 1: no split)")
     add("--compression", default="none", choices=COMPRESSIONS,
         help="how the simulated workers exchange gradients: the plain average, or AdaComp "
-             "after one epoch uncompressed (default %(default)s)")
+             "after --compression-warmup epochs uncompressed (default %(default)s)")
+    add("--compression-warmup", type=int, default=StudyConfig.compression_warmup,
+        metavar="EPOCHS", help="epochs of plain exchange before AdaComp (default %(default)s)")
 
 
 def config(args: argparse.Namespace) -> StudyConfig:
@@ -132,6 +134,7 @@ def config(args: argparse.Namespace) -> StudyConfig:
         extend=args.extend, target=args.target, report_only=args.report_only,
         subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,
         device=args.device, workers=args.workers, compression=args.compression,
+        compression_warmup=args.compression_warmup,
         out=args.out or ("runs/study-quick" if args.quick else "runs/study"),
     )
 

@@ -83,6 +83,7 @@ class StudyConfig:
     # plainly ("none") or with AdaComp (:class:`largebatch.comm.torch.SimulatedWorkers`).
     workers: int = 1
     compression: str = "none"
+    compression_warmup: int = 1  # epochs of plain exchange before AdaComp starts
 
     def pairs(self) -> list[tuple[int, str]]:
         """``(batch, optimizer)`` in the order of the table: the baseline, then by batch."""
@@ -136,6 +137,9 @@ def _check(cfg: StudyConfig) -> None:
                          f"(one of {', '.join(COMPRESSIONS)})")
     if cfg.compression != "none" and cfg.workers < 2:
         raise ValueError(f"Invalid compression: {cfg.compression} needs --workers 2 or more")
+    if not (isinstance(cfg.compression_warmup, int) and cfg.compression_warmup >= 0):
+        raise ValueError(f"Invalid compression warmup: {cfg.compression_warmup!r} "
+                         f"(must be an integer number of epochs >= 0)")
 
 
 def _recipe(batch: int, optimizer: str) -> Recipe:
@@ -164,6 +168,7 @@ class RunSpec:
     power: float = 2.0
     workers: int = 1
     compression: str = "none"
+    compression_warmup: int = 1
 
     @property
     def key(self) -> str:
@@ -173,7 +178,8 @@ class RunSpec:
         return (f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
                 f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
                 f"power={self.power:g} seed={self.seed}"
-                + (f" workers={self.workers} {self.compression}" if self.workers > 1 else ""))
+                + (f" workers={self.workers} {self.compression}" if self.workers > 1 else "")
+                + (f" after {self.compression_warmup}" if self.compression != "none" else ""))
 
 
 def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -213,12 +219,13 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
         return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
                                   recipe.warmup_epochs, 0, epochs, cfg.subset,
                                   recipe.label_smoothing, recipe.power, cfg.workers,
-                                  cfg.compression))
+                                  cfg.compression, cfg.compression_warmup))
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
         grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), w, 0, epochs,
-                        cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers, cfg.compression)
+                        cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers, cfg.compression,
+                        cfg.compression_warmup)
                 for k in exponents for w in cfg.warmups(batch)]
         if any(s.key not in results for s in grid):
             return grid, []

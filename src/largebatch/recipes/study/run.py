@@ -138,20 +138,17 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     return row
 
 
-# AdaComp's uncompressed warm-up in the study: the first epoch.
-ADACOMP_WARMUP_EPOCHS = 1
-
-
 def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
     """The exchange of ``spec.workers`` simulated workers (None for one): plain averages
-    for ``compression="none"``, AdaComp after a warm-up of one epoch for ``"adacomp"``."""
+    for ``compression="none"``, AdaComp after ``spec.compression_warmup`` epochs of them for
+    ``"adacomp"``."""
     if spec.workers == 1:
         return None
     from largebatch.comm.torch import SimulatedWorkers
 
     params = list(model.named_parameters())
     steps = spec.epochs * steps_per_epoch
-    warmup = steps if spec.compression == "none" else ADACOMP_WARMUP_EPOCHS * steps_per_epoch
+    warmup = steps if spec.compression == "none" else spec.compression_warmup * steps_per_epoch
     return SimulatedWorkers([n for n, _ in params], [p.shape for _, p in params], spec.workers,
                             warmup_steps=warmup)
 
