@@ -211,6 +211,8 @@ def test_simulation_refuses_bad_input() -> None:
         SimulatedWorkers(["w"], [(2, 2)], 0)
     with pytest.raises(ValueError, match="form must be one of .* got 'ring'"):
         SimulatedWorkers(["w"], [(2, 2)], 2, form="ring")
+    with pytest.raises(ValueError, match="values must be one of .* got 'binary'"):
+        SimulatedWorkers(["w"], [(2, 2)], 2, values="binary")
     with pytest.raises(ValueError, match="need gradients from 2 workers, got 1"):
         SimulatedWorkers(["w"], [(2, 2)], 2).exchange([[torch.zeros(2, 2)]])
 

@@ -53,20 +53,10 @@ from largebatch.comm.jax import (  # noqa: E402
     two_phase_mean,
 )
 from largebatch.jax import lars  # noqa: E402
-
-if hasattr(jax, "shard_map"):
-    _shard_map, _CHECK = jax.shard_map, "check_vma"
-else:  # older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-    _CHECK = "check_rep"
+from test_jax_sharded_params import shard_map  # noqa: E402  (jax.shard_map on any jax)
 
 U = 2.0**-24  # float32 unit roundoff
 AXIS = "data"
-
-
-def shard_map(f, mesh, in_specs, out_specs, check=True):
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK: check})
 
 
 def data_mesh(n):

@@ -119,7 +119,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from largebatch.comm.reference import CONV_BIN, FC_BIN, SELECTIONS, VALUES, bin_length
+from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 __all__ = [
@@ -197,11 +197,6 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
-
-
-def _check_modes(select: Any, values: Any) -> None:
-    _check_choice("select", select, SELECTIONS)
-    _check_choice("values", values, VALUES)
 
 
 def _check_bin(bin_len: Any) -> int:

@@ -83,6 +83,11 @@ class Compressed:
 def _check(bin_len: int, select: str, values: str) -> None:
     if not isinstance(bin_len, (int, np.integer)) or isinstance(bin_len, bool) or bin_len < 1:
         raise ValueError(f"bin length L_T must be a positive int, got {bin_len!r}")
+    _check_modes(select, values)
+
+
+def _check_modes(select: str, values: str) -> None:
+    """The selection and value modes every path accepts (the torch hook, the JAX transform)."""
     if select not in SELECTIONS:
         raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
     if values not in VALUES:

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from largebatch.comm.reference import CONV_BIN, FC_BIN, SELECTIONS, VALUES, bin_length, chunk_bounds
+from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length, chunk_bounds
 from largebatch.comm.scaling import DEFAULT_LINK, choose_form
 
 __all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_hook", "compress",
@@ -379,10 +379,7 @@ class AdaCompState:
                                  f", got {v!r}")
         if form not in (*FORMS, "auto"):
             raise ValueError(f"form must be one of {(*FORMS, 'auto')}, got {form!r}")
-        if select not in SELECTIONS:
-            raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
-        if values not in VALUES:
-            raise ValueError(f"values must be one of {VALUES}, got {values!r}")
+        _check_modes(select, values)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("AdaCompState needs an initialized process group "
                              "(torch.distributed.init_process_group)")
@@ -605,6 +602,7 @@ class SimulatedWorkers:
             raise ValueError(f"workers must be an int >= 1, got {n!r}")
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        _check_modes(select, values)
         self.n, self.form, self.warmup_steps = n, form, warmup_steps
         self.layout = _layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
         self.ex = _Exchange(self.layout, n, select, values)
