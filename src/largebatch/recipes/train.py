@@ -65,6 +65,7 @@ from largebatch.recipes.outputs import (
 from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
 )
+from largebatch.recipes.study.plan import COMPRESSIONS
 from largebatch.recipes.train_data import batches, eval_chunks, load_data
 from largebatch.torch import ScheduleLR, to_half, trust_ratios
 
@@ -127,7 +128,6 @@ _SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--ep
              "compression_warmup": "--compression-warmup"}
 # What a checkpoint made before a setting existed ran with.
 _SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None}
-COMPRESSIONS = ("none", "adacomp")
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

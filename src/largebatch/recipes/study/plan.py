@@ -34,8 +34,9 @@ DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 # ``--quick`` (``make demo``): the baseline, LARS and LAMB at the 32K-equivalent batch with
 # the 30-epoch study's settings, one seed each: three runs, within 10 minutes on 2 cores.
 QUICK_PAIRS = ((BASELINE[0], BASELINE[1]), (1536, "lars"), (1536, "lamb"))
-VAL_SIZE = 10_000
-COMPRESSIONS = ("none", "adacomp")  # held out from the 60,000 training images for tuning
+VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
+# How data-parallel workers exchange gradients (here and in ``largebatch train``).
+COMPRESSIONS = ("none", "adacomp")
 
 # Where each pair's lr grid starts (the grid is this times 1/2, 1, 2, and grows past an edge).
 # Fixed here, apart from the recipes, so that the recipes can carry the study's results
