@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import AdaCompState, SimulatedWorkers, adacomp_hook, simulate_step
+from largebatch.recipes.distributed import exit_process
 
 SHAPES = {"conv": (6, 3, 3, 3), "conv_bias": (6,), "fc": (10, 131), "fc_bias": (10,),
           "norm": (7,), "zero": (4, 2, 3, 3), "small": (3, 17)}
@@ -274,8 +275,8 @@ def main() -> None:
             record(f"training/{form}", **training_equals_simulation(form))
             record(f"nonfinite/{form}", **nonfinite_leaves_residuals(form))
             record(f"resume/{form}", **resume_is_exact(form))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # not a plain return: its docstring says why

@@ -153,6 +153,26 @@ def test_torchrun_fsdp_step_equals_ddp_step(tmp_path):
     assert optimizer.num_steps == 1
 
 
+@pytest.mark.parametrize("argv, status", [(["recipes"], 0), (["train", "--epochs", "0"], 2)])
+def test_a_process_that_joined_a_group_exits_through_exit_process(monkeypatch, capsys, argv, status):
+    # Under torchrun the command ends without Python's finalization, which gloo's worker
+    # threads can abort (largebatch.recipes.distributed.exit_process says why): on
+    # success and on a user error alike, with the command's status.
+    from largebatch.recipes import distributed
+
+    ended = []
+
+    def exit_process(code: int) -> None:
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed, "joined", lambda: True)
+    monkeypatch.setattr(distributed, "exit_process", exit_process)
+    with pytest.raises(SystemExit):
+        cli(argv)
+    assert ended == [status]
+
+
 def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     two_epochs = ["--subset", "512", "--epochs", "2"]
     whole_run = _torchrun_train(tmp_path / "a", *two_epochs, "--fsdp")

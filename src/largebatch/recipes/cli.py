@@ -50,10 +50,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``SystemExit`` with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(argv)
+        status = _main(argv)
     except CommandError as err:
         print(err.message, file=sys.stderr, flush=True)
+        _exit_if_joined(err.code)
         raise
+    _exit_if_joined(status)
+    return status
+
+
+def _exit_if_joined(status: object) -> None:
+    """A process that joined a process group (``train`` under torchrun) ends through
+    ``largebatch.recipes.distributed.exit_process``, which says why."""
+    module = sys.modules.get("largebatch.recipes.distributed")
+    if module is not None and module.joined():
+        module.exit_process(status if isinstance(status, int) else 1)
 
 
 def _main(argv: list[str]) -> int:

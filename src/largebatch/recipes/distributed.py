@@ -6,10 +6,12 @@ final model.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import re
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -17,8 +19,10 @@ from torch import nn
 
 from largebatch.recipes.outputs import CommandError
 
-__all__ = ["buffers_sha256", "check_device", "full_optimizer_state", "full_state", "join",
-           "params_sha256", "shard_model", "sync_buffers"]
+__all__ = ["buffers_sha256", "check_device", "exit_process", "full_optimizer_state", "full_state",
+           "join", "joined", "params_sha256", "shard_model", "sync_buffers"]
+
+_joined = False  # join() initialized the process group in this process
 
 
 def check_device(device_arg: str | None) -> str:
@@ -50,8 +54,38 @@ def join(name: str) -> tuple[int, int, torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
+        global _joined
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _joined = True
     return rank, world, device
+
+
+def joined() -> bool:
+    """Whether :func:`join` initialized a process group in this process (the command
+    then ends it with :func:`exit_process`)."""
+    return _joined
+
+
+def exit_process(status: int) -> NoReturn:
+    """End a process that joined a process group: leave the group, run the ``atexit``
+    handlers, flush the standard streams and exit with ``status``, without tearing the
+    interpreter down.
+
+    Why not a plain return: ``torch.autograd.backward`` stashes a ``contextvars.Context``
+    in the thread's state while it runs, and every collective issued during the backward
+    (DDP's and FSDP2's gradient reductions) keeps a copy of that state in its work
+    object. Gloo's worker threads release the work after it completes, which takes the
+    GIL; ``destroy_process_group`` does not stop them, because DTensor's caches keep the
+    group alive. When that release comes after the interpreter began finalizing, CPython
+    ends the thread inside a destructor that may not throw, and the process aborts
+    (SIGABRT, "terminate called without an active exception") after its work is done.
+    Skipping the finalization leaves those threads nothing to race with."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs: multiprocessing's, logging's
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 @torch.no_grad()
