@@ -76,6 +76,14 @@ CASES = [
          {"trust_ratio": False}),
     Case("lars-eps-tc-momentum", "lars", {"eps": 1e-3, "trust_coefficient": 0.02, "momentum": 0.5},
          {"momentum": 0.0}),
+    # lr outside the buffer (torch SGD, NVIDIA's MXNet LARS) while lr changes, nesterov;
+    # the excluded group keeps its weight decay (NVIDIA decays the fc bias without LARS).
+    Case("lars-lr-outside", "lars", {"lr_in_momentum": False, "nesterov": True, "weight_decay": 1e-3},
+         {"trust_ratio": False}),
+    # apex LARC: clip, and a zero norm leaves the gradient as it is (lr 2 makes the
+    # difference from the clipped fallback ratio min(1 / lr, 1) show).
+    Case("lars-larc", "lars", {"lr_in_momentum": False, "trust_clip": True, "zero_norm_skip": True,
+                               "trust_coefficient": 0.5, "eps": 1e-8, "weight_decay": 1e-3}, EXCLUDED),
     Case("lamb-defaults", "lamb", {}),
     Case("lamb-wd-excluded", "lamb", {"weight_decay": 0.01}, EXCLUDED),
     Case("lamb-no-bias-correction", "lamb", {"bias_correction": False, "weight_decay": 0.01},
@@ -159,14 +167,16 @@ def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, 
                   **hyper: Any) -> dict[str, np.ndarray]:
     """The JAX factories' keywords on the float64 spec, leaf by leaf (flat dicts of
     leaves): a mask (a dict, a callable or None) becomes each leaf's ``trust_ratio``
-    and weight decay, a schedule ``lr(t)`` the lr of step ``t`` (from 0)."""
+    and weight decay (``weight_decay_mask`` None: decayed where adapted), a schedule ``lr(t)`` the lr of step ``t`` (from 0)."""
     def flags(mask: Any) -> dict[str, bool]:
         if mask is None:
             return {k: True for k in params}
         return dict(mask(params) if callable(mask) else mask)
 
     spec = LARS_SPEC if optimizer == "lars" else LAMB_SPEC
-    adapt, decay = flags(trust_ratio_mask), flags(weight_decay_mask)
+    adapt = flags(trust_ratio_mask)
+    # Without weight_decay_mask the factories decay where they adapt; with it, apart.
+    decay = adapt if weight_decay_mask is None else flags(weight_decay_mask)
     base = group_hyper(spec, hyper)
     if b1 is not None or b2 is not None:
         base["betas"] = (base["betas"][0] if b1 is None else b1, base["betas"][1] if b2 is None else b2)
@@ -255,10 +265,12 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
 
     first, second = case.groups()
     differs = {k for k in second if second[k] != first[k]}
-    only_excludes = not differs or (second["trust_ratio"] is False and differs <= {"trust_ratio", "weight_decay"})
+    only_excludes = not differs or (second["trust_ratio"] is False and differs <= {"trust_ratio", "weight_decay"}
+                                    and second["weight_decay"] in (0.0, first["weight_decay"]))
     if only_excludes:
         mask = [label == "a" or second["trust_ratio"] for label in labels]
-        opt = build(first, trust_ratio_mask=mask)
+        decayed = [label == "a" or second["weight_decay"] != 0 for label in labels]
+        opt = build(first, trust_ratio_mask=mask, weight_decay_mask=decayed)
     else:
         assert case.max_grad_norm is None, case.id
         opt = optax.multi_transform({"a": build(first), "b": build(second)}, labels)

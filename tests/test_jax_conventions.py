@@ -257,8 +257,8 @@ def test_complex_lars_is_lars_on_the_real_view(name):
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 
 
-def _decayed(p):
-    return {k: bool(adapt and NO_DECAY_W[k]) for k, adapt in exclusion_mask(p).items()}
+def _decayed(p):  # weight_decay_mask given: decay apart from the trust ratio
+    return {k: bool(NO_DECAY_W[k]) for k in p}
 
 
 COMPLEX_TWINS = {  # optax's LAMB pieces are complex-aware; these rows have an optax twin

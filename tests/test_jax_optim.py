@@ -158,9 +158,8 @@ def test_prefix_and_callable_masks_match_full_masks(make):
     params, grads = nest(params), [nest(g) for g in grads]
     full = dict(
         trust_ratio_mask={"x": {"a": True, "b": False}, "y": True},
-        weight_decay_mask={"x": {"a": False, "b": True}, "y": True},
+        weight_decay_mask={"x": {"a": False, "b": False}, "y": True},
     )
-    # "x/b" differs in weight_decay_mask, which cannot matter: it is excluded.
     prefix = dict(
         trust_ratio_mask=lambda p: {"x": {"a": True, "b": False}, "y": True},
         weight_decay_mask={"x": False, "y": True},
@@ -174,9 +173,25 @@ def test_prefix_and_callable_masks_match_full_masks(make):
     expected = run_spec_tree(
         make.__name__, flat(params), [flat(g) for g in grads], lr=0.1, weight_decay=0.1,
         trust_ratio_mask={"a": True, "b": False, "c": True},
-        weight_decay_mask={"a": False, "b": True, "c": True},
+        weight_decay_mask={"a": False, "b": False, "c": True},
     )
     assert_trees_close(flat(a), expected, RTOL[np.float32])
+
+
+@pytest.mark.parametrize("make", [lars, lamb])
+def test_weight_decay_without_the_trust_ratio_where_the_masks_say_so(make):
+    """Decay and adaptation are independent where ``weight_decay_mask`` is given (NVIDIA's
+    MLPerf LARS decays the fc bias without adapting it); without it, excluded leaves are
+    not decayed."""
+    params, grads = make_problem(np.float32, shapes={"w": (3, 4), "b": (4,)})
+    trust = {"w": True, "b": False}
+    got = run_jax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust,
+                       weight_decay_mask={"w": True, "b": True}), params, grads)
+    expected = run_spec_tree(make.__name__, params, grads, lr=0.1, weight_decay=0.1,
+                             trust_ratio_mask=trust, weight_decay_mask={"w": True, "b": True})
+    assert_trees_close(got, expected, RTOL[np.float32])
+    plain = run_jax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust), params, grads)
+    assert not np.allclose(plain["b"], got["b"])  # the decay moved the excluded leaf
 
 
 HUGE_TINY_SHAPES = {"huge": (5, 4), "tiny": (3, 3), "huge_g": (4, 2), "plain": (6,)}
@@ -400,7 +415,9 @@ def _torch_groups(torch, params, adapt):
     tensors = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
     groups = [
         {"params": [tensors[k] for k in params if adapt[k]], "trust_ratio": True},
-        {"params": [tensors[k] for k in params if not adapt[k]], "trust_ratio": False},
+        # Excluded and not decayed, as param_groups and trust_ratio_mask alone have it.
+        {"params": [tensors[k] for k in params if not adapt[k]], "trust_ratio": False,
+         "weight_decay": 0.0},
     ]
     return tensors, groups
 

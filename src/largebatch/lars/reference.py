@@ -4,14 +4,19 @@ Readable, slow, pure: each function takes arrays and returns new arrays, and nev
 changes its inputs. The rules are those of DESIGN §2 and the docstrings of
 ``largebatch.torch.LARS`` / ``LAMB``; ``t`` counts steps from 1.
 
-LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888, in the form of the
-MLPerf ResNet-50 reference)::
+LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888; by default in the
+form of the MLPerf ResNet-50 TF reference)::
 
     ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)     (1 if ||w|| == 0 or ||g|| == 0)
     ratio = min(ratio / lr, 1)                          (only with trust_clip: LARC)
     d = g + wd * w
     v = momentum * v + lr * ratio * d                   (lr inside the momentum buffer)
     w = w - v            nesterov: w = w - (momentum * v + lr * ratio * d)
+
+    lr_in_momentum=False (torch SGD under apex LARC, NVIDIA's MXNet LARS, timm):
+    v = momentum * v + ratio * d ;  w = w - lr * v      nesterov: w - lr * (momentum * v + ratio * d)
+    zero_norm_skip=True (apex LARC): where ||w|| == 0 or ||g|| == 0, d = g and ratio = 1
+    (no clip, no weight decay)
 
 LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = identity)::
 
@@ -23,7 +28,7 @@ LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = iden
     w = w - lr * ratio * u
 
 A tensor excluded from adaptation (``trust_ratio=False``: biases, normalization
-parameters) gets ratio 1 and no weight decay, in both rules.
+parameters) gets ratio 1; its weight decay is its group's, in both rules.
 
 The hyperparameters' names, defaults and valid values are ``largebatch.lars.spec``;
 these functions take the same names and do not check values.
@@ -72,25 +77,30 @@ def lars_step(
     nesterov: bool = _LARS["nesterov"],
     trust_clip: bool = _LARS["trust_clip"],
     trust_ratio: bool = _LARS["trust_ratio"],
+    lr_in_momentum: bool = _LARS["lr_in_momentum"],
+    zero_norm_skip: bool = _LARS["zero_norm_skip"],
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
     new_params, new_bufs = [], []
-    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
     for w, g, v in zip(_f64(params), _f64(grads), _f64(momentum_buffers)):
+        wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+        ratio = 1.0
         if trust_ratio:
             w_norm = float(np.linalg.norm(w))
             g_norm = float(np.linalg.norm(g))
-            ratio = safe_ratio(
-                trust_coefficient * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm
-            )
-            if trust_clip:
-                ratio = min(ratio / lr, 1.0)
-        else:
-            ratio = 1.0
+            if zero_norm_skip and (w_norm == 0.0 or g_norm == 0.0):
+                wd = 0.0
+            else:
+                ratio = safe_ratio(
+                    trust_coefficient * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm
+                )
+                if trust_clip:
+                    ratio = min(ratio / lr, 1.0)
         d = g + wd * w
-        v = momentum * v + lr * ratio * d
-        step = momentum * v + lr * ratio * d if nesterov else v
-        new_params.append(w - step)
+        inner, outer = (lr * ratio, 1.0) if lr_in_momentum else (ratio, lr)
+        v = momentum * v + inner * d
+        step = momentum * v + inner * d if nesterov else v
+        new_params.append(w - outer * step)
         new_bufs.append(v)
     return new_params, new_bufs
 

@@ -181,9 +181,11 @@ class OptimizerSpec:
 
 
 def applied_weight_decay(values: Mapping[str, Any]) -> Any:
-    """The weight decay a group applies: none where the trust ratio is off (biases and
-    normalization params: plain momentum SGD / Adam, as MLPerf does)."""
-    return values["weight_decay"] if values.get("trust_ratio", True) else 0.0
+    """The weight decay a group applies: its ``weight_decay``, whether or not it takes the
+    trust ratio (the two are independent: NVIDIA's MLPerf LARS decays the classifier's
+    bias without adapting it). :func:`largebatch.torch.param_groups` gives excluded
+    params no decay, as the MLPerf reference does."""
+    return values["weight_decay"]
 
 
 def _lars_rules(values: Mapping[str, Any]) -> None:
@@ -202,7 +204,8 @@ _WEIGHT_DECAY = Hyper(
     "LAMB), so it enters the trust ratio's denominator"
 )
 _TRUST_RATIO = Hyper(
-    "trust_ratio", True, "adapt this group; False: ratio 1 and no weight decay", kind="flag"
+    "trust_ratio", True, "adapt this group; False: ratio 1 (weight decay still applies)",
+    kind="flag",
 )
 
 LARS_SPEC = OptimizerSpec(
@@ -216,6 +219,11 @@ LARS_SPEC = OptimizerSpec(
         Hyper("nesterov", False, "Nesterov momentum", kind="flag"),
         Hyper("trust_clip", False, "LARC: min(ratio / lr, 1)", kind="flag"),
         _TRUST_RATIO,
+        Hyper("lr_in_momentum", True, "v = m * v + lr * ratio * d, w -= v (MLPerf's TF reference); "
+              "False: v = m * v + ratio * d, w -= lr * v (torch SGD, apex LARC, NVIDIA's MXNet, "
+              "timm)", kind="flag"),
+        Hyper("zero_norm_skip", False, "where ||w|| or ||g|| is 0, d = g: ratio 1, no clip, no "
+              "weight decay (apex LARC); False: ratio 1, then clip and weight decay", kind="flag"),
     ),
     options=(),
     state=("momentum_buffer",),

@@ -52,6 +52,8 @@ def lars(
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
     axis_name: AxisName = None,
+    lr_in_momentum: bool = _LARS["lr_in_momentum"],
+    zero_norm_skip: bool = _LARS["zero_norm_skip"],
 ) -> optax.GradientTransformation:
     r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
 
@@ -67,8 +69,16 @@ def lars(
     affects only new contributions), the trust-ratio denominator is
     ``||g|| + wd * ||w|| + eps`` (not ``||g + wd * w||``), a zero norm gives ratio 1, and
     ``trust_clip`` is LARC's clip (apex, timm), which keeps the local rate at or below
-    ``lr_t``. Leaves where ``trust_ratio_mask`` is False get ratio 1 and no weight decay
-    (plain momentum SGD); see the package docstring for how the two masks combine.
+    ``lr_t``. Leaves where ``trust_ratio_mask`` is False get ratio 1; their weight decay
+    follows ``weight_decay_mask`` when it is given (NVIDIA's MLPerf LARS decays the
+    classifier's bias without adapting it), and is off when it is not (plain momentum
+    SGD, as MLPerf's reference); see the package docstring for how the two masks combine.
+
+    ``lr_in_momentum=False`` keeps the rate outside the buffer: ``v = momentum * v +
+    ratio * d; w = w - lr_t * v`` (nesterov: ``w - lr_t * (momentum * v + ratio * d)``),
+    as torch's SGD under apex LARC, NVIDIA's MLPerf MXNet LARS and timm do.
+    ``zero_norm_skip=True`` is apex LARC's zero-norm rule: where ``||w|| == 0`` or
+    ``||g|| == 0`` the gradient passes unchanged (ratio 1, no clip, no weight decay).
 
     The chain: ``scale_by_lars_trust_ratio`` (masked) -> ``optax.scale_by_learning_rate``
     -> ``optax.trace``. Differences from ``optax.lars``: optax divides by
@@ -87,11 +97,14 @@ def lars(
       eps: >= 0, added to the trust-ratio denominator.
       nesterov: Nesterov momentum.
       trust_clip: LARC's clipping ``min(ratio / lr_t, 1)``.
-      weight_decay_mask: optax mask; False removes weight decay from a leaf.
-      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
-        ``exclusion_mask`` gives the usual choice.
+      weight_decay_mask: optax mask; False removes weight decay from a leaf. None: decay
+        where the trust ratio applies.
+      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1; decayed only where
+        ``weight_decay_mask`` is given and True). ``exclusion_mask`` gives the usual choice.
       axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
         over which the params are sharded; see "Sharded params" below.
+      lr_in_momentum: ``True``: the rate inside the buffer; ``False``: outside it.
+      zero_norm_skip: apex LARC's zero-norm rule (above).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -146,16 +159,19 @@ def lars(
             "eps": _known(eps),
             "nesterov": nesterov,  # a flag is never traced: a traced one is a TypeError
             "trust_clip": trust_clip,
+            "lr_in_momentum": lr_in_momentum,
+            "zero_norm_skip": zero_norm_skip,
         },
         names={"lr": "learning_rate"},
     )
     nesterov, trust_clip = checked["nesterov"], checked["trust_clip"]
+    lr_in_momentum, zero_norm_skip = checked["lr_in_momentum"], checked["zero_norm_skip"]
     axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
     def adapt(wd):
-        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name)
+        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip)
 
     # The structure of the chain depends on the masks only, never on a value.
     if weight_decay_mask is None:
@@ -165,12 +181,13 @@ def lars(
             optax.masked(adapt(weight_decay), _mask_and(trust_ratio_mask, weight_decay_mask)),
             optax.masked(adapt(0.0), _mask_and(trust_ratio_mask, weight_decay_mask, True)),
         ]
+        if trust_ratio_mask is not None:  # decayed but not adapted: g + wd * w, ratio 1
+            adapted.append(optax.masked(optax.add_decayed_weights(weight_decay),
+                                        _mask_and(weight_decay_mask, trust_ratio_mask, True)))
+    rate = optax.scale_by_learning_rate(learning_rate)
+    momentum_of = optax.trace(decay=momentum, nesterov=nesterov)
     return _keep_dtypes(
-        optax.chain(
-            *adapted,
-            optax.scale_by_learning_rate(learning_rate),
-            optax.trace(decay=momentum, nesterov=nesterov),
-        )
+        optax.chain(*adapted, *((rate, momentum_of) if lr_in_momentum else (momentum_of, rate)))
     )
 
 
@@ -290,7 +307,9 @@ def lamb(
         optax.chain(
             *clip,
             moments,
-            optax.add_decayed_weights(weight_decay, _mask_and(trust_ratio_mask, weight_decay_mask)),
+            # Decay and adaptation are independent where weight_decay_mask is given.
+            optax.add_decayed_weights(
+                weight_decay, trust_ratio_mask if weight_decay_mask is None else weight_decay_mask),
             _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask),
             optax.scale_by_learning_rate(learning_rate),
         )

@@ -85,6 +85,7 @@ def scale_by_lars_trust_ratio(
     eps: float = _LARS["eps"],
     clip_learning_rate: ScalarOrSchedule | None = None,
     axis_name: AxisName = None,
+    zero_norm_skip: bool = _LARS["zero_norm_skip"],
 ) -> optax.GradientTransformation:
     """Scale each leaf by the LARS trust ratio, with weight decay folded in.
 
@@ -93,6 +94,7 @@ def scale_by_lars_trust_ratio(
         ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)   (1 if ||w|| == 0 or ||g|| == 0)
         ratio = min(ratio / lr_t, 1)                      (only with clip_learning_rate)
         update = ratio * (g + wd * w)
+        update = g                     (zero_norm_skip, where ||w|| == 0 or ||g|| == 0: LARC)
 
     The denominator holds ``||g||`` and ``wd * ||w||`` apart (MLPerf's LARS), so weight
     decay is part of this transformation rather than an ``add_decayed_weights`` before
@@ -115,6 +117,7 @@ def scale_by_lars_trust_ratio(
                         ("eps", eps)]:
         LARS_SPEC.hyper(name).check(_known(value), name)
     axis_name = _check_axis_name(axis_name)
+    zero_norm_skip = LARS_SPEC.hyper("zero_norm_skip").check(zero_norm_skip)
     wd, tc = weight_decay, trust_coefficient
 
     def init_fn(params):
@@ -133,6 +136,9 @@ def scale_by_lars_trust_ratio(
             if lr is not None:
                 ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
             d = g32 if _is_zero(wd) else g32 + wd * w32
+            if zero_norm_skip:
+                skip = jnp.logical_or(w_norm == 0.0, g_norm == 0.0)
+                return jnp.where(skip, g32, ratio * d).astype(g.dtype)
             return (ratio * d).astype(g.dtype)
 
         n = len(gs)

@@ -26,16 +26,20 @@ _EPS = tl.constexpr(LARS_SPEC.columns.index("eps"))
 _NESTEROV = tl.constexpr(LARS_SPEC.columns.index("nesterov"))
 _TRUST_CLIP = tl.constexpr(LARS_SPEC.columns.index("trust_clip"))
 _TRUST_RATIO = tl.constexpr(LARS_SPEC.columns.index("trust_ratio"))
+_LR_IN_MOMENTUM = tl.constexpr(LARS_SPEC.columns.index("lr_in_momentum"))
+_ZERO_NORM_SKIP = tl.constexpr(LARS_SPEC.columns.index("zero_norm_skip"))
 _LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
 
 
 @triton.jit
 def _lars_tiles(
-    w_ptr, g_ptr, p_ptr, v_ptr, start, limit, inv_scale, rate, wd, momentum, nesterov,
+    w_ptr, g_ptr, p_ptr, v_ptr, start, limit, inv_scale, rate, outer, wd, momentum, nesterov,
     W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
     BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """LARS on elements [start, limit) of a chunk: v and w (and the param) written."""
+    """LARS on elements [start, limit) of a chunk: v and w (and the param) written.
+    ``rate`` scales the update into the buffer, ``outer`` the step out of it (1 with
+    lr_in_momentum, else lr: an exact 1.0 leaves the default's bits as they were)."""
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
@@ -44,7 +48,7 @@ def _lars_tiles(
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         update = rate * (g + wd * w)
         v = momentum * v + update
-        w = w - tl.where(nesterov, momentum * v + update, v)
+        w = w - outer * tl.where(nesterov, momentum * v + update, v)
         tl.store(v_ptr + offs, v.to(W_DTYPE), mask=mask)
         tl.store(w_ptr + offs, w.to(W_DTYPE), mask=mask)
         if HAS_MASTER:
@@ -69,7 +73,8 @@ def _lars_apply_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov)."""
+    """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov);
+    lr outside the buffer where the group's lr_in_momentum is 0."""
     t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
@@ -84,6 +89,8 @@ def _lars_apply_kernel(
     nesterov = tl.load(h + _NESTEROV) != 0
     trust_clip = tl.load(h + _TRUST_CLIP) != 0
     trust_ratio = tl.load(h + _TRUST_RATIO) != 0
+    lr_in_momentum = tl.load(h + _LR_IN_MOMENTUM) != 0
+    zero_norm_skip = tl.load(h + _ZERO_NORM_SKIP) != 0
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
     inv_scale = _unscale(grad_scale, HAS_SCALE)
 
@@ -94,16 +101,22 @@ def _lars_apply_kernel(
     ratio = tl.where(nonzero, tc * w_norm / tl.where(nonzero, g_norm + wd * w_norm + eps, 1.0), 1.0)
     ratio = ratio.to(tl.float32)
     ratio = tl.where(trust_clip, tl.minimum(ratio / lr, 1.0), ratio)
-    rate = lr * tl.where(trust_ratio, ratio, 1.0)
+    # apex LARC's zero norms: the gradient as it is (ratio 1, no clip, no weight decay).
+    skip = trust_ratio & zero_norm_skip & ~nonzero
+    ratio = tl.where(skip, 1.0, ratio)
+    wd = tl.where(skip, 0.0, wd)
+    ratio = tl.where(trust_ratio, ratio, 1.0)
+    rate = tl.where(lr_in_momentum, lr * ratio, ratio)
+    outer = tl.where(lr_in_momentum, 1.0, lr)
 
     end = start + BLOCK * TILES
     if end <= numel:
         _lars_tiles(
-            w_ptr, g_ptr, p_ptr, v_ptr, start, end, inv_scale, rate, wd, momentum, nesterov,
+            w_ptr, g_ptr, p_ptr, v_ptr, start, end, inv_scale, rate, outer, wd, momentum, nesterov,
             W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
         )  # fmt: skip
     else:
         _lars_tiles(
-            w_ptr, g_ptr, p_ptr, v_ptr, start, numel, inv_scale, rate, wd, momentum, nesterov,
+            w_ptr, g_ptr, p_ptr, v_ptr, start, numel, inv_scale, rate, outer, wd, momentum, nesterov,
             W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
         )  # fmt: skip

@@ -43,6 +43,8 @@ def lars(
     nesterov: bool,
     trust_clip: bool,
     trust_ratio: bool,
+    lr_in_momentum: bool = _D["lr_in_momentum"],
+    zero_norm_skip: bool = _D["zero_norm_skip"],
 ) -> None:
     """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
 
@@ -53,47 +55,67 @@ def lars(
     """
     hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                 trust_clip=trust_clip, trust_ratio=trust_ratio)
+                 trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
+                 zero_norm_skip=zero_norm_skip)
     lists = (params, grads, momentum_buffers, masters, state_steps)
     _paths.dispatch(LARS_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
 
 
 def lars_ratio(w_norm: Tensor, g_norm: Tensor, *, lr: Any, weight_decay: Any, trust_coefficient: Any,
-               eps: Any, trust_clip: bool) -> Tensor:
+               eps: Any, trust_clip: bool, zero_norm_skip: bool = False) -> Tensor:
     """The LARS trust ratio from ``||w||`` and the unscaled ``||g||`` (tensors of norms)."""
     ratio = safe_ratio(trust_coefficient * w_norm, g_norm + weight_decay * w_norm + eps, w_norm, g_norm)
-    return torch.clamp(ratio / lr, max=1.0) if trust_clip else ratio
+    if trust_clip:
+        clipped = torch.clamp(ratio / lr, max=1.0)
+        ratio = torch.where(nonzero(w_norm, g_norm), clipped, 1.0) if zero_norm_skip else clipped
+    return ratio
+
+
+def nonzero(w_norm: Tensor, g_norm: Tensor) -> Tensor:
+    """Where both norms are nonzero: where ``zero_norm_skip`` adapts and decays."""
+    return (w_norm > 0) & (g_norm > 0)
+
+
+def _decay(weight_decay: Any, w_norm: Tensor, g_norm: Tensor, zero_norm_skip: bool) -> Any:
+    """The weight decay a tensor takes: none at a zero norm under ``zero_norm_skip``."""
+    if not zero_norm_skip:
+        return weight_decay
+    return weight_decay * nonzero(w_norm, g_norm).to(w_norm.dtype)  # exact: times 0 or 1
 
 
 def _lars_one(
     p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
-    nesterov, trust_clip, trust_ratio, norm=norm, plain_norm=norm,  # noqa: ANN001
+    nesterov, trust_clip, trust_ratio, lr_in_momentum=True, zero_norm_skip=False,  # noqa: ANN001
+    norm=norm, plain_norm=norm,  # noqa: ANN001
 ) -> None:
     """LARS on one tensor (``weight_decay`` already the applied one). The numbers are
     floats, or 0-dim tensors when this body runs compiled."""
     del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
-    d = g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
+    ratio = None
     if trust_ratio:
-        ratio = lars_ratio(norm(w), norm(g), lr=lr, weight_decay=weight_decay,
-                           trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip)
-        scaled = d * (lr * ratio)
+        w_norm, g_norm = norm(w), norm(g)
+        ratio = lars_ratio(w_norm, g_norm, lr=lr, weight_decay=weight_decay,
+                           trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
+                           zero_norm_skip=zero_norm_skip)
+        weight_decay = _decay(weight_decay, w_norm, g_norm, zero_norm_skip)
+    d = g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
+    if lr_in_momentum:
+        scaled = d * (lr * ratio) if ratio is not None else d * lr
     else:
-        scaled = d * lr
+        scaled = d * ratio if ratio is not None else d.clone()
     buf.mul_(momentum).add_(scaled)
-    if nesterov:
-        w.sub_(scaled.add_(buf * momentum))
-    else:
-        w.sub_(buf)
+    step = scaled.add_(buf * momentum) if nesterov else buf
+    w.sub_(step if lr_in_momentum else step * lr)
     if master is not None:
         p.copy_(master)
 
 
 def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    flags = {k: hyper[k] for k in ("nesterov", "trust_clip", "trust_ratio")}
+    flags = {k: hyper[k] for k in FLAGS}
     numbers = (hyper["lr"], hyper["momentum"], applied_weight_decay(hyper),
                hyper["trust_coefficient"], hyper["eps"])
     body = _paths.compiled_body(_lars_one) if compiled else None
@@ -112,7 +134,8 @@ def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *
 
 def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
                   grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
-                  nesterov, trust_clip, trust_ratio, reduce=None) -> None:  # noqa: ANN001
+                  nesterov, trust_clip, trust_ratio, lr_in_momentum=True,  # noqa: ANN001
+                  zero_norm_skip=False, reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
@@ -120,21 +143,32 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
     gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
-    ds = torch._foreach_add(gs, ws, alpha=wd) if wd != 0 else gs
+    ratios = None
     if trust_ratio:
         norms = stacked_norms if reduce is None else reduce.norms
-        ratios = lars_ratio(norms(ws), norms(gs), lr=lr, weight_decay=wd,
-                            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip)
-        scaled = torch._foreach_mul(ds, (ratios * lr).unbind())
+        w_norms, g_norms = norms(ws), norms(gs)
+        ratios = lars_ratio(w_norms, g_norms, lr=lr, weight_decay=wd,
+                            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
+                            zero_norm_skip=zero_norm_skip)
+    if wd == 0:
+        ds = gs
+    elif ratios is not None and zero_norm_skip:  # no decay where a norm is zero
+        ds = torch._foreach_add(gs, torch._foreach_mul(ws, _decay(wd, w_norms, g_norms, True).unbind()))
     else:
-        scaled = torch._foreach_mul(ds, lr)
+        ds = torch._foreach_add(gs, ws, alpha=wd)
+    inner = lr if lr_in_momentum else 1.0
+    if ratios is not None:
+        scaled = torch._foreach_mul(ds, (ratios * inner).unbind())
+    else:
+        scaled = torch._foreach_mul(ds, inner)
     torch._foreach_mul_(momentum_buffers, momentum)
     torch._foreach_add_(momentum_buffers, scaled)
     if nesterov:
         torch._foreach_add_(scaled, momentum_buffers, alpha=momentum)
-        torch._foreach_sub_(ws, scaled)
+        step = scaled
     else:
-        torch._foreach_sub_(ws, momentum_buffers)
+        step = momentum_buffers
+    torch._foreach_sub_(ws, step if lr_in_momentum else torch._foreach_mul(step, lr))
     write_back(params, masters)
     torch._foreach_add_(state_steps, 1)
 
@@ -142,6 +176,7 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
 _compiled_lars = _paths.compiled_path(_single_tensor_lars, _foreach_lars)
 
 
+FLAGS = ("nesterov", "trust_clip", "trust_ratio", "lr_in_momentum", "zero_norm_skip")
 _PATHS = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars, "compiled": _compiled_lars}
 
 
@@ -158,17 +193,24 @@ class LARS(LayerwiseOptimizer):
 
     The variant, stated because peer libraries differ on each point:
 
-    - **lr inside the momentum buffer**, as the MLPerf ResNet-50 reference and
-      ``optax.lars`` keep it: when ``lr_t`` changes (warmup, decay) the buffer keeps the
-      rates at which past gradients were taken. timm's ``Lars`` keeps lr outside
-      (``w -= lr_t * v``); the two agree at constant lr.
+    - **lr inside the momentum buffer** by default, as the MLPerf ResNet-50 TF reference
+      and ``optax.lars`` keep it: when ``lr_t`` changes (warmup, decay) the buffer keeps
+      the rates at which past gradients were taken. ``lr_in_momentum=False`` keeps it
+      outside, ``v = momentum * v + ratio * d; w -= lr_t * v`` (nesterov: ``w -= lr_t *
+      (momentum * v + ratio * d)``), as torch's SGD under apex ``LARC``, NVIDIA's MLPerf
+      MXNet LARS (Goyal et al.'s momentum correction) and timm's ``Lars`` do; the two
+      agree at constant lr.
     - **Denominator** ``||g|| + wd * ||w|| + eps``, as in the paper and timm; ``optax.lars``
       uses ``||g + wd * w||`` (equal when ``wd = 0``).
-    - **Zero-norm rule**: ratio 1 when either norm is zero (fresh zero-initialized layers).
+    - **Zero-norm rule**: ratio 1 when either norm is zero (fresh zero-initialized
+      layers), then the clip and weight decay as elsewhere. ``zero_norm_skip=True`` is
+      apex ``LARC``'s rule instead: the gradient passes unchanged (ratio 1, no clip, no
+      weight decay).
     - **trust_clip** gives LARC's clipping (apex ``LARC``, timm ``trust_clip``): the local
       rate ``lr_t * ratio`` never exceeds the global one.
-    - **Exclusion**: a group with ``trust_ratio=False`` (biases, BatchNorm; see
-      :func:`param_groups`) gets ratio 1 and no weight decay, plain momentum SGD.
+    - **Exclusion**: a group with ``trust_ratio=False`` (biases, BatchNorm) gets ratio 1:
+      momentum SGD with the group's weight decay. :func:`param_groups` gives it none, as
+      MLPerf's reference does; NVIDIA's MLPerf LARS decays the classifier's bias.
 
     The hyperparameters, their defaults and valid values are ``largebatch.lars.spec.LARS_SPEC``.
 
@@ -183,7 +225,11 @@ class LARS(LayerwiseOptimizer):
         eps: >= 0, added to the trust-ratio denominator.
         nesterov: Nesterov momentum (needs momentum > 0).
         trust_clip: LARC clipping.
-        trust_ratio: adapt the group; False gives ratio 1 and no weight decay.
+        trust_ratio: adapt the group; False gives ratio 1 (weight decay still applies).
+        lr_in_momentum: ``True``: ``v = momentum * v + lr * ratio * d; w -= v``;
+            ``False``: ``v = momentum * v + ratio * d; w -= lr * v``.
+        zero_norm_skip: where ``||w||`` or ``||g||`` is 0, leave the gradient as it is
+            (apex ``LARC``); ``False``: ratio 1, then the clip and weight decay.
         master_weights: keep fp32 master copies of fp16/bf16 params in the state.
         foreach: ``None`` or ``True``: ``torch._foreach_*`` ops; ``False``: a per-tensor loop.
         fused: ``None``: the Triton kernels when every param is on CUDA and triton imports
@@ -220,6 +266,8 @@ class LARS(LayerwiseOptimizer):
         nesterov: bool = _D["nesterov"],
         trust_clip: bool = _D["trust_clip"],
         trust_ratio: bool = _D["trust_ratio"],
+        lr_in_momentum: bool = _D["lr_in_momentum"],
+        zero_norm_skip: bool = _D["zero_norm_skip"],
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -228,7 +276,8 @@ class LARS(LayerwiseOptimizer):
         super().__init__(
             params, lr=lr, momentum=momentum, weight_decay=weight_decay,
             trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-            trust_clip=trust_clip, trust_ratio=trust_ratio, master_weights=master_weights,
+            trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
+            zero_norm_skip=zero_norm_skip, master_weights=master_weights,
             foreach=foreach, fused=fused, compiled=compiled,
         )
 
@@ -251,6 +300,7 @@ class LARS(LayerwiseOptimizer):
                 w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
                 ratio = lars_ratio(w_norm, g_norm, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
                                    trust_coefficient=hyper["trust_coefficient"], eps=hyper["eps"],
-                                   trust_clip=hyper["trust_clip"])
+                                   trust_clip=hyper["trust_clip"],
+                                   zero_norm_skip=hyper["zero_norm_skip"])
                 out.append(float(ratio))
         return out
