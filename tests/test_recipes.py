@@ -262,3 +262,30 @@ def test_the_fashion_recipes_carry_the_studys_choices():
                 recipe.epochs) == (row["lr"], row["warmup_epochs"], row["label_smoothing"],
                                    row["power"], row["epochs"]), recipe.name
         assert recipe.note.endswith("the 30-epoch study's choice")
+
+
+def test_nvidia_split_decays_the_fc_bias_without_the_trust_ratio():
+    """decay_exclude='nvidia' (NVIDIA's MLPerf LARS, common/fit.py set_wd_mult and
+    _get_lars): weights adapted and decayed, batch norm neither, the fc bias decayed only."""
+
+    from largebatch.recipes.build import decay_groups
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, bias=False), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 3))
+    adapted, excluded, decayed = decay_groups(model, 5e-5, "nvidia")
+    conv, bn, fc = model[0], model[1], model[3]
+    assert adapted == {"params": [conv.weight, fc.weight], "weight_decay": 5e-5}
+    assert excluded == {"params": [bn.weight, bn.bias], "weight_decay": 0.0, "trust_ratio": False}
+    assert decayed == {"params": [fc.bias], "weight_decay": 5e-5, "trust_ratio": False}
+
+
+def test_reference_recipes_take_their_sources_optimizer():
+    from largebatch.lars.sources import source_keywords
+
+    for name in ("resnet50-mlperf-lars-34k", "resnet50-mlperf-lars-64k"):
+        recipe = get_recipe(name)
+        assert recipe.decay_exclude == "nvidia"
+        assert source_keywords("nvidia-mxnet").items() <= recipe.optimizer_kwargs.items()
+        assert recipe.optimizer_kwargs["lr_in_momentum"] is False
+    lamb = get_recipe("resnet50-lamb-32k")
+    assert lamb.optimizer_kwargs == source_keywords("lamb-authors")
+    assert lamb.optimizer_kwargs["bias_correction"] is False

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, applied_weight_decay
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 
 __all__ = ["lars_step", "lamb_step", "clip_divisor", "global_norm", "safe_ratio"]
 
@@ -83,7 +83,7 @@ def lars_step(
     """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
     new_params, new_bufs = [], []
     for w, g, v in zip(_f64(params), _f64(grads), _f64(momentum_buffers)):
-        wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+        wd = weight_decay
         ratio = 1.0
         if trust_ratio:
             w_norm = float(np.linalg.norm(w))
@@ -129,7 +129,7 @@ def lamb_step(
     b1, b2 = betas
     bc1 = 1.0 - b1**step if bias_correction else 1.0
     bc2 = 1.0 - b2**step if bias_correction else 1.0
-    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+    wd = weight_decay
     new_params, new_m, new_v = [], [], []
     for w, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
         g = g / grad_scale

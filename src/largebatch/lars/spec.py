@@ -170,22 +170,13 @@ class OptimizerSpec:
         return out
 
     def row(self, values: Mapping[str, Any]) -> tuple[float, ...]:
-        """A group's numbers in :attr:`columns` order, as applied: an excluded group
-        (``trust_ratio=False``) has no weight decay."""
+        """A group's numbers in :attr:`columns` order (a flag as 0 or 1)."""
         flat: dict[str, Any] = {}
         for h in self.hypers[1:]:
             value = values[h.name]
             flat.update(zip(h.parts, value) if h.parts else [(h.name, value)])
-        flat["weight_decay"] = applied_weight_decay(values)
         return tuple(float(flat[c]) for c in self.columns)
 
-
-def applied_weight_decay(values: Mapping[str, Any]) -> Any:
-    """The weight decay a group applies: its ``weight_decay``, whether or not it takes the
-    trust ratio (the two are independent: NVIDIA's MLPerf LARS decays the classifier's
-    bias without adapting it). :func:`largebatch.torch.param_groups` gives excluded
-    params no decay, as the MLPerf reference does."""
-    return values["weight_decay"]
 
 
 def _lars_rules(values: Mapping[str, Any]) -> None:

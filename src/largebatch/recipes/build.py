@@ -63,8 +63,9 @@ def build_optimizer(
 def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[dict[str, Any]]:
     """``param_groups(model, weight_decay, ...)`` with the recipe's exclusion: ``"bn_bias"``
     (normalisation params and every bias: ``param_groups``' default), ``"bn"`` (only the
-    normalisation layers' scale and shift; other biases are decayed and adapted) or
-    ``"none"`` (nothing excluded)."""
+    normalisation layers' scale and shift; other biases are decayed and adapted),
+    ``"none"`` (nothing excluded) or ``"nvidia"`` (as ``"bn_bias"``, but the biases of the
+    fully connected layers decayed without the trust ratio, a third group)."""
     if exclude == "bn_bias":
         return param_groups(model, weight_decay)
     if exclude == "none":
@@ -73,7 +74,14 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[di
         norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
                 for p in m.parameters(recurse=False)}
         return param_groups(model, weight_decay, exclude=lambda name, p: id(p) in norm)
-    raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn or none)")
+    if exclude == "nvidia":  # NVIDIA's MLPerf LARS: the fc biases decayed, not adapted
+        fc_bias = {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
+        adapted, excluded = param_groups(model, weight_decay)
+        decayed = [p for p in excluded["params"] if id(p) in fc_bias]
+        excluded["params"] = [p for p in excluded["params"] if id(p) not in fc_bias]
+        return [adapted, excluded,
+                {"params": decayed, "weight_decay": weight_decay, "trust_ratio": False}]
+    raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn, none or nvidia)")
 
 
 def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epoch: int,

@@ -21,11 +21,11 @@ masks combine) and ``norms`` (the overflow-safe L2 norms). Import from here, or 
 Masks. ``trust_ratio_mask`` and ``weight_decay_mask`` are optax masks: ``None`` (every
 leaf), a pytree of bools with the structure of the params (or a prefix of it), or a
 callable returning one. A leaf where ``trust_ratio_mask`` is False is *excluded*: ratio 1
-and no weight decay (biases and normalization parameters, as MLPerf does;
-:func:`exclusion_mask` builds this split by shape). ``weight_decay_mask`` can only remove
-weight decay from leaves that keep their trust ratio: a leaf is decayed where both masks
-are True. (``optax.lars`` applies its two masks independently, so an excluded leaf there
-is still decayed.)
+(biases and normalization parameters, as MLPerf does; :func:`exclusion_mask` builds this
+split by shape). Without ``weight_decay_mask`` a leaf is decayed where it is adapted; with
+it, the two masks are independent, as ``optax.lars``'s are: a leaf is decayed where
+``weight_decay_mask`` is True (NVIDIA's MLPerf LARS decays the fc bias without adapting
+it).
 
 Dtypes. Updates have the dtype of the incoming updates (bf16 gradients of bf16 params
 get bf16 updates), and every state leaf keeps the dtype ``init`` gave it, whatever the

@@ -218,8 +218,9 @@ def lamb(
     eps outside the square root, the weight decay added to the Adam direction *before*
     the trust ratio (``u = r + wd * w``, so it enters the ratio's denominator ``||u||``
     as well as the step), and the global gradient clipping of NVIDIA's LAMB when
-    ``max_grad_norm`` is set. Leaves where ``trust_ratio_mask`` is False get ratio 1 and
-    no weight decay (plain Adam steps).
+    ``max_grad_norm`` is set. Leaves where ``trust_ratio_mask`` is False get ratio 1; their
+    weight decay follows ``weight_decay_mask`` when it is given, and is off when it is
+    not (plain Adam steps).
 
     The chain: [``divide_by_global_norm``] -> ``optax.scale_by_adam`` (or
     ``scale_by_uncorrected_adam``) -> ``optax.add_decayed_weights`` (masked) ->
@@ -239,7 +240,8 @@ def lamb(
       bias_correction: divide the moments by ``1 - b^t``.
       max_grad_norm: > 0 or None; clip the gradients by their global norm first.
       weight_decay_mask: optax mask; False removes weight decay from a leaf.
-      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1, no weight decay).
+      trust_ratio_mask: optax mask; False excludes a leaf (ratio 1; decayed only where
+        ``weight_decay_mask`` is given and True).
       axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
         over which the params are sharded; see "Sharded params" below.
 

@@ -60,8 +60,7 @@ holds each tensor's addresses (int64 ``data_ptr``), size and group, and a ``chun
 table maps each program to (tensor, first element) of its chunk: BLOCK * TILES = 4096
 elements, fewer when every tensor of the bucket is smaller. Small per-group tables hold
 the hyperparameters and the address of ``lr``: the hyperparameter table is fp64 (for an
-accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1, no weight decay
-where ``trust_ratio`` is False), one column per ``spec.columns`` entry, which the kernels
+accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1), one column per ``spec.columns`` entry, which the kernels
 read by name (``lars.py``, ``lamb.py``). Sums of squares are formed and accumulated in
 fp64 (``tl.atomic_add``) in one workspace, which also holds LAMB's global grad sum of
 squares: no finite weight or gradient can overflow them (an fp32 sum of squares does

@@ -34,7 +34,8 @@ def param_groups(
     {"params": excluded, "weight_decay": 0.0, "trust_ratio": False}]``. A param is excluded
     when ``exclude(name, param)`` is true; the default excludes biases and params with
     ``ndim <= 1`` (BatchNorm/LayerNorm), as the MLPerf ResNet-50 reference does. Excluded
-    params get trust ratio 1 and no weight decay. Either group may be empty.
+    params get trust ratio 1 and no weight decay (``weight_decay`` and ``trust_ratio`` are
+    independent per group; this split sets both). Either group may be empty.
     """
     LARS_SPEC.hyper("weight_decay").check(weight_decay)
     exclude = default_exclude if exclude is None else exclude

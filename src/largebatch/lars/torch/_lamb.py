@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LAMB_SPEC, applied_weight_decay, as_flag
+from largebatch.lars.spec import LAMB_SPEC, as_flag
 from largebatch.lars.torch import _paths, _sharded
 from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import (
@@ -120,7 +120,7 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     betas, trust_ratio = hyper["betas"], hyper["trust_ratio"]
-    lr, eps, wd = hyper["lr"], hyper["eps"], applied_weight_decay(hyper)
+    lr, eps, wd = hyper["lr"], hyper["eps"], hyper["weight_decay"]
     numbers = (lr, *betas, eps, wd)
     body = _paths.compiled_body(_lamb_one) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
@@ -148,7 +148,7 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
     if not params:
         return
     b1, b2 = betas
-    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+    wd = weight_decay
     ws = weights(params, masters)
     gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
@@ -201,8 +201,8 @@ class LAMB(LayerwiseOptimizer):
     rule but clips gradients by default (``max_grad_norm=1.0``) and adapts only groups
     with weight decay; NVIDIA apex's ``FusedLAMB`` also clips at a hidden
     ``max_grad_norm=1.0``. Here clipping is off unless asked for, and the global norm
-    spans every group. A group with ``trust_ratio=False`` gets ratio 1 and no weight
-    decay (Adam with bias correction).
+    spans every group. A group with ``trust_ratio=False`` gets ratio 1 and its own weight
+    decay (``param_groups`` gives it none: Adam with bias correction).
 
     The hyperparameters, their defaults and valid values are ``largebatch.lars.spec.LAMB_SPEC``.
 
@@ -214,7 +214,7 @@ class LAMB(LayerwiseOptimizer):
         eps: >= 0, added to ``sqrt(v_hat)``.
         weight_decay: ``wd`` >= 0, decoupled (added to the Adam direction).
         bias_correction: divide the moments by ``1 - b^t``.
-        trust_ratio: adapt the group; False gives ratio 1 and no weight decay.
+        trust_ratio: adapt the group; False gives ratio 1 (weight decay still applies).
         max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
         partitioned: this optimizer holds only some of the model's params and the other
             ranks of the default process group hold the rest, as each rank's optimizer
@@ -309,7 +309,7 @@ class LAMB(LayerwiseOptimizer):
             if not group["trust_ratio"]:
                 continue
             hyper = self._hyper(group)
-            (b1, b2), wd = hyper["betas"], applied_weight_decay(hyper)
+            (b1, b2), wd = hyper["betas"], hyper["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LARS_SPEC, applied_weight_decay
+from largebatch.lars.spec import LARS_SPEC
 from largebatch.lars.torch import _paths, _sharded
 from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import (
@@ -116,7 +116,7 @@ def _lars_one(
 def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     flags = {k: hyper[k] for k in FLAGS}
-    numbers = (hyper["lr"], hyper["momentum"], applied_weight_decay(hyper),
+    numbers = (hyper["lr"], hyper["momentum"], hyper["weight_decay"],
                hyper["trust_coefficient"], hyper["eps"])
     body = _paths.compiled_body(_lars_one) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
@@ -138,7 +138,7 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
                   zero_norm_skip=False, reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
-    wd = applied_weight_decay(dict(weight_decay=weight_decay, trust_ratio=trust_ratio))
+    wd = weight_decay
     ws = weights(params, masters)
     gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
