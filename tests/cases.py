@@ -91,6 +91,14 @@ CASES = [
     Case("lamb-max-grad-norm", "lamb", {"weight_decay": 0.01}, {"trust_ratio": False}, max_grad_norm=5.0),
     Case("lamb-max-grad-norm-unused", "lamb", {"weight_decay": 0.01}, max_grad_norm=1e6),
     Case("lamb-eps", "lamb", {"eps": 1e-3}, {"eps": 0.0}),
+    # apex FusedLAMB's L2 mode without gradient averaging; the group without decay adapts.
+    # (Decay well above the small grads: where g + wd * w nearly cancels, the sign of a
+    # bf16 m is noise, and so is that element's step.)
+    Case("lamb-l2-no-averaging", "lamb", {"adam_w_mode": False, "grad_averaging": False,
+                                          "weight_decay": 0.1}, {"weight_decay": 0.0}),
+    # apex FusedLAMB's and timm's default: the group without decay takes no trust ratio.
+    Case("lamb-adapt-only-decayed", "lamb", {"adapt_without_decay": False, "weight_decay": 0.01},
+         {"weight_decay": 0.0}),
 ]
 CASE_IDS = [c.id for c in CASES]
 

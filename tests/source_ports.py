@@ -160,12 +160,17 @@ def _corrected(m: np.ndarray, v: np.ndarray, t: int, b1: float, b2: float, eps: 
 
 def apex_fused_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
                     wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                    max_grad_norm: float = 1.0) -> Arrays:
+                    max_grad_norm: float = 1.0, adam_w_mode: bool = True,
+                    grad_averaging: bool = True, use_nvlamb: bool = False) -> Arrays:
     """NVIDIA/apex, apex/optimizers/fused_lamb.py FusedLAMB.step and
-    csrc/multi_tensor_lamb.cu (adam_w_mode, grad_averaging, use_nvlamb off): one global
-    norm ``G`` over every grad, ``g / (G / max_grad_norm)`` above the threshold; stage 1
-    ``u = m_hat / (sqrt(v_hat) + eps) + wd * w``; stage 2 the ratio ``||w|| / ||u||``
-    only where the decay is nonzero (1 at a zero norm); ``w -= lr * ratio * u``."""
+    csrc/multi_tensor_lamb.cu, LAMBStage1Functor and LAMBStage2Functor: one global norm
+    ``G`` over every grad, ``g / (G / max_grad_norm)`` above the threshold; stage 1, in
+    AdamW mode ``u = m_hat / (sqrt(v_hat) + eps) + wd * w``, in L2 mode ``g + wd * w``
+    into the moments and no decay in u; ``m = b1 * m + b3 * g`` with ``b3 = 1 - b1``, or
+    1 without grad averaging; stage 2 the ratio ``||w|| / ||u||`` only where the decay
+    is nonzero, or everywhere with use_nvlamb (1 at a zero norm); ``w -= lr * ratio * u``.
+    (timm/optim/lamb.py, Lamb.step, takes the same steps at its defaults.) ``adapt`` is
+    not read: the decay decides."""
     ws = [p.copy() for p in params]
     ms, vs = [np.zeros_like(p) for p in params], [np.zeros_like(p) for p in params]
     for t, (lr, gs) in enumerate(zip(lrs, grads), start=1):
@@ -174,10 +179,12 @@ def apex_fused_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float
         for i, g in enumerate(gs):
             g = g / clip
             wd_i = wd if decay[i] else 0.0
-            ms[i] = b1 * ms[i] + (1 - b1) * g
+            if not adam_w_mode:
+                g = g + wd_i * ws[i]
+            ms[i] = b1 * ms[i] + ((1 - b1) if grad_averaging else 1.0) * g
             vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            u = _corrected(ms[i], vs[i], t, b1, b2, eps) + wd_i * ws[i]
-            ratio = _lamb_ratio(ws[i], u) if wd_i != 0 else 1.0
+            u = _corrected(ms[i], vs[i], t, b1, b2, eps) + (wd_i * ws[i] if adam_w_mode else 0.0)
+            ratio = _lamb_ratio(ws[i], u) if wd_i != 0 or use_nvlamb else 1.0
             ws[i] = ws[i] - lr * ratio * u
     return ws
 

@@ -37,7 +37,9 @@ SPLITS = {
     "apex-larc": {"weight": (True, True), "bn": (True, True), "fc_bias": (True, True)},
     "timm": WEIGHTS_ONLY,
     "lamb-authors": {"weight": (True, True), "bn": (False, False), "fc_bias": (True, True)},
-    "apex-fusedlamb": WEIGHTS_ONLY,
+    # Groups by weight decay alone: the trust ratio follows it (adapt_without_decay=False).
+    "apex-fusedlamb": {"weight": (True, True), "bn": (True, False), "fc_bias": (True, False)},
+    "timm-lamb": {"weight": (True, True), "bn": (True, False), "fc_bias": (True, False)},
     "tfa": WEIGHTS_ONLY,
 }
 PORTS = {
@@ -47,6 +49,7 @@ PORTS = {
     "timm": lambda *a, **k: ports.timm_lars(*a, **k, momentum=MOMENTUM),
     "lamb-authors": ports.lamb_authors,
     "apex-fusedlamb": ports.apex_fused_lamb,
+    "timm-lamb": ports.apex_fused_lamb,  # the same steps at timm's defaults (its docstring)
     "tfa": ports.tfa_lamb,
 }
 PORTED = list(PORTS)
@@ -187,6 +190,7 @@ def test_jax_takes_the_sources_update(data, source):
     ("nvidia-mxnet", {"lr_in_momentum": True}),  # the rate inside the buffer: MLPerf TF's
     ("apex-larc", {"zero_norm_skip": False}),  # the clipped fallback ratio, decay at zero norms
     ("lamb-authors", {"bias_correction": True}),
+    ("apex-fusedlamb", {"adapt_without_decay": True}),
 ])
 def test_without_the_sources_keyword_the_update_differs(data, source, default):
     """The keywords matter: the package's default in their place leaves the source's
@@ -222,3 +226,29 @@ def test_the_docs_table_states_every_sources_keywords():
         row = next(line for line in page.splitlines() if line.startswith(f"| `{name}` |"))
         for key, value in source.keywords.items():
             assert f"{key}={value}" in row if isinstance(value, bool) else f"{key}=" in row, (name, key)
+
+
+@pytest.mark.parametrize("runner", ["spec", "single_tensor", "foreach", "fused", "jax"])
+def test_apex_fused_lamb_options(data, runner, monkeypatch):
+    """FusedLAMB's L2 mode without gradient averaging, with use_nvlamb (the trust ratio on
+    the groups without decay too): adam_w_mode=False, grad_averaging=False,
+    adapt_without_decay=True."""
+    params, grads = data
+    options = {"adam_w_mode": False, "grad_averaging": False, "adapt_without_decay": True}
+    monkeypatch.setitem(PORTS, "apex-fusedlamb", lambda *a, **k: ports.apex_fused_lamb(
+        *a, **k, adam_w_mode=False, grad_averaging=False, use_nvlamb=True))
+    keywords = source_keywords
+    monkeypatch.setattr("test_sources.source_keywords",
+                        lambda name, framework="torch": {**keywords(name, framework), **options})
+    if runner == "spec":
+        got = run_spec("lamb", params, grads, hypers("apex-fusedlamb"), LRS, 1.0).params
+        dtype = torch.float64
+    elif runner == "jax":
+        got, dtype = run_jax("apex-fusedlamb", params, grads), torch.float64
+    else:
+        dtype = torch.float32 if runner == "fused" else torch.float64
+        if dtype != torch.float64:
+            params = [p.astype(np.float32).astype(np.float64) for p in params]
+            grads = [[g.astype(np.float32).astype(np.float64) for g in gs] for gs in grads]
+        got = run_torch("apex-fusedlamb", params, grads, dtype=dtype, **TORCH_PATHS[runner])
+    assert_close(got, port("apex-fusedlamb", params, grads), params, dtype)

@@ -27,6 +27,10 @@ LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = iden
     ratio = ||w|| / ||u||                               (1 if ||w|| == 0 or ||u|| == 0)
     w = w - lr * ratio * u
 
+    adam_w_mode=False (apex FusedLAMB's L2 mode): g = g + wd * w before the moments, u = r
+    grad_averaging=False (apex, timm): m = b1 * m + g
+    adapt_without_decay=False (apex FusedLAMB, timm): ratio 1 where wd == 0
+
 A tensor excluded from adaptation (``trust_ratio=False``: biases, normalization
 parameters) gets ratio 1; its weight decay is its group's, in both rules.
 
@@ -118,6 +122,9 @@ def lamb_step(
     weight_decay: float = _LAMB["weight_decay"],
     bias_correction: bool = _LAMB["bias_correction"],
     trust_ratio: bool = _LAMB["trust_ratio"],
+    adam_w_mode: bool = _LAMB["adam_w_mode"],
+    grad_averaging: bool = _LAMB["grad_averaging"],
+    adapt_without_decay: bool = _LAMB["adapt_without_decay"],
     grad_scale: float = 1.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.
@@ -130,13 +137,16 @@ def lamb_step(
     bc1 = 1.0 - b1**step if bias_correction else 1.0
     bc2 = 1.0 - b2**step if bias_correction else 1.0
     wd = weight_decay
+    adapt = trust_ratio and (adapt_without_decay or wd != 0)
     new_params, new_m, new_v = [], [], []
     for w, g, m, v in zip(_f64(params), _f64(grads), _f64(exp_avgs), _f64(exp_avg_sqs)):
         g = g / grad_scale
-        m = b1 * m + (1.0 - b1) * g
+        if not adam_w_mode:
+            g = g + wd * w
+        m = b1 * m + ((1.0 - b1) if grad_averaging else 1.0) * g
         v = b2 * v + (1.0 - b2) * g * g
-        u = (m / bc1) / (np.sqrt(v / bc2) + eps) + wd * w
-        if trust_ratio:
+        u = (m / bc1) / (np.sqrt(v / bc2) + eps) + (wd * w if adam_w_mode else 0.0)
+        if adapt:
             w_norm = float(np.linalg.norm(w))
             u_norm = float(np.linalg.norm(u))
             ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)

@@ -101,14 +101,23 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
         "gradient"),
     Source(
         "apex-fusedlamb", "lamb",
-        {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": True, "max_grad_norm": 1.0},
+        {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": True, "max_grad_norm": 1.0,
+         "adapt_without_decay": False},
         "NVIDIA/apex, apex/optimizers/fused_lamb.py, FusedLAMB.step, and "
-        "csrc/multi_tensor_lamb.cu, LAMBStage1Functor / LAMBStage2Functor (adam_w_mode=True, "
-        "grad_averaging=True, use_nvlamb=False; its default weight_decay is 0.01)",
-        "the trust ratio only where weight_decay != 0: " + _PARAM_GROUPS,
-        "adam_w_mode=False (L2 decay into the gradient), grad_averaging=False, and "
-        "use_nvlamb=True (the trust ratio on groups without weight decay: here a group with "
-        "trust_ratio=True and weight_decay=0)"),
+        "csrc/multi_tensor_lamb.cu, LAMBStage1Functor / LAMBStage2Functor (its default "
+        "weight_decay is 0.01; its adam_w_mode and grad_averaging are the keywords of the "
+        "same names, use_nvlamb=True is adapt_without_decay=True)",
+        "the trust ratio only in groups whose weight_decay is nonzero",
+        ""),
+    Source(
+        "timm-lamb", "lamb",
+        {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": True, "max_grad_norm": 1.0,
+         "adapt_without_decay": False},
+        "huggingface/pytorch-image-models, timm/optim/lamb.py, Lamb.step (grad_averaging "
+        "is the keyword of that name, always_adapt=True is adapt_without_decay=True)",
+        "the trust ratio only in groups whose weight_decay is nonzero (timm's groups: "
+        "biases and ndim <= 1 params have none)",
+        "trust_clip (the ratio capped at 1), decoupled_decay and corrected_weight_decay"),
     Source(
         "tfa", "lamb",
         {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": True},

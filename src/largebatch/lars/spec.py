@@ -231,6 +231,12 @@ LAMB_SPEC = OptimizerSpec(
         _WEIGHT_DECAY,
         Hyper("bias_correction", True, "divide the moments by 1 - b^t", kind="flag"),
         _TRUST_RATIO,
+        Hyper("adam_w_mode", True, "u = r + wd * w (decoupled); False: L2, g + wd * w enters "
+              "the moments and u = r (apex FusedLAMB adam_w_mode=False)", kind="flag"),
+        Hyper("grad_averaging", True, "m = b1 * m + (1 - b1) * g; False: m = b1 * m + g "
+              "(apex FusedLAMB, timm)", kind="flag"),
+        Hyper("adapt_without_decay", True, "the trust ratio also where weight_decay is 0; "
+              "False: only where it is not (apex FusedLAMB's default, timm's)", kind="flag"),
     ),
     options=(
         Hyper("max_grad_norm", None, "clip all grads by their global norm first", low_open=True,

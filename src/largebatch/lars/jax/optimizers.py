@@ -202,6 +202,9 @@ def lamb(
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
     axis_name: AxisName = None,
+    adam_w_mode: bool = _LAMB["adam_w_mode"],
+    grad_averaging: bool = _LAMB["grad_averaging"],
+    adapt_without_decay: bool = _LAMB["adapt_without_decay"],
 ) -> optax.GradientTransformation:
     r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
 
@@ -242,6 +245,11 @@ def lamb(
       weight_decay_mask: optax mask; False removes weight decay from a leaf.
       trust_ratio_mask: optax mask; False excludes a leaf (ratio 1; decayed only where
         ``weight_decay_mask`` is given and True).
+      adam_w_mode: ``True``: ``u = r + wd * w``; ``False``: L2, ``g + wd * w`` enters the
+        moments and ``u = r`` (apex ``FusedLAMB(adam_w_mode=False)``).
+      grad_averaging: ``False``: ``m = b1 * m + g`` (apex ``FusedLAMB``, timm).
+      adapt_without_decay: ``False``: the trust ratio only on decayed leaves, while
+        ``weight_decay`` is nonzero (apex ``FusedLAMB``'s default, timm's).
       axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
         over which the params are sharded; see "Sharded params" below.
 
@@ -297,22 +305,30 @@ def lamb(
             "weight_decay": _known(weight_decay),
             "bias_correction": bias_correction,  # a flag: never traced
             "max_grad_norm": _known(max_grad_norm),
+            "adam_w_mode": adam_w_mode,
+            "grad_averaging": grad_averaging,
+            "adapt_without_decay": adapt_without_decay,
         },
         names={"lr": "learning_rate", "betas": ("b1", "b2")},
     )
-    bias_correction = checked["bias_correction"]
+    bias_correction, adam_w_mode = checked["bias_correction"], checked["adam_w_mode"]
+    grad_averaging, adapt_without_decay = checked["grad_averaging"], checked["adapt_without_decay"]
     axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm, axis_name)]
-    moments = (optax.scale_by_adam if bias_correction else scale_by_uncorrected_adam)(b1, b2, eps)
+    if grad_averaging and bias_correction:
+        moments = optax.scale_by_adam(b1, b2, eps)
+    else:
+        moments = scale_by_uncorrected_adam(b1, b2, eps, bias_correction, grad_averaging)
+    # Decay and adaptation are independent where weight_decay_mask is given.
+    decay_mask = trust_ratio_mask if weight_decay_mask is None else weight_decay_mask
+    decay = optax.add_decayed_weights(weight_decay, decay_mask)
+    if adapt_without_decay:
+        adapt = _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask)
+    else:  # only where the leaf's weight decay is nonzero
+        adapt = _masked(scale_by_lamb_trust_ratio(axis_name, weight_decay),
+                        _mask_and(trust_ratio_mask, decay_mask) if decay_mask is not None else None)
+    steps = [decay, moments] if not adam_w_mode else [moments, decay]  # L2: decay first
     return _keep_dtypes(
-        optax.chain(
-            *clip,
-            moments,
-            # Decay and adaptation are independent where weight_decay_mask is given.
-            optax.add_decayed_weights(
-                weight_decay, trust_ratio_mask if weight_decay_mask is None else weight_decay_mask),
-            _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask),
-            optax.scale_by_learning_rate(learning_rate),
-        )
+        optax.chain(*clip, *steps, adapt, optax.scale_by_learning_rate(learning_rate))
     )

@@ -149,7 +149,9 @@ def scale_by_lars_trust_ratio(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_lamb_trust_ratio(axis_name: AxisName = None) -> optax.GradientTransformation:
+def scale_by_lamb_trust_ratio(
+    axis_name: AxisName = None, weight_decay: Any = None
+) -> optax.GradientTransformation:
     """Scale each leaf ``u`` by the LAMB trust ratio ``||w|| / ||u||``.
 
     The ratio is 1 where ``||w|| == 0`` or ``||u|| == 0``; no bounds, no coefficient
@@ -160,6 +162,10 @@ def scale_by_lamb_trust_ratio(axis_name: AxisName = None) -> optax.GradientTrans
 
     ``axis_name``: as in :func:`scale_by_lars_trust_ratio`, for ``||w||`` and ``||u||``
     (inside ``jax.shard_map``, over the axes that shard every leaf).
+
+    ``weight_decay`` (a number, possibly traced): when given, the ratio applies only
+    while it is nonzero (apex ``FusedLAMB``'s and timm's rule; ``lamb()``'s
+    ``adapt_without_decay=False``).
     """
     axis_name = _check_axis_name(axis_name)
 
@@ -170,7 +176,10 @@ def scale_by_lamb_trust_ratio(axis_name: AxisName = None) -> optax.GradientTrans
         norms = _norms(ws + us, axis_name)
 
         def leaf(u, u32, w_norm, u_norm):
-            return (_safe_ratio(w_norm, u_norm, w_norm, u_norm) * u32).astype(u.dtype)
+            ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
+            if weight_decay is not None:
+                ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, jnp.ones_like(ratio))
+            return (ratio * u32).astype(u.dtype)
 
         n = len(us)
         new = map(leaf, treedef.flatten_up_to(updates), us, norms[:n], norms[n:])
@@ -214,15 +223,19 @@ def divide_by_global_norm(
 
 
 def scale_by_uncorrected_adam(
-    b1: float = _LAMB["betas"][0], b2: float = _LAMB["betas"][1], eps: float = _LAMB["eps"]
+    b1: float = _LAMB["betas"][0], b2: float = _LAMB["betas"][1], eps: float = _LAMB["eps"],
+    bias_correction: bool = False, grad_averaging: bool = True,
 ) -> optax.GradientTransformation:
     """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.
 
     ``m = b1 * m + (1 - b1) * g`` and ``v = b2 * v + (1 - b2) * g^2``, as
     ``optax.scale_by_adam`` but without dividing by ``1 - b^t`` (``g^2`` is ``|g|^2``
     for complex ``g``); the state is an ``optax.ScaleByAdamState``, so a checkpoint
-    fits either setting.
+    fits either setting. ``grad_averaging=False`` takes ``m = b1 * m + g`` (apex
+    ``FusedLAMB``, timm); ``bias_correction=True`` divides by ``1 - b^t`` after all
+    (``optax.scale_by_adam``'s direction, for use with ``grad_averaging=False``).
     """
+    b3 = (1 - b1) if grad_averaging else 1.0
 
     def init_fn(params):
         return optax.ScaleByAdamState(
@@ -233,10 +246,14 @@ def scale_by_uncorrected_adam(
 
     def update_fn(updates, state, params=None):
         del params
-        mu = jax.tree.map(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
+        mu = jax.tree.map(lambda g, m: b3 * g + b1 * m, updates, state.mu)
         nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
-        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
         count = optax.safe_increment(state.count)
+        if bias_correction:
+            bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
+            updates = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + eps), mu, nu)
+        else:
+            updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
         return updates, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(init_fn, update_fn)

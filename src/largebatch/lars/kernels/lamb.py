@@ -30,6 +30,9 @@ _EPS = tl.constexpr(LAMB_SPEC.columns.index("eps"))
 _WEIGHT_DECAY = tl.constexpr(LAMB_SPEC.columns.index("weight_decay"))
 _BIAS_CORRECTION = tl.constexpr(LAMB_SPEC.columns.index("bias_correction"))
 _TRUST_RATIO = tl.constexpr(LAMB_SPEC.columns.index("trust_ratio"))
+_ADAM_W_MODE = tl.constexpr(LAMB_SPEC.columns.index("adam_w_mode"))
+_GRAD_AVERAGING = tl.constexpr(LAMB_SPEC.columns.index("grad_averaging"))
+_ADAPT_WITHOUT_DECAY = tl.constexpr(LAMB_SPEC.columns.index("adapt_without_decay"))
 _LAMB_COLS = tl.constexpr(len(LAMB_SPEC.columns))
 
 
@@ -41,29 +44,37 @@ def _lamb_direction(w, m, v, inv_bc1, inv_bc2, eps, wd):
 
 @triton.jit
 def _lamb_factors(hyper, row, group):
-    """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, wd and trust_ratio flag,
-    and 1 / bias corrections at its own step count."""
+    """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, the weight decay that
+    enters the moments (L2 mode) and the one that enters u (AdamW mode), the factor of g
+    in m (1 - b1, or 1 without grad averaging), whether it takes the trust ratio, and
+    1 / bias corrections at its own step count."""
     h = hyper + group * _LAMB_COLS
     b1 = tl.load(h + _B1)
     b2 = tl.load(h + _B2)
     eps = tl.load(h + _EPS).to(tl.float32)
     wd = tl.load(h + _WEIGHT_DECAY).to(tl.float32)
     corrected = tl.load(h + _BIAS_CORRECTION) != 0
-    trust_ratio = tl.load(h + _TRUST_RATIO) != 0
+    adam_w = tl.load(h + _ADAM_W_MODE) != 0
+    wd_g = tl.where(adam_w, 0.0, wd)
+    wd_u = tl.where(adam_w, wd, 0.0)
+    b3 = tl.where(tl.load(h + _GRAD_AVERAGING) != 0, 1.0 - b1, 1.0)  # fp64, then fp32
+    trust_ratio = (tl.load(h + _TRUST_RATIO) != 0) & (
+        (tl.load(h + _ADAPT_WITHOUT_DECAY) != 0) | (wd != 0))
     step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
     e = step.to(tl.int32) + 1  # this is step t = step + 1
     inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
     inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, e), 1.0)
-    return b1, b2, eps, wd, inv_bc1, inv_bc2, trust_ratio
+    return b1, b2, b3, eps, wd_g, wd_u, inv_bc1, inv_bc2, trust_ratio
 
 
 @triton.jit
 def _moment_tiles(
-    w_ptr, g_ptr, m_ptr, v_ptr, start, limit, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+    w_ptr, g_ptr, m_ptr, v_ptr, start, limit, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
     W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """New m, v on elements [start, limit) of a chunk, stored; sums of w^2 and u^2."""
-    one_b1 = (1.0 - b1).to(tl.float32)  # 1 - b in fp64, then fp32
+    """New m, v on elements [start, limit) of a chunk, stored; sums of w^2 and u^2.
+    ``wd_g`` enters the gradient (L2 mode; 0 otherwise), ``wd`` enters u."""
+    one_b1 = b3.to(tl.float32)  # 1 - b in fp64, then fp32
     one_b2 = (1.0 - b2).to(tl.float32)
     b1 = b1.to(tl.float32)
     b2 = b2.to(tl.float32)
@@ -74,6 +85,7 @@ def _moment_tiles(
         mask = offs < limit
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * g_mul
+        g = tl.where(wd_g != 0, g + wd_g * w, g)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # Round to the stored dtype first, so that pass 2 recomputes exactly this u.
@@ -114,7 +126,7 @@ def _lamb_moments_kernel(
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
-    b1, b2, eps, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, tl.load(row + _GROUP))
+    b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, tl.load(row + _GROUP))
     g_mul = _unscale(grad_scale, HAS_SCALE)
     if CLIP:
         # Compiled, a Python float argument is fp32 already; the interpreter passes it as
@@ -126,12 +138,12 @@ def _lamb_moments_kernel(
     end = start + BLOCK * TILES
     if end <= numel:
         w_sq, u_sq = _moment_tiles(
-            w_ptr, g_ptr, m_ptr, v_ptr, start, end, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+            w_ptr, g_ptr, m_ptr, v_ptr, start, end, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
             W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
     else:
         w_sq, u_sq = _moment_tiles(
-            w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, inv_bc1, inv_bc2, eps, wd,
+            w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
             W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
     tl.atomic_add(acc + 2 * t, w_sq)
@@ -180,7 +192,7 @@ def _lamb_apply_kernel(
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
-    _, _, eps, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group)
+    _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group)
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
 
     w_norm = tl.sqrt(tl.load(acc + 2 * t))

@@ -42,6 +42,9 @@ def lamb(
     weight_decay: float,
     bias_correction: bool,
     trust_ratio: bool,
+    adam_w_mode: bool = _D["adam_w_mode"],
+    grad_averaging: bool = _D["grad_averaging"],
+    adapt_without_decay: bool = _D["adapt_without_decay"],
 ) -> None:
     """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
 
@@ -51,10 +54,17 @@ def lamb(
     ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
     """
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                 bias_correction=bias_correction, trust_ratio=trust_ratio)
+                 bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
+                 grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay)
     lists = (params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
     _paths.dispatch(LAMB_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
+
+
+def adapts(hyper: dict[str, Any]) -> bool:
+    """Whether a group takes the trust ratio: its flag, and its weight decay unless
+    ``adapt_without_decay``."""
+    return hyper["trust_ratio"] and (hyper.get("adapt_without_decay", True) or hyper["weight_decay"] != 0)
 
 
 def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
@@ -80,7 +90,7 @@ def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN
 
 def _lamb_one(
     p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
-    trust_ratio, norm=norm, plain_norm=norm,  # noqa: ANN001
+    trust_ratio, adam_w_mode=True, grad_averaging=True, norm=norm, plain_norm=norm,  # noqa: ANN001
 ) -> Tensor | None:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already the applied one). The numbers are floats, or 0-dim tensors when this body
@@ -91,9 +101,11 @@ def _lamb_one(
     leaves ``w`` as it was, for :func:`_lamb_after_overflow` to finish."""
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
-    m.mul_(b1).add_(g * (1.0 - b1))
+    if not adam_w_mode:  # L2: the decay enters the moments, not u
+        g = g + weight_decay * w
+    m.mul_(b1).add_(g * (1.0 - b1) if grad_averaging else g)
     v.mul_(b2).add_(g * g * (1.0 - b2))
-    u = lamb_direction(w, m, v, eps, weight_decay, bc1, bc2)
+    u = lamb_direction(w, m, v, eps, weight_decay if adam_w_mode else 0.0, bc1, bc2)
     u_norm = None
     if trust_ratio:
         w_norm, u_norm = norm(w), plain_norm(u)
@@ -107,6 +119,7 @@ def _lamb_one(
 
 
 def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> None:  # noqa: ANN001
+    # ``weight_decay`` is the one in u: 0 in L2 mode.
     """The update of a tensor whose ``||u||`` overflowed an fp32 sum of squares (finite u,
     ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
     ``w`` unchanged: u again from the new moments, its norm by :func:`norm`."""
@@ -119,8 +132,10 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    betas, trust_ratio = hyper["betas"], hyper["trust_ratio"]
+    betas, trust_ratio = hyper["betas"], adapts(hyper)
     lr, eps, wd = hyper["lr"], hyper["eps"], hyper["weight_decay"]
+    flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
+                 grad_averaging=hyper["grad_averaging"])
     numbers = (lr, *betas, eps, wd)
     body = _paths.compiled_body(_lamb_one) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
@@ -131,31 +146,37 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_ste
         chosen, tensors = _paths.pick_body(_lamb_one, body, (p, grad, m, v, master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
-            _lamb_one(*tensors, grad_scale, *numbers, *bcs, trust_ratio=trust_ratio,
+            _lamb_one(*tensors, grad_scale, *numbers, *bcs, **flags,
                       norm=sharded_norm, plain_norm=sharded_norm)
         elif chosen is _lamb_one:
-            chosen(*tensors, grad_scale, *numbers, *bcs, trust_ratio=trust_ratio)
+            chosen(*tensors, grad_scale, *numbers, *bcs, **flags)
         else:
             u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
-                            trust_ratio=trust_ratio, **_paths.COMPILED_NORMS)
+                            **flags, **_paths.COMPILED_NORMS)
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
-                _lamb_after_overflow(p, m, v, master, lr, eps, wd, *bcs)
+                u_decay = wd if hyper["adam_w_mode"] else 0.0
+                _lamb_after_overflow(p, m, v, master, lr, eps, u_decay, *bcs)
 
 
 def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
                   grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio,  # noqa: ANN001
+                  adam_w_mode=True, grad_averaging=True, adapt_without_decay=True,  # noqa: ANN001
                   reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     b1, b2 = betas
     wd = weight_decay
+    trust_ratio = adapts(dict(trust_ratio=trust_ratio, weight_decay=wd,
+                              adapt_without_decay=adapt_without_decay))
     ws = weights(params, masters)
     gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
+    if not adam_w_mode and wd != 0:  # L2: the decay enters the moments, not u
+        gs = torch._foreach_add(gs, ws, alpha=wd)
     torch._foreach_add_(state_steps, 1)
     torch._foreach_mul_(exp_avgs, b1)
-    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1)
+    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1 if grad_averaging else 1.0)
     torch._foreach_mul_(exp_avg_sqs, b2)
     torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1.0 - b2)
     # Each param's own count: params that start late (frozen, then trained) have fewer.
@@ -165,7 +186,7 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
     torch._foreach_add_(denom, eps)
     us = torch._foreach_div(exp_avgs, list(bc1s))
     torch._foreach_div_(us, denom)
-    if wd != 0:
+    if wd != 0 and adam_w_mode:
         torch._foreach_add_(us, ws, alpha=wd)
     if trust_ratio:
         norms = stacked_norms if reduce is None else reduce.norms
@@ -215,6 +236,13 @@ class LAMB(LayerwiseOptimizer):
         weight_decay: ``wd`` >= 0, decoupled (added to the Adam direction).
         bias_correction: divide the moments by ``1 - b^t``.
         trust_ratio: adapt the group; False gives ratio 1 (weight decay still applies).
+        adam_w_mode: ``True``: ``u = r + wd * w``; ``False``: L2, ``g + wd * w`` enters
+            the moments and ``u = r`` (apex ``FusedLAMB(adam_w_mode=False)``).
+        grad_averaging: ``True``: ``m = b1 * m + (1 - b1) * g``; ``False``: ``m = b1 * m
+            + g`` (apex ``FusedLAMB``, timm ``Lamb``).
+        adapt_without_decay: ``True``: the trust ratio wherever ``trust_ratio`` says;
+            ``False``: only in groups whose ``weight_decay`` is nonzero (apex ``FusedLAMB``
+            without ``use_nvlamb``, timm ``Lamb`` without ``always_adapt``).
         max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
         partitioned: this optimizer holds only some of the model's params and the other
             ranks of the default process group hold the rest, as each rank's optimizer
@@ -246,6 +274,9 @@ class LAMB(LayerwiseOptimizer):
         weight_decay: float = _D["weight_decay"],
         bias_correction: bool = _D["bias_correction"],
         trust_ratio: bool = _D["trust_ratio"],
+        adam_w_mode: bool = _D["adam_w_mode"],
+        grad_averaging: bool = _D["grad_averaging"],
+        adapt_without_decay: bool = _D["adapt_without_decay"],
         max_grad_norm: float | None = _D["max_grad_norm"],
         partitioned: bool = False,
         master_weights: bool = False,
@@ -260,7 +291,8 @@ class LAMB(LayerwiseOptimizer):
             _sharded.check_default_group("partitioned=True")
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            bias_correction=bias_correction, trust_ratio=trust_ratio,
+            bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay,
             master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled,
         )
 
@@ -306,10 +338,11 @@ class LAMB(LayerwiseOptimizer):
         divisor = self._grad_scales(gathered, scale)[0]
         out: list[float] = []
         for group in self.param_groups:
-            if not group["trust_ratio"]:
-                continue
             hyper = self._hyper(group)
+            if not adapts(hyper):
+                continue
             (b1, b2), wd = hyper["betas"], hyper["weight_decay"]
+            b3 = 1 - b1 if hyper["grad_averaging"] else 1.0
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -319,10 +352,12 @@ class LAMB(LayerwiseOptimizer):
                 (w, grad, m, v), _ = _sharded.local(lists)  # a sharded param's local block
                 w, grad, m, v = w[0], grad[0], m[0], v[0]
                 g = unscaled(grad, w, divisor)
-                m = m * b1 + g * (1 - b1) if state else g * (1 - b1)
+                if not hyper["adam_w_mode"]:
+                    g = g + wd * w
+                m = m * b1 + g * b3 if state else g * b3
                 v = v * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
                 step = state["step"] + 1 if state else torch.tensor(1.0)
                 bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"])
-                u = lamb_direction(w, m, v, hyper["eps"], wd, *bcs)
+                u = lamb_direction(w, m, v, hyper["eps"], wd if hyper["adam_w_mode"] else 0.0, *bcs)
                 out.append(float(lamb_ratio(_sharded.whole_norm(p, w), _sharded.whole_norm(p, u))))
         return out
