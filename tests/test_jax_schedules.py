@@ -27,6 +27,8 @@ CASES = {
         name="step", peak_lr=0.4, total_steps=90, warmup_steps=5, milestones=(30, 60, 80), gamma=0.1
     ),
     "all_warmup": dict(name="cosine", peak_lr=0.5, total_steps=20, warmup_steps=20),
+    "offset_decay_steps": dict(name="poly", peak_lr=2.0, total_steps=40, warmup_steps=6,
+                               end_lr=1e-4, offset=1, decay_steps=35),
 }
 
 

@@ -129,8 +129,9 @@ def test_a_recipes_warmup_start_and_decay_end_reach_the_schedule():
     assert sched(300) == pytest.approx(0.32) and sched(899) == pytest.approx(0.0032)
     mlperf = get_recipe("resnet50-mlperf-lars-34k")
     sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, steps_per_epoch=10)
-    assert sched(0) == 0.0 and sched(170) == pytest.approx(21.6)
-    assert sched(590) == pytest.approx(1e-4)
+    # MXNet's counter starts at 1: the first step runs at peak / W, the peak one step early.
+    assert sched(0) == pytest.approx(21.6 / 170) and sched(169) == pytest.approx(21.6)
+    assert sched(589) == pytest.approx(1e-4)
 
 
 def test_a_recipe_at_its_own_batch_keeps_its_stated_lr_exactly():
@@ -289,3 +290,19 @@ def test_reference_recipes_take_their_sources_optimizer():
     lamb = get_recipe("resnet50-lamb-32k")
     assert lamb.optimizer_kwargs == source_keywords("lamb-authors")
     assert lamb.optimizer_kwargs["bias_correction"] is False
+
+
+def test_source_step_counts_are_stated_where_they_differ():
+    """NVIDIA's fit.py rounds an epoch up (38 steps at 34,560; 20 at 64,400) and counts
+    from 1; the LAMB authors pass 782 and 3,519 steps. The table names both counts."""
+    from largebatch.recipes.registry import recipes_table
+
+    nvidia = get_recipe("resnet50-mlperf-lars-34k")
+    assert nvidia.steps == (37 * 17, 37 * 59) and nvidia.source_steps == (646, 2242)
+    assert nvidia.schedule_offset == 1
+    schedule = build.build_schedule(nvidia, peak_lr=21.6, epochs=59, steps_per_epoch=37)
+    assert schedule(0) == pytest.approx(21.6 / (37 * 17))  # MXNet's first update: base / W
+    assert get_recipe("resnet50-lamb-32k").steps == (780, 3510)
+    table = recipes_table()
+    assert "2,183 in all here; 646 and 2,242 in the source" in table
+    assert "3,510 in all here; 782 and 3,519 in the source" in table

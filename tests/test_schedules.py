@@ -94,6 +94,9 @@ ERRORS = [
     (dict(name="step", milestones=(5, 3)), "milestone 3"),
     (dict(name="step", milestones=(10,)), "milestone 10"),
     (dict(name="step", gamma=0.0), "gamma: 0.0"),
+    (dict(offset=-1), "offset: -1"),
+    (dict(offset=True), "offset: True"),
+    (dict(decay_steps=0), "decay_steps: 0"),
 ]
 
 
@@ -320,3 +323,45 @@ def test_follow_optimizer_needs_a_step_count():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)
     with pytest.raises(ValueError, match="num_steps"):
         ScheduleLR(opt, make_schedule("constant", peak_lr=1.0, total_steps=3), follow_optimizer=True)
+
+
+def _mxnet_poly(t: int, *, base: float, warmup: int, total: int, end: float, power: float) -> float:
+    """mlcommons/training_results_v0.7, NVIDIA's resnet/implementations/mxnet/common/fit.py,
+    PolySchedule.__call__ at MXNet's update count ``t`` (1 at the first step): linear
+    warmup ``base * t / W``, then ``end + (base - end) * (1 - (t - W) / (T - W))^power``."""
+    if t <= warmup:
+        return base * t / warmup
+    return end + (base - end) * (1 - (t - warmup) / (total - warmup)) ** power
+
+
+def _tf_reference_poly(t: int, *, init: float, warmup: int, total: int, end: float) -> float:
+    """mlcommons/training, image_classification/tensorflow2/lars_util.py,
+    PolynomialDecayWithWarmup at the optimizer's iteration count ``t`` (0 at the first
+    step): ``init * t / W`` while ``t < W``, else Keras's polynomial decay over ``T - W + 1``
+    steps, power 2."""
+    if t < warmup:
+        return init * t / warmup
+    decay = total - warmup + 1
+    return (init - end) * (1 - min(t - warmup, decay) / decay) ** 2 + end
+
+
+def test_offset_reproduces_mxnets_counter_from_one():
+    # NVIDIA's 34K run: 38 steps an epoch, 17 warmup and 59 epochs.
+    w, total = 38 * 17, 38 * 59
+    sched = make_schedule("poly", peak_lr=21.6, total_steps=total, warmup_steps=w, end_lr=1e-4, offset=1)
+    plain = make_schedule("poly", peak_lr=21.6, total_steps=total, warmup_steps=w, end_lr=1e-4)
+    for step in range(total):  # step 0 is MXNet's update 1
+        expected = _mxnet_poly(step + 1, base=21.6, warmup=w, total=total, end=1e-4, power=2.0)
+        assert sched(step) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert plain(0) == 0.0 and sched(0) == pytest.approx(21.6 / w)  # without it: lr 0 first
+
+
+def test_decay_steps_reproduces_the_tf_references_decay_length():
+    w, total = 5 * 39, 90 * 39
+    sched = make_schedule("poly", peak_lr=2.9, total_steps=total, warmup_steps=w, end_lr=1e-4,
+                          decay_steps=total - w + 1)
+    plain = make_schedule("poly", peak_lr=2.9, total_steps=total, warmup_steps=w, end_lr=1e-4)
+    for step in range(total):
+        expected = _tf_reference_poly(step, init=2.9, warmup=w, total=total, end=1e-4)
+        assert sched(step) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert plain(total - 1) != pytest.approx(sched(total - 1), rel=1e-3)

@@ -102,7 +102,8 @@ def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epo
                          if warmup_steps <= round(m * steps_per_epoch) < total})
     return make_schedule(shape.schedule, peak_lr=peak_lr, total_steps=total,
                          warmup_steps=warmup_steps, init_lr=recipe.init_lr,
-                         end_lr=recipe.end_lr, power=shape.power, milestones=milestones)
+                         end_lr=recipe.end_lr, power=shape.power, milestones=milestones,
+                         offset=recipe.schedule_offset)
 
 
 def build_loss(recipe: Recipe) -> nn.Module:

@@ -73,6 +73,10 @@ class Recipe:
     decay_exclude: str = "bn_bias"
     init_lr: float = 0.0  # the rate the warmup starts from
     end_lr: float = 0.0  # the rate poly or cosine decay ends at
+    schedule_offset: int = 0  # the schedule's counter at the first step (MXNet's: 1)
+    # (warmup, total) steps as the source runs them at its batch, where its step arithmetic
+    # differs from this package's (epochs of N // B whole steps): shown, and named open.
+    source_steps: tuple[int, int] | None = None
     paper: str = ""
     source: str = ""  # where each value comes from: arXiv id + table/section, or repo + file
     unstated: str = ""  # what the source leaves open, and the value used here
@@ -123,6 +127,13 @@ class Recipe:
             milestones=tuple(m * scale for m in self.milestones))
 
     @property
+    def steps(self) -> tuple[int, int]:
+        """(warmup, total) steps of a full run at the recipe's own batch and epochs here:
+        epochs of ``N // batch`` whole steps."""
+        per_epoch = TRAIN_IMAGES[self.data] // self.batch_size
+        return round(self.warmup_epochs * per_epoch), self.epochs * per_epoch
+
+    @property
     def imagenet_batch(self) -> int:
         return imagenet_equivalent(self.batch_size, TRAIN_IMAGES[self.data])
 
@@ -147,8 +158,7 @@ OURS = "largebatch (this project)"
 _NVIDIA_DIR = "NVIDIA/benchmarks/resnet/implementations/mxnet"
 _NVIDIA_OPEN = (
     "open: the step counts (fit.py's epoch is ceil(images per worker / batch per GPU) "
-    "steps, rounded up, and its poly schedule counts steps from 1: at 34,560 38 steps an "
-    "epoch, 2,242 in all; here 37 and 2,183, from 0); " + SOURCES["nvidia-mxnet"].open)
+    "steps, rounded up: see the steps line); " + SOURCES["nvidia-mxnet"].open)
 _LARS_V3 = "arXiv:1708.03888v3"
 
 def _alexnet_bn_lars(batch: int, *, lr: float, top1: float, note: str = "") -> Recipe:
@@ -191,7 +201,7 @@ _IMAGENET = [
                     "footnote 6); eps (none in Algorithm 1; 0 here); which params skip decay "
                     "and adaptation (BN and biases here); precision (fp32 here)"),
     Recipe("resnet50-lamb-32k", "resnet50", "imagenet", "lamb", 32768, 90, lr=0.04,
-           optimizer_kwargs=source_keywords("lamb-authors"),
+           optimizer_kwargs=source_keywords("lamb-authors"), source_steps=(782, 3519),
            schedule="poly", power=1.0, warmup_epochs=20, weight_decay=1.5,
            decay_exclude="bn", label_smoothing=0.1, precision="bf16", paper=LAMB_CODE,
            published_top1=76.34,
@@ -202,14 +212,14 @@ _IMAGENET = [
                   "norm 1.0, no bias correction: largebatch.lars.sources 'lamb-authors'), "
                   "resnet_main.py (betas 0.9/0.999, eps 1e-6, bfloat16), log.out "
                   "(top_1_accuracy = 0.7633667 at step 3519)",
-           unstated="open: the step counts (the source runs 782 warmup and 3,519 steps, given "
-                    "as flags; here 20 and 90 epochs of 39 whole steps: 780 and 3,510); each "
-                    "TPU core clips its own gradients before the cross-replica sum (here one "
-                    "clip); the paper's own ResNet-50 tables are not what this row restates",
+           unstated="open: the step counts (the source passes 782 warmup and 3,519 steps as "
+                    "flags: see the steps line); each TPU core clips its own gradients before "
+                    "the cross-replica sum (here one clip); the paper's own ResNet-50 tables "
+                    "are not what this row restates",
            note="LAMB's decoupled weight decay; the trust ratio only on decayed params"),
     Recipe("resnet50-mlperf-lars-34k", "resnet50", "imagenet", "lars", 34560, 59, lr=21.6,
            optimizer_kwargs={"momentum": 0.94, **source_keywords("nvidia-mxnet")},
-           decay_exclude="nvidia",
+           decay_exclude="nvidia", schedule_offset=1, source_steps=(38 * 17, 38 * 59),
            schedule="poly", power=2.0, warmup_epochs=17, end_lr=1e-4, weight_decay=2.5e-5,
            label_smoothing=0.1, precision="fp16", paper=MLPERF_NVIDIA, published_top1=76.07,
            source=f"mlcommons/training_results_v0.7 {_NVIDIA_DIR}/"
@@ -225,7 +235,8 @@ _IMAGENET = [
            note="MLPerf's quality target is 75.9% top-1"),
     Recipe("resnet50-mlperf-lars-64k", "resnet50", "imagenet", "lars", 64400, 90, lr=24.699,
            optimizer_kwargs={"momentum": 0.951807, **source_keywords("nvidia-mxnet")},
-           decay_exclude="nvidia", schedule="poly", power=2.0, warmup_epochs=31, end_lr=1e-4, weight_decay=1e-4,
+           decay_exclude="nvidia", schedule_offset=1, source_steps=(20 * 31, 20 * 90),
+           schedule="poly", power=2.0, warmup_epochs=31, end_lr=1e-4, weight_decay=1e-4,
            label_smoothing=0.1, precision="fp16", paper=MLPERF_NVIDIA,
            source=f"mlcommons/training_results_v0.7 {_NVIDIA_DIR}/"
                   "config_DGXA100_multi_230x8x35.sh (230 x 8 x 35 = 64,400 images, lr 24.699, "
@@ -313,6 +324,10 @@ def recipes_table() -> str:
         sources.append(f"{r.name}: {r.source}")
         if r.unstated:
             sources.append(f"{' ' * len(r.name)}  open: {r.unstated}")
+        if r.source_steps is not None and r.source_steps != r.steps:
+            sources.append(f"{' ' * len(r.name)}  steps: {r.steps[0]:,} warmup and {r.steps[1]:,} "
+                           f"in all here; {r.source_steps[0]:,} and {r.source_steps[1]:,} in the "
+                           "source")
     return "\n".join(table + sources)
 
 

@@ -3,12 +3,16 @@
 A schedule is a pure function of the step ``t`` (0, 1, 2, ...)::
 
     warmup (t < W):   lr = init + (peak - init) * t / W
-    after  (W<=t<T):  s = (t - W) / (T - W)
+    after  (W<=t<T):  s = min((t - W) / D, 1)            (D = T - W unless decay_steps)
       constant: peak
       poly:     end + (peak - end) * (1 - s)^power
       cosine:   end + (peak - end) * (1 + cos(pi * s)) / 2
       step:     peak * gamma^(number of milestones <= t)
     t >= T:   end  (step: its last value, peak * gamma^len(milestones))
+
+``offset`` shifts the counter: the rate at step ``t`` is the formula's at ``t + offset``
+(MXNet's schedules count steps from 1: ``offset=1``). ``decay_steps`` sets the decay's
+length ``D`` apart from the run's (the MLPerf TF reference decays over ``T - W + 1``).
 
 ``make_schedule`` returns a :class:`Schedule`: call it with a step to get a float. The
 same object drives torch param groups (``largebatch.torch.ScheduleLR``) and, through
@@ -127,6 +131,8 @@ class Schedule:
     power: float = 2.0
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1
+    offset: int = 0
+    decay_steps: int | None = None
 
     def __call__(self, step: int) -> float:
         """The rate at ``step``: a finite number >= 0 (Python, NumPy or concrete JAX scalar).
@@ -147,10 +153,12 @@ class Schedule:
         """
         t = xp.asarray(step, dtype=dtype)
         valid = xp.isfinite(t) & (t >= 0)
+        t = t + self.offset
         peak, init, end = self.peak_lr, self.init_lr, self.end_lr
         w, total = self.warmup_steps, self.total_steps
+        decay = total - w if self.decay_steps is None else self.decay_steps
         warm = init + (peak - init) * t / max(w, 1)
-        s = xp.clip((t - w) / max(total - w, 1), 0.0, 1.0)
+        s = xp.clip((t - w) / max(decay, 1), 0.0, 1.0)
         if self.name == "constant":
             after, final = peak + 0.0 * t, end
         elif self.name == "poly":
@@ -181,6 +189,8 @@ def make_schedule(
     power: float = 2.0,
     milestones: Sequence[int] = (),
     gamma: float = 0.1,
+    offset: int = 0,
+    decay_steps: int | None = None,
 ) -> Schedule:
     """Build a schedule: linear warmup from ``init_lr`` to ``peak_lr``, then a decay.
 
@@ -196,6 +206,10 @@ def make_schedule(
       milestones: steps (strictly increasing, in ``[warmup_steps, total_steps)``) at which
         the ``step`` schedule multiplies the rate by ``gamma``. Only for ``step``.
       gamma: the factor of each ``step`` decay, in (0, 1] (checked for every schedule).
+      offset: an integer >= 0 added to every step before the formula (1: a counter
+        that starts at 1, as MXNet's).
+      decay_steps: the length of the poly or cosine decay (an integer >= 1); None:
+        ``total_steps - warmup_steps``.
 
     Raises:
       ValueError: naming the bad argument, for an unknown name, a rate that is not a
@@ -217,6 +231,10 @@ def make_schedule(
             f"Invalid warmup_steps: {warmup_steps!r} (must be an integer in "
             f"[0, total_steps={total_steps}])"
         )
+    if not (_is_integer(offset) and offset >= 0):
+        raise ValueError(f"Invalid offset: {offset!r} (must be an integer >= 0)")
+    if decay_steps is not None:
+        _check_positive_int("decay_steps", decay_steps)
     _check_nonneg("peak_lr", peak_lr)
     _check_nonneg("init_lr", init_lr)
     _check_nonneg("end_lr", end_lr)
@@ -251,4 +269,6 @@ def make_schedule(
         power=float(power),
         milestones=tuple(int(m) for m in milestones),
         gamma=float(gamma),
+        offset=int(offset),
+        decay_steps=None if decay_steps is None else int(decay_steps),
     )

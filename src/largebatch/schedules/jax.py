@@ -65,6 +65,8 @@ def make_schedule(
     power: float = 2.0,
     milestones: Sequence[int] = (),
     gamma: float = 0.1,
+    offset: int = 0,
+    decay_steps: int | None = None,
 ) -> OptaxSchedule:
     """:func:`largebatch.schedules.make_schedule`, returned as an optax schedule.
 
@@ -89,5 +91,7 @@ def make_schedule(
             power=power,
             milestones=milestones,
             gamma=gamma,
+            offset=offset,
+            decay_steps=decay_steps,
         )
     )
