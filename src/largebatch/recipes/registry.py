@@ -172,8 +172,10 @@ def _alexnet_bn_lars(batch: int, *, lr: float, top1: float, note: str = "") -> R
         source=f"{_LARS_V3} Table 3(b) (AlexNet-BN, warmup 5 epochs: B={batch // 1024}K, lr "
                f"{lr:g}, {top1:g}% top-1), footnote 6 (100 epochs, momentum 0.9, weight decay "
                "5e-4, poly(2), eta 0.001)",
-        unstated="eps (0 here); which params skip decay and adaptation (BN and biases here); "
-                 "precision (fp32 here)",
+        unstated="eps (none in Algorithm 1; 0 here); which params skip decay and adaptation "
+                 "(BN and biases here); precision (fp32 here). Checked against the ICLR 2018 "
+                 "version of the paper (Table 3(b), §5: the same values, in the text rather "
+                 "than a footnote); v3 itself not checked",
         note=note)
 
 
@@ -199,7 +201,10 @@ _IMAGENET = [
                   "epochs, poly power 2)",
            unstated="trust coefficient for ResNet-50 (0.001 here: the paper's AlexNet value, "
                     "footnote 6); eps (none in Algorithm 1; 0 here); which params skip decay "
-                    "and adaptation (BN and biases here); precision (fp32 here)"),
+                    "and adaptation (BN and biases here); precision (fp32 here). Open: these v3 "
+                    "values are not checked against a copy of v3; the ICLR 2018 version's "
+                    "Table 4 reads B=32K lr 40, 12 warmup epochs, 72.5% (baseline 73.8%), "
+                    "with weight decay 5e-4 over 100 epochs"),
     Recipe("resnet50-lamb-32k", "resnet50", "imagenet", "lamb", 32768, 90, lr=0.04,
            optimizer_kwargs=source_keywords("lamb-authors"), source_steps=(782, 3519),
            schedule="poly", power=1.0, warmup_epochs=20, weight_decay=1.5,
