@@ -668,3 +668,17 @@ def test_per_leaf_functions_outside_the_transformation():
     np.testing.assert_allclose(tc[0][:span], want_cs[0], rtol=0, atol=8 * U * np.abs(g).max())
     np.testing.assert_allclose(bias, g.mean(0), rtol=2 * U)
     np.testing.assert_array_equal(ar, tr)  # the same phase-1 residual: no overflow
+
+
+def test_update_accepts_extra_args_as_optax_aliases_do():
+    """A GradientTransformationExtraArgs, as optax's aliases: update takes (and ignores)
+    keyword arguments meant for other members of a chain."""
+    tx = adacomp(AXIS, bin_capacity=None)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    passing = optax.GradientTransformation(tx.init, lambda u, s, p=None: tx.update(u, s, p, loss=1.0))
+    mesh = data_mesh(2)
+    plain, state, _ = exchange_step(tx, mesh)
+    extra, _, _ = exchange_step(passing, mesh)
+    grads = device_grads(np.random.default_rng(0), 2)
+    for a, b in zip(jax.tree.leaves(host(plain(grads, state))), jax.tree.leaves(host(extra(grads, state)))):
+        np.testing.assert_array_equal(a, b)

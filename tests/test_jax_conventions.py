@@ -305,3 +305,18 @@ def test_state_is_deterministic_flattens_and_survives_the_host(name):
     assert_same(opt.update(g1, rebuilt, params), expected)
     assert_same(opt.update(g1, host, params), expected)
     assert_close(jax.jit(opt.update)(g1, host, params), expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_update_accepts_extra_args_as_optax_aliases_do(name):
+    """optax's aliases are GradientTransformationExtraArgs: update takes keyword
+    arguments it does not use (optax.contrib's test_optimizers_accept_extra_args)."""
+    opt = build(name)
+    assert isinstance(opt, optax.GradientTransformationExtraArgs)
+    params = {"w": jnp.ones((3, 2)), "v": jnp.ones(4), "b": jnp.zeros(2)}
+    state = opt.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    with_extra, _ = opt.update(grads, state, params, value=jnp.array(1.0), unused="x")
+    plain, _ = opt.update(grads, state, params)
+    for a, b in zip(jax.tree.leaves(with_extra), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(a, b)

@@ -353,6 +353,8 @@ def test_cli_published(capsys):
     (["--workers", "12"], "invalid --workers 12: beyond one node the hierarchical all-reduce "
                           "needs a multiple of --gpus-per-node 8"),
     (["--model", "alexnet", "--params", "1e6"], "give --model or --params, not both"),
+    (["--params", "1e308"], "invalid --params 1e+308 (its fp32 gradients, 4 bytes each, "
+                            "overflow a float)"),
 ])
 def test_cli_bad_values(capsys, flags, message):
     assert _user_error(["scaling", *flags], capsys) == f"largebatch scaling: {message}"

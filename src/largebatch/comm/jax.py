@@ -604,7 +604,7 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
 def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_BIN,
             fc_bin: int = FC_BIN, bin_capacity: int | None = DEFAULT_BIN_CAPACITY,
             form: str = "allgather", select: str = "adacomp", values: str = "ternary",
-            ) -> optax.GradientTransformation:
+            ) -> optax.GradientTransformationExtraArgs:
     """AdaComp's compressed average of the gradients over ``axis_name``, as an optax
     transformation for use inside ``jax.shard_map``.
 
@@ -711,8 +711,8 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             selected.append(message.selected[None])
         return means, new_res, new_chunks, selected
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):  # as optax's aliases: ignored
+        del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         bins = bins_of(leaves)
         out = list(leaves)
@@ -751,7 +751,7 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         )
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:

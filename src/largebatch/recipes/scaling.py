@@ -146,6 +146,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     name = args.model or ("resnet50" if args.params is None else None)
     params = model.MODELS[name][0] if name else args.params
     size = 4 * params
+    if not math.isfinite(size):
+        raise _fail(f"invalid --params {params:g} (its fp32 gradients, 4 bytes each, overflow "
+                    "a float)")
     buckets = args.buckets or model.ddp_buckets(size)
     g = opts["gpus_per_node"]
     if args.calibration is not None:

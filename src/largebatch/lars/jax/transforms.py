@@ -58,19 +58,21 @@ def _computed_leaves(updates: Any, params: Any) -> tuple[list, list, Any]:
     return us, ws, treedef
 
 
-def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` with its updates in the incoming updates' dtypes and its state in the
     dtypes ``init`` gave it, so that float32 hyperparameters (injected, or passed as
     arrays) never promote bf16 updates or state, and ``jit`` sees the same state types
     at every step."""
 
-    def update_fn(updates, state, params=None):
-        new_updates, new_state = inner.update(updates, state, params)
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(updates, state, params=None, **extra_args):  # optax's aliases take extra args
+        new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
         new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
         return new_updates, new_state
 
-    return optax.GradientTransformation(inner.init, update_fn)
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 class LarsTrustRatioState(NamedTuple):

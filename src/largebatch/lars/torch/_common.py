@@ -62,7 +62,8 @@ def param_list(params: Any) -> list:
     """The constructor's ``params``: a list of Tensors or of group dicts with listed params."""
     if isinstance(params, Tensor):
         raise TypeError(
-            f"params must be an iterable of Tensors or dicts, but got {torch.typename(params)}"
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+            f"but got {torch.typename(params)}"
         )
     entries = group_params(params)
     return [{**e, "params": group_params(e["params"])} if isinstance(e, dict) else e for e in entries]
@@ -82,7 +83,7 @@ def lr_number(lr: Any) -> Any:
     """A group's lr for the spec's check: a one-element floating Tensor as its value."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"Invalid lr: a Tensor lr must have one element, got shape {tuple(lr.shape)}")
+            raise ValueError(f"Invalid lr: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         if not lr.is_floating_point():
             raise ValueError(f"Invalid lr: a Tensor lr must be floating point, got {lr.dtype}")
         return lr.item()
