@@ -53,6 +53,12 @@ def test_torch_matches_the_spec(case, path, precision):
         pytest.skip("LAMB keeps fp16 state only with fp32 masters")
     dtype, masters, tolerance = PRECISIONS[precision]
     params, grads = make_problem(dtype)
+    if path == "fused" and case.optimizer == "lamb" and 0.0 in (g["eps"] for g in case.groups()):
+        # Compiled for a GPU, fp32 sqrt flushes a denormal v_hat to 0: u = m / 0. Refused,
+        # before anything changes.
+        with pytest.raises(ValueError, match="the fused LAMB kernels need eps > 0"):
+            run_torch(case, params, grads, dtype=dtype, masters=masters, **PATHS[path])
+        return
     expected = run_reference(case, params, grads)
     actual = run_torch(case, params, grads, dtype=dtype, masters=masters, **PATHS[path])
     assert_matches(actual, expected, tolerance, start=params)

@@ -430,3 +430,16 @@ def test_kernels_compile_for_sm90(tmp_path):
     script = textwrap.dedent(COMPILE_CHECK)
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_lamb_eps_zero_is_refused_before_anything_changes():
+    """On a GPU, fp32 sqrt and division flush denormals: a v_hat below 2**-126 would give
+    u = m / 0. The fused LAMB path refuses eps=0 and leaves params and state as they were."""
+    from largebatch.torch import LAMB
+
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = LAMB([p], lr=0.1, eps=0.0, fused=True)
+    p.grad = torch.full((5,), 1e-3)
+    with pytest.raises(ValueError, match=r"Invalid group 0 eps: 0 \(the fused LAMB kernels need eps > 0"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(5)) and not opt.state[p]

@@ -84,10 +84,16 @@ def _hyper_values(spec: OptimizerSpec, hyper: Mapping[str, Any]) -> dict[str, An
     return {**{k: spec.defaults[k] for k in names}, **hyper}
 
 
-def _check_hyper(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> None:
-    """spec.check on a group's values; messages name the group."""
+def check_hyper(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> None:
+    """spec.check on a group's values; messages name the group. LAMB's eps must be > 0
+    here: compiled for a GPU, fp32 sqrt and division flush denormals to zero, so a v_hat
+    below 2**-126 would give u = m / 0 = inf where the other paths give a finite u."""
     values = _hyper_values(spec, hyper)
     spec.check(values, names={k: f"group {i} {k}" for k in values})
+    if spec.name == "LAMB" and values["eps"] == 0:
+        raise ValueError(f"Invalid group {i} eps: 0 (the fused LAMB kernels need eps > 0: on a "
+                         "GPU, sqrt(v_hat) of a denormal v_hat flushes to 0; use foreach=True "
+                         "for eps=0)")
 
 
 def _hyper_row(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> tuple[float, ...]:
@@ -96,7 +102,7 @@ def _hyper_row(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> tuple[f
     try:
         return spec.row(values)
     except (TypeError, ValueError, KeyError):  # a malformed value: let the check name it
-        _check_hyper(spec, i, values)
+        check_hyper(spec, i, values)
         raise
 
 
@@ -170,7 +176,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     device = groups[0].params[0].device
     for i, g in enumerate(groups):
         _check_group(i, g, spec.state, device)
-        _check_hyper(spec, i, g.hyper)
+        check_hyper(spec, i, g.hyper)
     if counter is not None:
         _check_scalar("counter", counter, device)
     rows: dict[tuple, list[list[int]]] = {}  # (param dtype, has masters) -> meta rows

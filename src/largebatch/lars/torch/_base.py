@@ -263,6 +263,8 @@ class LayerwiseOptimizer(Optimizer):
             found_inf = reducer.found_inf(found_inf)
         if fused.pop():
             # The fused kernels decide the skip on the device, from found_inf.
+            for i, group in enumerate(self.param_groups):
+                _fused.check_group(self.spec, i, self._hyper(group))
             gathered = [self._gather(g) for g in self.param_groups]
             self._fused_step(gathered, reducer, grad_scale=grad_scale, found_inf=found_inf)
         elif not skipped(found_inf):  # decided before any state is created or changed

@@ -28,6 +28,14 @@ def fused_group(spec: OptimizerSpec, tensors: dict[str, list], lr: Tensor, hyper
     )
 
 
+def check_group(spec: OptimizerSpec, i: int, hyper: dict[str, Any]) -> None:
+    """Group ``i``'s hyperparameters as the fused kernels take them (LAMB's eps > 0 among
+    them), checked before the optimizer creates any state."""
+    from largebatch.lars.kernels.plan import check_hyper
+
+    check_hyper(spec, i, {k: hyper[k] for k in spec.group_keys[1:]})
+
+
 def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
                found_inf: Tensor | None, **kwargs: Any) -> Tensor | None:
     """One step of the kernels on ``groups``; returns ``counter``, moved to the params'
