@@ -173,6 +173,17 @@ def test_a_process_that_joined_a_group_exits_through_exit_process(monkeypatch, c
     assert ended == [status]
 
 
+def test_torchrun_fsdp_with_an_sgd_recipe_records_its_diagnostic_trust_ratios(tmp_path):
+    # The trust-ratio telemetry of SGD takes each whole param's norm from its shards.
+    _torchrun_train(tmp_path / "fsdp", "--recipe", "fmnist-sgd-1536", "--subset", "512",
+                    "--epochs", "1", "--fsdp")
+    _torchrun_train(tmp_path / "ddp", "--recipe", "fmnist-sgd-1536", "--subset", "512",
+                    "--epochs", "1")
+    fsdp, ddp = (json.loads((tmp_path / k / "metrics.jsonl").read_text().splitlines()[0])
+                 for k in ("fsdp", "ddp"))
+    assert fsdp["trust_ratio_median"] == pytest.approx(ddp["trust_ratio_median"], rel=1e-4)
+
+
 def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     two_epochs = ["--subset", "512", "--epochs", "2"]
     whole_run = _torchrun_train(tmp_path / "a", *two_epochs, "--fsdp")

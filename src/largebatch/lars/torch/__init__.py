@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from largebatch.lars.spec import LARS_SPEC
-from largebatch.lars.torch._common import default_exclude, norm, param_groups
+from largebatch.lars.torch import _sharded
+from largebatch.lars.torch._common import default_exclude, param_groups
 from largebatch.lars.torch._lamb import LAMB, lamb
 from largebatch.lars.torch._lars import LARS, lars, lars_ratio
 from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL, COMPILE_MIN_TENSOR
@@ -50,8 +51,10 @@ def trust_ratios(optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> l
         for p in group["params"]:
             if p.grad is None or p.ndim <= 1:
                 continue
-            w, g = p.detach().float(), p.grad.float() / grad_scale
-            ratio = lars_ratio(norm(w), norm(g), lr=group["lr"], weight_decay=group.get("weight_decay", 0.0),
+            (ws, gs), _ = _sharded.local(([p.detach()], [p.grad]))  # FSDP2: the local blocks
+            w, g = ws[0].float(), gs[0].float() / grad_scale
+            w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
+            ratio = lars_ratio(w_norm, g_norm, lr=group["lr"], weight_decay=group.get("weight_decay", 0.0),
                                trust_coefficient=LARS_SPEC.defaults["trust_coefficient"],
                                eps=LARS_SPEC.defaults["eps"], trust_clip=False)
             out.append(float(ratio))
