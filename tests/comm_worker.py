@@ -247,12 +247,31 @@ def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
     same = all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(),
                                                  model2.module.state_dict().values()))
     other = AdaCompState(model2, form="two_phase" if form == "allgather" else "allgather")
+    return {"same": same, "refused": refusal(other, ckpt["adacomp"]),
+            **bad_residuals_are_refused(state2, ckpt["adacomp"])}
+
+
+def refusal(state: AdaCompState, saved: dict) -> str:
+    """The ValueError's message of ``state.load_state_dict(saved)`` ("" if it loads)."""
     try:
-        other.load_state_dict(ckpt["adacomp"])
-        refused = ""
+        state.load_state_dict(saved)
     except ValueError as err:
-        refused = str(err)
-    return {"same": same, "refused": refused}
+        return str(err)
+    return ""
+
+
+def bad_residuals_are_refused(state: AdaCompState, saved: dict) -> dict:
+    """Residuals of the wrong size, or of the right size in the wrong shape, are refused
+    before anything changes."""
+    name, residual = next(iter(saved["residuals"].items()))
+    before = copy.deepcopy(state.state_dict())
+    short = {**saved, "residuals": {**saved["residuals"], name: residual[:-1]}}
+    folded = {**saved, "residuals": {**saved["residuals"], name: residual.view(1, -1)}}
+    out = {"short": refusal(state, short), "folded": refusal(state, folded)}
+    after = state.state_dict()
+    out["untouched"] = after["step"] == before["step"] and all(
+        torch.equal(after["residuals"][k], v) for k, v in before["residuals"].items())
+    return out
 
 
 def main() -> None:

@@ -309,6 +309,9 @@ def test_resume_is_bit_exact_and_refuses_other_settings(two, form: str) -> None:
     c = two[f"resume/{form}/2"]
     assert c["same"]
     assert "saved with different settings" in c["refused"] and "form: saved" in c["refused"]
+    assert "expected a flat floating tensor of" in c["short"] and "got torch.float32 of shape (" in c["short"]
+    assert "expected a flat floating tensor of" in c["folded"] and "of shape (1, " in c["folded"]
+    assert c["untouched"]
 
 
 def test_auto_form_is_the_cheaper_exchange_by_the_formulas() -> None:

@@ -436,14 +436,39 @@ class AdaCompState:
         if diff:
             raise ValueError("AdaComp state was saved with different settings "
                              + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
-        known = set(self.names.values())
-        unknown = sorted(set(state["residuals"]) - known)
-        if unknown:
-            raise ValueError(f"AdaComp state has residuals for unknown parameters {unknown}")
+        self._check_residuals(state)
         self.step = int(state["step"])
         self.worker = _Worker({k: v.clone() for k, v in state["residuals"].items()},
                               {k: v.clone() for k, v in state["chunk_residuals"].items()})
         self.stats = _copy_stats(state["stats"])
+
+    def _check_residuals(self, state: dict[str, Any]) -> None:
+        """Every saved residual names a compressed param of this model and is a flat
+        floating tensor of its length (this rank's chunk for the two-phase exchange's
+        chunk residuals); else a ValueError naming it."""
+        params = {name: p for p, name in self.names.items()}
+        for which in ("residuals", "chunk_residuals"):
+            unknown = sorted(set(state[which]) - set(params))
+            if unknown:
+                raise ValueError(f"AdaComp state has {which} for unknown parameters {unknown}")
+            for name, r in state[which].items():
+                p = params[name]
+                bin_len = bin_length(tuple(p.shape), self.conv_bin, self.fc_bin)
+                if bin_len is None:
+                    raise ValueError(f"AdaComp state has {which} for {name!r}, which is sent "
+                                     "uncompressed")
+                if which == "residuals":
+                    length = p.numel()
+                else:
+                    lo, hi = chunk_bounds(p.numel(), bin_len, self.world)[self.rank]
+                    length = hi - lo
+                ok = isinstance(r, torch.Tensor) and r.is_floating_point() and r.shape == (length,)
+                if not ok:
+                    got = (f"{r.dtype} of shape {tuple(r.shape)}" if isinstance(r, torch.Tensor)
+                           else type(r).__name__)
+                    raise ValueError(f"AdaComp state {which}[{name!r}]: expected a flat floating "
+                                     f"tensor of {length} elements (param of shape "
+                                     f"{tuple(p.shape)}), got {got}")
 
     def compression_rates(self) -> dict[str, float]:
         """Per kind of layer, over the compressed steps so far: elements / selected."""
