@@ -209,6 +209,15 @@ def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tm
     assert _torchrun_train(tmp_path / "b", *args, "--resume") == whole_run
     rates = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rates["compression_rates"]["fc"] > 1 and rates["compression_rates"]["dense"] == 1
+    # Nor on another number of processes: one line on each rank, exit status 2.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "-m", "largebatch", "train", "--batch-size", "256", "--micro-batch", "64",
+           "--out", str(tmp_path / "b"), *args, "--resume"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    line = ("largebatch train: --resume: {} holds the AdaComp residuals of 2 processes, not 4: "
+            "resume it on 2").format(tmp_path / "b" / "checkpoint.pt")
+    assert proc.returncode != 0 and proc.stderr.count(line) == 4, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr and 'recipes/train.py", line' not in proc.stderr  # no traceback
     # A compressed run is not resumed as a plain one.
     with pytest.raises(SystemExit):
         cli(["train", "--batch-size", "256", "--subset", "512", "--epochs", "2",

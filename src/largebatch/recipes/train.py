@@ -143,8 +143,9 @@ def _show(value: Any) -> str:
     return "unset" if value is None else str(value)
 
 
-def _read_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint to resume from, after checking that it was made with ``settings``."""
+def _read_checkpoint(path: Path, settings: dict[str, Any], world: int) -> dict[str, Any]:
+    """The checkpoint to resume from, after checking that it was made with ``settings``
+    (and, for AdaComp, on ``world`` processes: each kept its own residuals)."""
     if not path.is_file():
         raise _fail(f"--resume: no checkpoint at {path}")
     try:
@@ -158,6 +159,11 @@ def _read_checkpoint(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
             raise _fail(f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
                         f"{_show(settings[key])}; resume it with its own settings, or start "
                         "a new run in another --out")
+    saved_world = len(state.get("adacomp") or ())
+    if settings["compression"] == "adacomp" and saved_world and saved_world != world:
+        raise _fail(f"--resume: {path} holds the AdaComp residuals of {saved_world} processes, "
+                    f"not {world}: resume it on {saved_world} (each process keeps its own "
+                    "residuals), or start a new run in another --out")
     return state
 
 
@@ -209,7 +215,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
             held.enter_context(lock_folder(out, "train"))
             remove_stale_temporaries(out, _OUTPUTS)
-        state = _read_checkpoint(out / "checkpoint.pt", settings) if args.resume else None
+        state = (_read_checkpoint(out / "checkpoint.pt", settings, world) if args.resume
+                 else None)
         done, stop = (state["epoch"] if state else 0), min(epochs, args.stop_after or epochs)
         if done >= stop and (out / "summary.json").is_file():
             if rank == 0:
