@@ -207,3 +207,19 @@ def tfa_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, a
             ratio = _lamb_ratio(ws[i], u) if adapt[i] else 1.0
             ws[i] = ws[i] - ratio * lr * u
     return ws
+
+
+def goyal_corrected_momentum(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *,
+                             wd: float, momentum: float) -> Arrays:
+    """Goyal et al. 2017 (arXiv 1706.02677), §3, Remark 2: the buffer of eq. (10) holds
+    lr-scaled steps, ``v = m * v + lr * (g + wd * w); w -= v``, and after a change of rate
+    it takes the momentum correction ``m * lr_t / lr_(t-1)`` on ``v``."""
+    ws, vs = [p.copy() for p in params], [np.zeros_like(p) for p in params]
+    last = None
+    for lr, gs in zip(lrs, grads):
+        m = momentum if last is None else momentum * lr / last
+        last = lr
+        for i, g in enumerate(gs):
+            vs[i] = m * vs[i] + lr * (g + wd * ws[i])
+            ws[i] = ws[i] - vs[i]
+    return ws

@@ -252,3 +252,20 @@ def test_apex_fused_lamb_options(data, runner, monkeypatch):
             grads = [[g.astype(np.float32).astype(np.float64) for g in gs] for gs in grads]
         got = run_torch("apex-fusedlamb", params, grads, dtype=dtype, **TORCH_PATHS[runner])
     assert_close(got, port("apex-fusedlamb", params, grads), params, dtype)
+
+
+def test_the_sgd_recipes_take_goyal_et_als_corrected_momentum(data):
+    """The SGD recipes (resnet50-goyal-8k, fmnist-sgd-*) step with torch.optim.SGD, whose
+    buffer keeps the rate outside (Goyal et al.'s eq. (9)): the same steps as eq. (10)
+    with the momentum correction, while the rate warms up and decays."""
+    params, grads = data
+    ts = [torch.tensor(p, requires_grad=True) for p in params]
+    opt = torch.optim.SGD(ts, lr=LRS[0], momentum=MOMENTUM, weight_decay=WD["lars"])
+    for lr, gs in zip(LRS, grads):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for t, g in zip(ts, gs):
+            t.grad = torch.tensor(g)
+        opt.step()
+    expected = ports.goyal_corrected_momentum(params, grads, LRS, wd=WD["lars"], momentum=MOMENTUM)
+    assert_close([t.detach().numpy() for t in ts], expected, params)
