@@ -219,12 +219,7 @@ def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]
     cls = LARS if case.optimizer == "lars" else LAMB
     extra = {} if case.optimizer == "lars" else {"max_grad_norm": case.max_grad_norm}
     opt = cls(group_list, lr=lrs[0], master_weights=masters, **extra, **paths)
-    for lr, step_grads in zip(lrs, grads):
-        for group in opt.param_groups:
-            group["lr"] = lr
-        for p, g in zip(ps, step_grads):
-            p.grad = torch.tensor(g, dtype=dtype)
-        opt.step()
+    drive(opt, ps, grads, lrs)
     assert opt.num_steps == len(lrs)
     if masters and dtype in (torch.float16, torch.bfloat16):
         for p in ps:  # the params are their masters' casts, exactly
@@ -244,6 +239,19 @@ def cast_like_the_path(master: Any, dtype: Any, paths: dict[str, Any]) -> Any:
     if dtype == torch.bfloat16 and paths.get("fused") and not master.is_cuda:
         return (master.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
     return master.to(dtype)
+
+
+def drive(opt: Any, params: list, grads: list[list[np.ndarray]], lrs: list[float]) -> None:
+    """One ``opt.step()`` per ``lrs[t]`` (every group's lr) and ``grads[t]`` (as ``.grad``
+    of ``params``, in their dtype)."""
+    import torch
+
+    for lr, step_grads in zip(lrs, grads):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for p, g in zip(params, step_grads):
+            p.grad = torch.tensor(g, dtype=p.dtype)
+        opt.step()
 
 
 def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,

@@ -22,6 +22,12 @@ def _norm(x: np.ndarray) -> float:
     return float(np.sqrt(np.sum(np.square(x))))
 
 
+def _corrected(momentum: float, lrs: Sequence[float]) -> list[float]:
+    """Goyal et al.'s momentum correction: each step's coefficient on an lr-scaled buffer,
+    ``m * lr_t / lr_(t-1)`` (``m`` at the first step)."""
+    return [momentum] + [momentum * lr / last for last, lr in zip(lrs, lrs[1:])]
+
+
 def mlperf_tf_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
                    wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
     """mlcommons/training, image_classification/tensorflow2/lars_optimizer.py,
@@ -53,10 +59,7 @@ def nvidia_mxnet_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[flo
     mom``), where ``m' = m * lr_t / lr_(t-1)`` from the second update on: Goyal et al.'s
     momentum correction. Decay per param (``wd_i``) apart from LARS: the fc bias."""
     ws, moms = [p.copy() for p in params], [np.zeros_like(p) for p in params]
-    last = None
-    for lr, gs in zip(lrs, grads):
-        m = momentum if last is None else momentum * lr / last
-        last = lr
+    for lr, m, gs in zip(lrs, _corrected(momentum, lrs), grads):
         for i, g in enumerate(gs):
             w, wd_i = ws[i], wd if decay[i] else 0.0
             local = lr
@@ -154,7 +157,7 @@ def lamb_authors(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], 
     return ws
 
 
-def _corrected(m: np.ndarray, v: np.ndarray, t: int, b1: float, b2: float, eps: float) -> np.ndarray:
+def _bias_corrected(m: np.ndarray, v: np.ndarray, t: int, b1: float, b2: float, eps: float) -> np.ndarray:
     return (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
 
 
@@ -183,7 +186,7 @@ def apex_fused_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float
                 g = g + wd_i * ws[i]
             ms[i] = b1 * ms[i] + ((1 - b1) if grad_averaging else 1.0) * g
             vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            u = _corrected(ms[i], vs[i], t, b1, b2, eps) + (wd_i * ws[i] if adam_w_mode else 0.0)
+            u = _bias_corrected(ms[i], vs[i], t, b1, b2, eps) + (wd_i * ws[i] if adam_w_mode else 0.0)
             ratio = _lamb_ratio(ws[i], u) if wd_i != 0 or use_nvlamb else 1.0
             ws[i] = ws[i] - lr * ratio * u
     return ws
@@ -201,7 +204,7 @@ def tfa_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, a
         for i, g in enumerate(gs):
             ms[i] = b1 * ms[i] + (1 - b1) * g
             vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            u = _corrected(ms[i], vs[i], t, b1, b2, eps)
+            u = _bias_corrected(ms[i], vs[i], t, b1, b2, eps)
             if decay[i]:
                 u = u + wd * ws[i]
             ratio = _lamb_ratio(ws[i], u) if adapt[i] else 1.0
@@ -215,10 +218,7 @@ def goyal_corrected_momentum(params: Arrays, grads: Sequence[Arrays], lrs: Seque
     lr-scaled steps, ``v = m * v + lr * (g + wd * w); w -= v``, and after a change of rate
     it takes the momentum correction ``m * lr_t / lr_(t-1)`` on ``v``."""
     ws, vs = [p.copy() for p in params], [np.zeros_like(p) for p in params]
-    last = None
-    for lr, gs in zip(lrs, grads):
-        m = momentum if last is None else momentum * lr / last
-        last = lr
+    for lr, m, gs in zip(lrs, _corrected(momentum, lrs), grads):
         for i, g in enumerate(gs):
             vs[i] = m * vs[i] + lr * (g + wd * ws[i])
             ws[i] = ws[i] - vs[i]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import source_ports as ports
-from cases import run_spec
+from cases import drive, run_spec
 from largebatch.lars.sources import SOURCES, source_keywords
 
 SHAPES = {"conv": (3, 2, 3, 3), "zero": (5, 4), "still": (2, 3), "bn.weight": (3,), "bn.bias": (3,),
@@ -120,12 +120,7 @@ def run_torch(source: str, params, grads, dtype=torch.float64, **paths) -> list[
     if optimizer == "lars":
         keywords["momentum"] = MOMENTUM
     opt = (LARS if optimizer == "lars" else LAMB)(list(groups.values()), lr=LRS[0], **keywords, **paths)
-    for lr, gs in zip(LRS, grads):
-        for group in opt.param_groups:
-            group["lr"] = lr
-        for t, g in zip(ts, gs):
-            t.grad = torch.tensor(g, dtype=dtype)
-        opt.step()
+    drive(opt, ts, grads, LRS)
     return [t.detach().double().numpy() for t in ts]
 
 
@@ -261,11 +256,6 @@ def test_the_sgd_recipes_take_goyal_et_als_corrected_momentum(data):
     params, grads = data
     ts = [torch.tensor(p, requires_grad=True) for p in params]
     opt = torch.optim.SGD(ts, lr=LRS[0], momentum=MOMENTUM, weight_decay=WD["lars"])
-    for lr, gs in zip(LRS, grads):
-        for group in opt.param_groups:
-            group["lr"] = lr
-        for t, g in zip(ts, gs):
-            t.grad = torch.tensor(g)
-        opt.step()
+    drive(opt, ts, grads, LRS)
     expected = ports.goyal_corrected_momentum(params, grads, LRS, wd=WD["lars"], momentum=MOMENTUM)
     assert_close([t.detach().numpy() for t in ts], expected, params)
