@@ -327,7 +327,7 @@ def lamb(
         adapt = _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask)
     else:  # only where the leaf's weight decay is nonzero
         adapt = _masked(scale_by_lamb_trust_ratio(axis_name, weight_decay),
-                        _mask_and(trust_ratio_mask, decay_mask) if decay_mask is not None else None)
+                        _mask_and(trust_ratio_mask, decay_mask))
     steps = [decay, moments] if not adam_w_mode else [moments, decay]  # L2: decay first
     return _keep_dtypes(
         optax.chain(*clip, *steps, adapt, optax.scale_by_learning_rate(learning_rate))

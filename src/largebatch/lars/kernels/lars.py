@@ -103,9 +103,8 @@ def _lars_apply_kernel(
     ratio = tl.where(trust_clip, tl.minimum(ratio / lr, 1.0), ratio)
     # apex LARC's zero norms: the gradient as it is (ratio 1, no clip, no weight decay).
     skip = trust_ratio & zero_norm_skip & ~nonzero
-    ratio = tl.where(skip, 1.0, ratio)
+    ratio = tl.where(trust_ratio & ~skip, ratio, 1.0)
     wd = tl.where(skip, 0.0, wd)
-    ratio = tl.where(trust_ratio, ratio, 1.0)
     rate = tl.where(lr_in_momentum, lr * ratio, ratio)
     outer = tl.where(lr_in_momentum, 1.0, lr)
 

@@ -61,10 +61,10 @@ def lamb(
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
 
 
-def adapts(hyper: dict[str, Any]) -> bool:
+def adapts(trust_ratio: bool, weight_decay: float, adapt_without_decay: bool) -> bool:
     """Whether a group takes the trust ratio: its flag, and its weight decay unless
     ``adapt_without_decay``."""
-    return hyper["trust_ratio"] and (hyper.get("adapt_without_decay", True) or hyper["weight_decay"] != 0)
+    return trust_ratio and (adapt_without_decay or weight_decay != 0)
 
 
 def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
@@ -132,7 +132,8 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    betas, trust_ratio = hyper["betas"], adapts(hyper)
+    betas = hyper["betas"]
+    trust_ratio = adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"])
     lr, eps, wd = hyper["lr"], hyper["eps"], hyper["weight_decay"]
     flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
                  grad_averaging=hyper["grad_averaging"])
@@ -166,8 +167,7 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
         return
     b1, b2 = betas
     wd = weight_decay
-    trust_ratio = adapts(dict(trust_ratio=trust_ratio, weight_decay=wd,
-                              adapt_without_decay=adapt_without_decay))
+    trust_ratio = adapts(trust_ratio, wd, adapt_without_decay)
     ws = weights(params, masters)
     gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
@@ -339,7 +339,7 @@ class LAMB(LayerwiseOptimizer):
         out: list[float] = []
         for group in self.param_groups:
             hyper = self._hyper(group)
-            if not adapts(hyper):
+            if not adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"]):
                 continue
             (b1, b2), wd = hyper["betas"], hyper["weight_decay"]
             b3 = 1 - b1 if hyper["grad_averaging"] else 1.0
