@@ -4,6 +4,7 @@ ImageNet rows' values against the sources they cite."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -124,11 +125,12 @@ def test_a_run_gets_its_specs_label_smoothing_warmup_and_power(monkeypatch):
 
 def test_a_recipes_warmup_start_and_decay_end_reach_the_schedule():
     goyal = get_recipe("resnet50-goyal-8k")
-    sched = build.build_schedule(goyal, peak_lr=goyal.peak_lr, epochs=90, steps_per_epoch=10)
+    sched = build.build_schedule(goyal, peak_lr=goyal.peak_lr, epochs=90, n_train=100, batch=10)
     assert sched(0) == pytest.approx(0.1) and sched(50) == pytest.approx(3.2)
     assert sched(300) == pytest.approx(0.32) and sched(899) == pytest.approx(0.0032)
     mlperf = get_recipe("resnet50-mlperf-lars-34k")
-    sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, steps_per_epoch=10)
+    sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, n_train=100,
+                                 batch=10)
     # MXNet's counter starts at 1: the first step runs at peak / W, the peak one step early.
     assert sched(0) == pytest.approx(21.6 / 170) and sched(169) == pytest.approx(21.6)
     assert sched(589) == pytest.approx(1e-4)
@@ -292,17 +294,57 @@ def test_reference_recipes_take_their_sources_optimizer():
     assert lamb.optimizer_kwargs["bias_correction"] is False
 
 
-def test_source_step_counts_are_stated_where_they_differ():
-    """NVIDIA's fit.py rounds an epoch up (38 steps at 34,560; 20 at 64,400) and counts
-    from 1; the LAMB authors pass 782 and 3,519 steps. The table names both counts."""
+def _nvidia_epoch_size(images: int, gpus: int, batch_per_gpu: int) -> int:
+    """NVIDIA's MLPerf v0.7 MXNet epoch, as common/fit.py's _get_lr_scheduler computes it:
+    each worker's whole share of the images, in batches rounded up."""
+    return math.ceil(images // gpus / batch_per_gpu)
+
+
+@pytest.mark.parametrize("name, gpus, per_gpu, warmup, epochs", [
+    ("resnet50-mlperf-lars-34k", 96 * 8, 45, 17, 59),  # config_DGXA100_multi_96x8x45.sh
+    ("resnet50-mlperf-lars-64k", 230 * 8, 35, 31, 90),  # config_DGXA100_multi_230x8x35.sh
+])
+def test_nvidia_recipes_run_fit_pys_step_counts(name, gpus, per_gpu, warmup, epochs):
+    recipe = get_recipe(name)
+    size = _nvidia_epoch_size(1_281_167, gpus, per_gpu)
+    assert recipe.batch_size == gpus * per_gpu
+    assert recipe.steps == (size * warmup, size * epochs)
+    assert recipe.epoch_end(1, 1_281_167, recipe.batch_size) == size
+    assert recipe.schedule_offset == 1
+    schedule = build.build_schedule(recipe, peak_lr=recipe.lr, epochs=epochs,
+                                    n_train=1_281_167, batch=recipe.batch_size)
+    assert schedule.total_steps == size * epochs
+    assert schedule(0) == pytest.approx(recipe.lr / (size * warmup))  # MXNet's first update
+
+
+def test_lamb_recipe_runs_the_authors_step_flags():
+    """fastalgo/imagenet_resnet50_lamb run.sh passes 782 warmup and 3,519 train steps for
+    20 and 90 epochs at 32,768: round(epochs x N / B), epochs ending mid-batch."""
+    recipe = get_recipe("resnet50-lamb-32k")
+    assert recipe.steps == (782, 3519)
+    ends = [recipe.epoch_end(e, 1_281_167, 32768) for e in range(91)]
+    assert ends[:4] == [0, 39, 78, 117] and ends[-1] == 3519
+    assert {b - a for a, b in zip(ends, ends[1:])} == {39, 40}
+    schedule = build.build_schedule(recipe, peak_lr=0.04, epochs=90, n_train=1_281_167,
+                                    batch=32768)
+    assert (schedule.total_steps, schedule.warmup_steps) == (3519, 782)
+
+
+def test_floor_epochs_are_this_packages_own():
+    recipe = get_recipe("fmnist-lars-1536")
+    assert recipe.epoch_steps == "floor"
+    assert recipe.steps == (round(2 * 39), 30 * 39)
+    assert recipe.epoch_length(60_000, 1536) == 39 and recipe.epoch_end(3, 60_000, 1536) == 117
+    with pytest.raises(ValueError, match="Invalid batch: 0"):
+        recipe.epoch_length(60_000, 0)
+    with pytest.raises(ValueError, match="unknown epoch_steps 'round'"):
+        dataclasses.replace(recipe, epoch_steps="round")
+
+
+def test_the_table_shows_each_recipes_step_counts():
     from largebatch.recipes.registry import recipes_table
 
-    nvidia = get_recipe("resnet50-mlperf-lars-34k")
-    assert nvidia.steps == (37 * 17, 37 * 59) and nvidia.source_steps == (646, 2242)
-    assert nvidia.schedule_offset == 1
-    schedule = build.build_schedule(nvidia, peak_lr=21.6, epochs=59, steps_per_epoch=37)
-    assert schedule(0) == pytest.approx(21.6 / (37 * 17))  # MXNet's first update: base / W
-    assert get_recipe("resnet50-lamb-32k").steps == (780, 3510)
     table = recipes_table()
-    assert "2,183 in all here; 646 and 2,242 in the source" in table
-    assert "3,510 in all here; 782 and 3,519 in the source" in table
+    assert "steps: 646 warmup, 2,242 in all (epoch_steps 'ceil')" in table
+    assert "steps: 782 warmup, 3,519 in all (epoch_steps 'exact')" in table
+    assert "step counts" not in table  # no longer open

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -527,18 +528,71 @@ def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
     from largebatch.recipes.build import build_schedule
 
     goyal = get_recipe("resnet50-goyal-8k")  # 5-epoch warmup, x0.1 at 30, 60, 80 of 90
-    full = build_schedule(goyal, peak_lr=3.2, epochs=90, steps_per_epoch=10)
+    full = build_schedule(goyal, peak_lr=3.2, epochs=90, n_train=100, batch=10)
     assert [full(t) for t in (50, 299, 300, 599, 600, 800, 899)] == pytest.approx(
         [3.2, 3.2, 0.32, 0.32, 0.032, 0.0032, 0.0032])
     # 9 epochs: warmup 0.5 epochs (5 steps), milestones at epochs 3, 6, 8.
-    short = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10)
+    short = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10)
     # Warmup from the paper's 0.1 (§5.2): 4 of 5 steps in, 0.1 + 0.8 x (3.2 - 0.1).
     assert [short(t) for t in (4, 5, 29, 30, 60, 80)] == pytest.approx(
         [0.1 + 0.8 * 3.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
     # The study's warmup replaces the recipe's, unscaled; the milestones stay.
-    tuned = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=2)
+    tuned = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10, warmup_epochs=2)
     assert [tuned(t) for t in (10, 20, 29, 30, 60)] == pytest.approx(
         [0.1 + 0.5 * 3.1, 3.2, 3.2, 0.32, 0.032])
     # A milestone that rounds into the warmup is dropped.
-    late = build_schedule(goyal, peak_lr=3.2, epochs=9, steps_per_epoch=10, warmup_epochs=4)
+    late = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10, warmup_epochs=4)
     assert [late(t) for t in (40, 59, 60, 80)] == pytest.approx([3.2, 3.2, 0.32, 0.032])
+
+
+def test_stream_sampler_reads_consecutive_shuffled_passes_split_over_processes():
+    from largebatch.recipes.train_data import StreamSampler
+
+    n, batch, world, seed = 10, 4, 2, 3
+    passes = [torch.randperm(n, generator=torch.Generator().manual_seed(seed + p))
+              for p in range(3)]
+    stream = torch.cat(passes).tolist()
+
+    def read(start, stop, rank):
+        return list(StreamSampler(n, batch, rank, world, seed, start, stop))
+
+    for step in range(6):  # step 2 spans passes 0 and 1, step 4 passes 1 and 2
+        whole = read(step, step + 1, 0) + read(step, step + 1, 1)
+        assert whole == stream[step * batch:(step + 1) * batch], step
+    assert read(0, 2, 1) + read(2, 5, 1) == read(0, 5, 1)  # an epoch boundary changes nothing
+    assert len(StreamSampler(n, batch, 0, world, seed, 2, 5)) == 6
+    with pytest.raises(ValueError, match="batch 5 is not divisible by the world size 2"):
+        StreamSampler(n, 5, 0, world, seed, 0, 1)
+
+
+def _stream_recipe(monkeypatch, epoch_steps):
+    recipe = dataclasses.replace(get_recipe("fmnist-lars-1536"),
+                                 name=f"fmnist-lars-{epoch_steps}", epoch_steps=epoch_steps)
+    monkeypatch.setitem(RECIPES, recipe.name, recipe)
+    # 1,000 images at 256: N / B = 3.906 steps an epoch
+    return ["train", "--recipe", recipe.name, "--subset", "1000", "--batch-size", "256",
+            "--epochs", "3"]
+
+
+@pytest.mark.parametrize("epoch_steps, steps", [("floor", 3 * 3), ("ceil", 3 * 4),
+                                                ("exact", 12)])  # round(3 x 3.906) = 12
+def test_train_runs_the_recipes_step_arithmetic(tmp_path, monkeypatch, capsys, epoch_steps, steps):
+    args = _stream_recipe(monkeypatch, epoch_steps)
+    assert cli([*args, "--out", str(tmp_path)]) == 0
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["optimizer"]["num_steps"] == steps
+    assert state["scheduler"]["last_epoch"] == steps
+    header = capsys.readouterr().out.splitlines()[0]
+    assert {"floor": "3 steps an epoch (N // B)", "ceil": "4 steps an epoch (ceil(N / B))",
+            "exact": "12 steps in all (epoch e ends at step round(e N / B))"}[epoch_steps] \
+        in header, header
+
+
+def test_a_stream_epoch_resumes_bit_for_bit(tmp_path, monkeypatch):
+    args = _stream_recipe(monkeypatch, "exact")  # epoch 1 ends at step 4, inside pass 2
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert cli([*args, "--out", str(straight)]) == 0
+    assert cli([*args, "--out", str(split), "--stop-after", "1"]) == 0
+    assert cli([*args, "--out", str(split), "--resume"]) == 0
+    a, b = _params(straight), _params(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)

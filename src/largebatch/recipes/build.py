@@ -84,22 +84,24 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[di
     raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn, none or nvidia)")
 
 
-def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, steps_per_epoch: int,
+def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, n_train: int, batch: int,
                    warmup_epochs: float | None = None) -> Schedule:
     """The recipe's lr schedule (its shape, ``power`` and ``milestones``) for a run of
-    ``epochs`` epochs of ``steps_per_epoch`` steps, peaking at ``peak_lr``.
+    ``epochs`` epochs of ``n_train`` images at ``batch``, peaking at ``peak_lr``.
 
-    Warmup and milestones are in epochs: scaled to ``epochs`` as
+    Steps follow the recipe's ``epoch_steps`` (:meth:`Recipe.epoch_length`,
+    :meth:`Recipe.epoch_end`). Warmup and milestones are in epochs: scaled to ``epochs`` as
     :meth:`Recipe.with_epochs` does, then rounded to steps; a milestone that rounds into
     the warmup or to the end of the run is dropped. ``warmup_epochs``, when given, replaces
     the recipe's warmup as it is (not scaled): the study tunes it.
     """
     shape = recipe.with_epochs(epochs)
     warmup = shape.warmup_epochs if warmup_epochs is None else warmup_epochs
-    total = epochs * steps_per_epoch
-    warmup_steps = min(round(warmup * steps_per_epoch), total)
-    milestones = sorted({round(m * steps_per_epoch) for m in shape.milestones
-                         if warmup_steps <= round(m * steps_per_epoch) < total})
+    per_epoch = recipe.epoch_length(n_train, batch)
+    total = recipe.epoch_end(epochs, n_train, batch)
+    warmup_steps = min(round(warmup * per_epoch), total)
+    milestones = sorted({round(m * per_epoch) for m in shape.milestones
+                         if warmup_steps <= round(m * per_epoch) < total})
     return make_schedule(shape.schedule, peak_lr=peak_lr, total_steps=total,
                          warmup_steps=warmup_steps, init_lr=recipe.init_lr,
                          end_lr=recipe.end_lr, power=shape.power, milestones=milestones,

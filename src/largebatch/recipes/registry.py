@@ -29,7 +29,22 @@ OPTIMIZERS = ("lars", "lamb", "sgd", "nesterov")
 PRECISIONS = ("fp32", "fp16", "bf16")
 MODELS = ("resnet50", "alexnet_bn", "fmnist_cnn", "small_cnn", "small_resnet")
 DECAY_EXCLUDES = ("bn_bias", "bn", "none", "nvidia")
+# How a source turns epochs into steps (``Recipe.epoch_steps``):
+#   floor: an epoch is N // B steps of a fresh shuffle, the last N % B images unused
+#          (PyTorch's drop_last; this package's own recipes);
+#   ceil:  an epoch is ceil(N / B) steps, taken from one stream of shuffled passes over
+#          the data, so an epoch's last batch runs on into the next pass (NVIDIA's MLPerf
+#          MXNet, common/fit.py: the epoch size rounded up, DALI's reader never stops);
+#   exact: the same stream, epoch e ending at step round(e * N / B) (the LAMB authors'
+#          code takes its warmup and total step counts as flags: run.sh's 782 and 3,519
+#          for 20 and 90 epochs at B = 32,768).
+EPOCH_STEPS = ("floor", "ceil", "exact")
 TRAIN_IMAGES = {"imagenet": 1_281_167, "fashion-mnist": 60_000}
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a positive integer)")
 
 
 def imagenet_equivalent(batch: int, n_train: int) -> int:
@@ -38,10 +53,8 @@ def imagenet_equivalent(batch: int, n_train: int) -> int:
     >>> imagenet_equivalent(1536, 60_000)
     32798
     """
-    if not (isinstance(batch, int) and batch > 0):
-        raise ValueError(f"Invalid batch: {batch!r} (must be a positive integer)")
-    if not (isinstance(n_train, int) and n_train > 0):
-        raise ValueError(f"Invalid n_train: {n_train!r} (must be a positive integer)")
+    _check_positive("batch", batch)
+    _check_positive("n_train", n_train)
     return round(batch * TRAIN_IMAGES["imagenet"] / n_train)
 
 
@@ -74,9 +87,7 @@ class Recipe:
     init_lr: float = 0.0  # the rate the warmup starts from
     end_lr: float = 0.0  # the rate poly or cosine decay ends at
     schedule_offset: int = 0  # the schedule's counter at the first step (MXNet's: 1)
-    # (warmup, total) steps as the source runs them at its batch, where its step arithmetic
-    # differs from this package's (epochs of N // B whole steps): shown, and named open.
-    source_steps: tuple[int, int] | None = None
+    epoch_steps: str = "floor"  # the source's step arithmetic: EPOCH_STEPS
     paper: str = ""
     source: str = ""  # where each value comes from: arXiv id + table/section, or repo + file
     unstated: str = ""  # what the source leaves open, and the value used here
@@ -93,6 +104,9 @@ class Recipe:
                 )
         if (self.lr is None) == (self.base_lr is None):
             raise ValueError(f"Recipe {self.name!r}: give exactly one of lr and base_lr")
+        if self.epoch_steps not in EPOCH_STEPS:
+            raise ValueError(f"Recipe {self.name!r}: unknown epoch_steps {self.epoch_steps!r}; "
+                             f"known: {', '.join(EPOCH_STEPS)}")
         if self.decay_exclude not in DECAY_EXCLUDES:
             raise ValueError(f"Recipe {self.name!r}: unknown decay_exclude "
                              f"{self.decay_exclude!r}; known: {', '.join(DECAY_EXCLUDES)}")
@@ -126,12 +140,41 @@ class Recipe:
             self, epochs=epochs, warmup_epochs=self.warmup_epochs * scale,
             milestones=tuple(m * scale for m in self.milestones))
 
+    def epoch_length(self, n_train: int, batch: int) -> float:
+        """Steps per epoch of ``n_train`` images at ``batch`` under the recipe's
+        ``epoch_steps``: ``N // B``, ``ceil(N / B)`` or, for ``exact``, ``N / B``
+        (fractional). Warmup and milestones, in epochs, become ``round(epochs * this)``."""
+        _check_positive("n_train", n_train)
+        _check_positive("batch", batch)
+        if self.epoch_steps == "floor":
+            return n_train // batch
+        if self.epoch_steps == "ceil":
+            return -(-n_train // batch)
+        return n_train / batch
+
+    def epoch_end(self, epoch: int, n_train: int, batch: int) -> int:
+        """The number of steps run when ``epoch`` epochs of ``n_train`` images at ``batch``
+        are done: ``epoch`` whole epochs, or for ``exact`` ``round(epoch * N / B)``,
+        computed in integers."""
+        if self.epoch_steps == "exact":
+            _check_positive("n_train", n_train)
+            _check_positive("batch", batch)
+            return (2 * epoch * n_train + batch) // (2 * batch)  # halves round up
+        return epoch * int(self.epoch_length(n_train, batch))
+
+    def steps_at(self, n_train: int, batch: int, epochs: int | None = None) -> tuple[int, int]:
+        """(warmup, total) steps of a run of ``epochs`` (default: the recipe's) epochs of
+        ``n_train`` images at ``batch``, the warmup scaled with the epochs as
+        :meth:`with_epochs` does."""
+        shape = self.with_epochs(self.epochs if epochs is None else epochs)
+        total = shape.epoch_end(shape.epochs, n_train, batch)
+        return min(round(shape.warmup_epochs * shape.epoch_length(n_train, batch)), total), total
+
     @property
     def steps(self) -> tuple[int, int]:
-        """(warmup, total) steps of a full run at the recipe's own batch and epochs here:
-        epochs of ``N // batch`` whole steps."""
-        per_epoch = TRAIN_IMAGES[self.data] // self.batch_size
-        return round(self.warmup_epochs * per_epoch), self.epochs * per_epoch
+        """(warmup, total) steps of a full run at the recipe's own data set, batch and
+        epochs, under its source's step arithmetic (``epoch_steps``)."""
+        return self.steps_at(TRAIN_IMAGES[self.data], self.batch_size)
 
     @property
     def imagenet_batch(self) -> int:
@@ -156,9 +199,7 @@ MLPERF_NVIDIA = ("MLPerf Training v0.7, NVIDIA's closed-division ResNet-50 (MXNe
 OURS = "largebatch (this project)"
 
 _NVIDIA_DIR = "NVIDIA/benchmarks/resnet/implementations/mxnet"
-_NVIDIA_OPEN = (
-    "open: the step counts (fit.py's epoch is ceil(images per worker / batch per GPU) "
-    "steps, rounded up: see the steps line); " + SOURCES["nvidia-mxnet"].open)
+_NVIDIA_OPEN = SOURCES["nvidia-mxnet"].open
 _LARS_V3 = "arXiv:1708.03888v3"
 
 def _alexnet_bn_lars(batch: int, *, lr: float, top1: float, note: str = "") -> Recipe:
@@ -206,7 +247,7 @@ _IMAGENET = [
                     "Table 4 reads B=32K lr 40, 12 warmup epochs, 72.5% (baseline 73.8%), "
                     "with weight decay 5e-4 over 100 epochs"),
     Recipe("resnet50-lamb-32k", "resnet50", "imagenet", "lamb", 32768, 90, lr=0.04,
-           optimizer_kwargs=source_keywords("lamb-authors"), source_steps=(782, 3519),
+           optimizer_kwargs=source_keywords("lamb-authors"), epoch_steps="exact",
            schedule="poly", power=1.0, warmup_epochs=20, weight_decay=1.5,
            decay_exclude="bn", label_smoothing=0.1, precision="bf16", paper=LAMB_CODE,
            published_top1=76.34,
@@ -217,14 +258,13 @@ _IMAGENET = [
                   "norm 1.0, no bias correction: largebatch.lars.sources 'lamb-authors'), "
                   "resnet_main.py (betas 0.9/0.999, eps 1e-6, bfloat16), log.out "
                   "(top_1_accuracy = 0.7633667 at step 3519)",
-           unstated="open: the step counts (the source passes 782 warmup and 3,519 steps as "
-                    "flags: see the steps line); each TPU core clips its own gradients before "
+           unstated="each TPU core clips its own gradients before "
                     "the cross-replica sum (here one clip); the paper's own ResNet-50 tables "
                     "are not what this row restates",
            note="LAMB's decoupled weight decay; the trust ratio only on decayed params"),
     Recipe("resnet50-mlperf-lars-34k", "resnet50", "imagenet", "lars", 34560, 59, lr=21.6,
            optimizer_kwargs={"momentum": 0.94, **source_keywords("nvidia-mxnet")},
-           decay_exclude="nvidia", schedule_offset=1, source_steps=(38 * 17, 38 * 59),
+           decay_exclude="nvidia", schedule_offset=1, epoch_steps="ceil",
            schedule="poly", power=2.0, warmup_epochs=17, end_lr=1e-4, weight_decay=2.5e-5,
            label_smoothing=0.1, precision="fp16", paper=MLPERF_NVIDIA, published_top1=76.07,
            source=f"mlcommons/training_results_v0.7 {_NVIDIA_DIR}/"
@@ -240,7 +280,7 @@ _IMAGENET = [
            note="MLPerf's quality target is 75.9% top-1"),
     Recipe("resnet50-mlperf-lars-64k", "resnet50", "imagenet", "lars", 64400, 90, lr=24.699,
            optimizer_kwargs={"momentum": 0.951807, **source_keywords("nvidia-mxnet")},
-           decay_exclude="nvidia", schedule_offset=1, source_steps=(20 * 31, 20 * 90),
+           decay_exclude="nvidia", schedule_offset=1, epoch_steps="ceil",
            schedule="poly", power=2.0, warmup_epochs=31, end_lr=1e-4, weight_decay=1e-4,
            label_smoothing=0.1, precision="fp16", paper=MLPERF_NVIDIA,
            source=f"mlcommons/training_results_v0.7 {_NVIDIA_DIR}/"
@@ -329,10 +369,9 @@ def recipes_table() -> str:
         sources.append(f"{r.name}: {r.source}")
         if r.unstated:
             sources.append(f"{' ' * len(r.name)}  open: {r.unstated}")
-        if r.source_steps is not None and r.source_steps != r.steps:
-            sources.append(f"{' ' * len(r.name)}  steps: {r.steps[0]:,} warmup and {r.steps[1]:,} "
-                           f"in all here; {r.source_steps[0]:,} and {r.source_steps[1]:,} in the "
-                           "source")
+        warmup, total = r.steps
+        sources.append(f"{' ' * len(r.name)}  steps: {warmup:,} warmup, {total:,} in all "
+                       f"(epoch_steps {r.epoch_steps!r})")
     return "\n".join(table + sources)
 
 

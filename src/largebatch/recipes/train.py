@@ -66,7 +66,7 @@ from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
 )
 from largebatch.recipes.study.plan import COMPRESSIONS
-from largebatch.recipes.train_data import batches, eval_chunks, load_data
+from largebatch.recipes.train_data import batches, epoch_sampler, eval_chunks, load_data
 from largebatch.torch import ScheduleLR, to_half, trust_ratios
 
 __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_arguments", "main"]
@@ -167,6 +167,14 @@ def _read_checkpoint(path: Path, settings: dict[str, Any], world: int) -> dict[s
     return state
 
 
+def _steps_text(recipe: Recipe, ends: list[int]) -> str:
+    """How many steps the run takes, in the recipe's step arithmetic (``epoch_steps``)."""
+    if recipe.epoch_steps == "exact":
+        return f"{ends[-1]:,} steps in all (epoch e ends at step round(e N / B))"
+    rule = "N // B" if recipe.epoch_steps == "floor" else "ceil(N / B)"
+    return f"{ends[1]:,} steps an epoch ({rule})"
+
+
 def _read_summary(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -235,9 +243,10 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     rank, world, device = join(device_name)
     local_batch = batch // world
     data = load_data(recipe, args.data, args.subset)
-    steps_per_epoch = data.n_train // world // local_batch
-    if steps_per_epoch < 1:
+    if data.n_train < batch:
         raise _fail(f"{data.n_train} training images hold no full batch of {batch}")
+    # The step count at the end of each epoch, by the recipe's source's arithmetic.
+    ends = [recipe.epoch_end(e, data.n_train, batch) for e in range(epochs + 1)]
 
     torch.manual_seed(args.seed)
     model = build_model(recipe.model, data.num_classes)
@@ -258,13 +267,11 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         raise _fail(str(err)) from None
     # The recipe's schedule, its warmup and milestones scaled to --epochs.
     shape = recipe.with_epochs(epochs)
-    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, n_train=data.n_train,
+                              batch=batch)
     scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     loss_fn = build_loss(recipe)
-    sampler = torch.utils.data.DistributedSampler(
-        range(data.n_train), num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
-        drop_last=True)
 
     start_epoch, history = 0, []
     checkpoint = out / "checkpoint.pt"
@@ -285,7 +292,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     if settings["compression"] == "adacomp":
         from largebatch.comm.torch import AdaCompState, adacomp_hook
 
-        comm = AdaCompState(ddp, warmup_steps=settings["compression_warmup"] * steps_per_epoch,
+        comm = AdaCompState(ddp, warmup_steps=ends[min(settings["compression_warmup"], epochs)],
                             scaler=scaler)
         if state is not None:
             comm.load_state_dict(_to_device(state["adacomp"][rank], device))
@@ -300,7 +307,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         print(f"{recipe.name}: {recipe.model} on {recipe.data} ({data.n_train:,} images), batch "
               f"{batch:,} (ImageNet-equivalent {nominal:,}) "
               f"= {world} x {local_batch // micro} x {micro}, {recipe.optimizer} peak lr {lr:g}, "
-              f"{precision}, {span} x {steps_per_epoch} steps; "
+              f"{precision}, {span}, {_steps_text(recipe, ends)}; "
               f"schedule {shape.schedule_text}{scaled}", flush=True)
 
     title = f"{recipe.name} (batch {batch:,})"
@@ -309,8 +316,9 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
                          "; the metrics, checkpoint and summary are unaffected")
     acc = history[-1]["test_accuracy"] if history else float("nan")
     for epoch in range(start_epoch, stop):
-        sampler.set_epoch(epoch)
-        telemetry = _EpochTelemetry(optimizer, scaler, steps_per_epoch, batch,
+        steps = ends[epoch + 1] - ends[epoch]
+        sampler = epoch_sampler(recipe, data.n_train, batch, rank, world, args.seed, epoch)
+        telemetry = _EpochTelemetry(optimizer, scaler, steps, batch,
                                     f"epoch {epoch + 1}/{epochs}", show=rank == 0)
         loss_sum = train_epoch(
             ddp, batches(data.train, sampler, local_batch, args.workers, device, dtype),
@@ -327,7 +335,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         acc = evaluate(whole if fsdp else model, eval_chunks(data.test, rank, world, args.workers),
                        device=device, dtype=torch.float32 if fsdp else dtype, world=world).accuracy
         row = {
-            "epoch": epoch + 1, "train_loss": float(loss_sum) / steps_per_epoch,
+            "epoch": epoch + 1, "train_loss": float(loss_sum) / steps,
             "test_accuracy": acc, "lr": optimizer.param_groups[0]["lr"],
             "images_per_second": seen / seconds, "seconds": seconds, **telemetry.row(),
         }

@@ -18,7 +18,7 @@ from largebatch.recipes.loop import Batches, tensor_chunks
 from largebatch.recipes.outputs import CommandError
 from largebatch.recipes.registry import Recipe
 
-__all__ = ["TrainData", "batches", "eval_chunks", "load_data"]
+__all__ = ["StreamSampler", "TrainData", "batches", "epoch_sampler", "eval_chunks", "load_data"]
 
 
 def _fail(message: str) -> CommandError:
@@ -124,6 +124,53 @@ def load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> Train
         train = torch.utils.data.Subset(train, range(min(subset, len(train))))
         test = torch.utils.data.Subset(test, range(min(subset, len(test))))
     return TrainData(train, test, num_classes, len(train))
+
+
+class StreamSampler(torch.utils.data.Sampler[int]):
+    """This process's images for global steps ``start`` to ``stop`` of one stream of
+    shuffled passes over ``n`` images: pass ``p`` is ``torch.randperm(n)`` drawn with seed
+    ``seed + p``, the passes follow each other without a gap, global step ``s`` takes the
+    stream's images ``s * batch`` to ``(s + 1) * batch``, and process ``rank`` of ``world``
+    the ``rank``-th equal slice of those. A batch may span two passes; where an epoch ends
+    is the recipe's (``Recipe.epoch_end``), so a resumed run reads the same images."""
+
+    def __init__(self, n: int, batch: int, rank: int, world: int, seed: int, start: int,
+                 stop: int) -> None:
+        if batch % world:
+            raise ValueError(f"batch {batch} is not divisible by the world size {world}")
+        self.n, self.batch, self.rank, self.world = n, batch, rank, world
+        self.seed, self.start, self.stop = seed, start, stop
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * (self.batch // self.world)
+
+    def __iter__(self) -> Iterator[int]:
+        local = self.batch // self.world
+        steps = torch.arange(self.start, self.stop).unsqueeze(1)
+        where = (steps * self.batch + self.rank * local + torch.arange(local)).flatten()
+        passes = where // self.n
+        order = torch.empty_like(where)
+        for p in passes.unique().tolist():
+            chosen = passes == p
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + p))
+            order[chosen] = perm[where[chosen] % self.n]
+        return iter(order.tolist())
+
+
+def epoch_sampler(recipe: Recipe, n: int, batch: int, rank: int, world: int, seed: int,
+                  epoch: int) -> torch.utils.data.Sampler[int]:
+    """This process's images for epoch ``epoch`` (from 0) under the recipe's
+    ``epoch_steps``: for ``floor``, a fresh shuffle of the ``n`` images split over the
+    processes, the remainder dropped (``DistributedSampler``); otherwise the steps
+    ``Recipe.epoch_end(epoch)`` to ``Recipe.epoch_end(epoch + 1)`` of a
+    :class:`StreamSampler`."""
+    if recipe.epoch_steps == "floor":
+        sampler = torch.utils.data.DistributedSampler(
+            range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        return sampler
+    return StreamSampler(n, batch, rank, world, seed, recipe.epoch_end(epoch, n, batch),
+                         recipe.epoch_end(epoch + 1, n, batch))
 
 
 def batches(data: Any, sampler: Any, batch: int, workers: int, device: torch.device,

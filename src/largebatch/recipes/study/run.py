@@ -106,7 +106,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     model = build_model(recipe.model, 10).to(device, memory_format=torch.channels_last)
     optimizer = build_optimizer(recipe, model, spec.lr)
     scheduler = ScheduleLR(optimizer, build_schedule(
-        recipe, peak_lr=spec.lr, epochs=spec.epochs, steps_per_epoch=steps_per_epoch,
+        recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
         warmup_epochs=spec.warmup_epochs))
     order = torch.Generator().manual_seed(spec.seed)
     loss_fn = build_loss(recipe)
