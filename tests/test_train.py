@@ -185,6 +185,23 @@ def test_torchrun_fsdp_with_an_sgd_recipe_records_its_diagnostic_trust_ratios(tm
     assert fsdp["trust_ratio_median"] == pytest.approx(ddp["trust_ratio_median"], rel=1e-4)
 
 
+def test_torchrun_fsdp_in_bf16_keeps_batch_norm_in_fp32(tmp_path):
+    # FSDP2's bf16 policy casts params, not batch norm's running statistics: the norm
+    # layers are units of their own computing in fp32, as to_half keeps them.
+    _torchrun_train(tmp_path, "--subset", "512", "--epochs", "1", "--fsdp", "--precision", "bf16")
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert saved["settings"]["precision"] == "bf16"
+    norms = [k for k in saved["model"] if k.endswith("running_var")]
+    assert norms, list(saved["model"])
+    for key in norms:
+        var = saved["model"][key]
+        assert var.dtype == torch.float32 and torch.isfinite(var).all(), key
+        assert not torch.equal(var, torch.ones_like(var)), f"{key} never updated"
+    assert all(v.dtype == torch.float32 for v in saved["model"].values() if v.is_floating_point())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["precision"] == "bf16" and summary["test_accuracy"] > 0
+
+
 def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     two_epochs = ["--subset", "512", "--epochs", "2"]
     whole_run = _torchrun_train(tmp_path / "a", *two_epochs, "--fsdp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["to_half", "NORM_LAYERS"]
+__all__ = ["NORM_LAYERS", "norms_in_float32", "to_half"]
 
 NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 
@@ -30,11 +30,21 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"Invalid dtype: {dtype} (must be torch.float16 or torch.bfloat16)")
     model.to(dtype)
-    for module in model.modules():
-        if isinstance(module, NORM_LAYERS) and not getattr(module, "_largebatch_fp32", False):
-            module.float()
+    for module in norms_in_float32(model, dtype):
+        module.float()
+    return model
+
+
+def norms_in_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """Make each normalization layer of ``model`` compute in fp32 inside a ``dtype`` model:
+    its input cast to fp32, its output back to ``dtype`` (forward hooks, added once).
+    Returns the layers; their params are the caller's to keep fp32 (:func:`to_half` casts
+    them, FSDP2 gives them a policy of their own: ``recipes.distributed.shard_model``)."""
+    norms = [m for m in model.modules() if isinstance(m, NORM_LAYERS)]
+    for module in norms:
+        if not getattr(module, "_largebatch_fp32", False):
             module._largebatch_io_dtype = dtype
             module._largebatch_fp32 = True
             module.register_forward_pre_hook(_to_float32)
             module.register_forward_hook(_back_to_input_dtype)
-    return model
+    return norms

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from largebatch.mixed_precision.torch import norms_in_float32
 from largebatch.recipes.outputs import CommandError
 
 __all__ = ["buffers_sha256", "check_device", "exit_process", "full_optimizer_state", "full_state",
@@ -107,14 +108,22 @@ def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
     """Shard ``model`` in place with FSDP2 over all processes: each top-level child that
     holds params is one unit (its params all-gathered together), then the root. With a
     half ``dtype`` the sharded params stay fp32 and FSDP2's mixed-precision policy runs the
-    forward and backward in ``dtype`` and reduces the grads in fp32."""
+    forward and backward in ``dtype`` and reduces the grads in fp32; normalization layers
+    are units of their own that compute in fp32, as :func:`to_half` keeps them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = {}
+    policy, own = {}, set()
     if dtype != torch.float32:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        # Normalization layers compute in fp32, as to_half keeps them: a unit of their own
+        # whose params stay fp32 (FSDP2 casts params, not BN's running statistics).
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for norm in norms_in_float32(model, dtype):
+            if any(True for _ in norm.parameters()):
+                fully_shard(norm, mp_policy=fp32)
+                own.add(norm)
     for child in model.children():
-        if any(True for _ in child.parameters()):
+        if child not in own and any(True for _ in child.parameters()):
             fully_shard(child, **policy)
     fully_shard(model, **policy)
 

@@ -172,7 +172,7 @@ def _steps_text(recipe: Recipe, ends: list[int]) -> str:
     if recipe.epoch_steps == "exact":
         return f"{ends[-1]:,} steps in all (epoch e ends at step round(e N / B))"
     rule = "N // B" if recipe.epoch_steps == "floor" else "ceil(N / B)"
-    return f"{ends[1]:,} steps an epoch ({rule})"
+    return f"{ends[1]:,} step{'s' * (ends[1] != 1)} an epoch ({rule})"
 
 
 def _read_summary(path: Path) -> dict[str, Any]:
