@@ -133,6 +133,28 @@ def test_inject_hyperparams_jits_once_and_equals_plain(name):
     assert_close(p, expected)
 
 
+@pytest.mark.parametrize("factory", [lars, lamb])
+@pytest.mark.parametrize("mask", ["trust_ratio_mask", "weight_decay_mask"])
+def test_inject_hyperparams_without_static_args_refuses_a_mask(factory, mask):
+    """Without ``static_args``, inject_hyperparams takes a callable mask for a schedule
+    (``exclusion_mask`` of the step count is False: no leaf adapted) and an array mask
+    for a traced hyperparameter: both are refused, naming static_args."""
+    params, grads = problem(1)
+    with pytest.raises(TypeError, match="called on a step count .* static_args"):
+        optax.inject_hyperparams(factory)(learning_rate=0.1, weight_decay=1e-2,
+                                          **{mask: exclusion_mask}).init(params)
+    opt = optax.inject_hyperparams(factory)(learning_rate=0.1, **{mask: jnp.asarray(True)})
+    with pytest.raises(TypeError, match=f"Invalid {mask}: an array .* static_args"):
+        opt.init(params)
+    with pytest.raises(TypeError, match=f"Invalid {mask}: an array"):
+        factory(0.1, **{mask: np.array([True, False, True])})
+    # Named in static_args, the mask is the mask.
+    opt = optax.inject_hyperparams(factory, static_args=mask)(
+        learning_rate=0.1, weight_decay=1e-2, **{mask: exclusion_mask})
+    expected, _ = run(factory(0.1, weight_decay=1e-2, **{mask: exclusion_mask}), params, grads)
+    assert_close(run(opt, params, grads, jit=True)[0], expected)
+
+
 # ------------------------------------------------------------------- optax wrappers
 
 

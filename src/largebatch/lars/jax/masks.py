@@ -10,9 +10,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 Mask = Any  # None, a pytree (or prefix) of bools, or a callable params -> such a pytree
+
+_STATIC = ("under optax.inject_hyperparams, name the masks in static_args, e.g. "
+           "inject_hyperparams(lars, static_args=('trust_ratio_mask', 'weight_decay_mask')), "
+           "so that they are not taken for hyperparameters or schedules")
+
+
+def check_masks(**masks: Mask) -> None:
+    """Refuse a mask that is an array (a traced or concrete value): the masks decide the
+    structure of the chain, so they must be known when it is built. That is what
+    ``optax.inject_hyperparams`` passes for a mask it took for a hyperparameter."""
+    for name, mask in masks.items():
+        if isinstance(mask, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(
+                f"Invalid {name}: an array ({type(mask).__name__} of shape "
+                f"{jnp.shape(mask)}); a mask is None, a pytree of bools or a callable on the "
+                f"params, fixed when the optimizer is built: {_STATIC}")
 
 
 def exclusion_mask(params: Any) -> Any:
@@ -31,6 +48,10 @@ def exclusion_mask(params: Any) -> Any:
                 params,
             )
     """
+    if (isinstance(params, (jax.Array, np.ndarray, np.generic)) and jnp.ndim(params) == 0
+            and jnp.issubdtype(jnp.result_type(params), jnp.integer)):
+        raise TypeError(f"exclusion_mask was called on a step count ({params!r}), not on "
+                        f"params: {_STATIC}")
     return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
 
 

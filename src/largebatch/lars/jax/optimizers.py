@@ -11,7 +11,7 @@ from typing import Any
 
 import optax
 
-from largebatch.lars.jax.masks import Mask, _mask_and, _masked
+from largebatch.lars.jax.masks import Mask, _mask_and, _masked, check_masks
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 from largebatch.lars.jax.transforms import (
     ScalarOrSchedule,
@@ -150,6 +150,7 @@ def lars(
       Goyal et al. 2017 (linear scaling, warmup), https://arxiv.org/abs/1706.02677.
       LARC (the trust clip): NVIDIA apex, ``apex/parallel/LARC.py``.
     """
+    check_masks(weight_decay_mask=weight_decay_mask, trust_ratio_mask=trust_ratio_mask)
     checked = LARS_SPEC.check(
         {
             **_rate_to_check(learning_rate),
@@ -297,6 +298,7 @@ def lamb(
       76 minutes", https://arxiv.org/abs/1904.00962.
       NVIDIA apex ``FusedLAMB`` (global gradient clipping).
     """
+    check_masks(weight_decay_mask=weight_decay_mask, trust_ratio_mask=trust_ratio_mask)
     checked = LAMB_SPEC.check(
         {
             **_rate_to_check(learning_rate),
