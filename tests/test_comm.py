@@ -108,6 +108,35 @@ def test_bin_lengths_by_layer_kind() -> None:
     assert ref.bin_length((8, 4, 3), conv_bin=10) == 10
 
 
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements of any tensor an op returns."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_a_bin_longer_than_the_layer_costs_the_layers_memory() -> None:
+    """One bin of L_T = 2e8 over a 1,000-element layer is the layer's one bin: the same
+    result as L_T = 1,000, and no tensor larger than the layer (not 2e8 elements)."""
+    assert ref.bin_length((10, 100), fc_bin=2 * 10**8) == 1000
+    assert ref.bin_length((2, 5, 10, 10), conv_bin=2 * 10**8) == 1000
+    rng = np.random.default_rng(0)
+    r, g = rng.standard_normal(1000), rng.standard_normal(1000)
+    with _LargestTensor() as seen:
+        got = _torch_compress(r, g, 2 * 10**8)
+    assert seen.largest <= 1000, seen.largest
+    want = ref.compress(r, g, 1000)
+    np.testing.assert_array_equal(got.mask, want.mask)
+    np.testing.assert_allclose(got.sent, want.sent, rtol=1e-15)
+    np.testing.assert_array_equal(ref.compress(r, g, 2 * 10**8).mask, want.mask)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_reference_refuses_bad_bins(bad) -> None:
     with pytest.raises(ValueError, match=f"L_T must be a positive int, got {bad!r}"):

@@ -271,6 +271,26 @@ def exchange_step(tx, mesh, check=True):
     return step, state, specs
 
 
+@pytest.mark.parametrize("form", ["allgather", "two_phase"])
+def test_a_bin_longer_than_the_leaf_costs_the_leafs_memory(form):
+    """L_T = 1e6 over leaves of at most 2,080 elements is each leaf's one bin: the same
+    compiled step, state and memory as bins of the leaves' own sizes (1e8 once took 4 GB)."""
+    mesh = data_mesh(4)
+    huge = exchange_step(adacomp(AXIS, form=form, conv_bin=10**6, fc_bin=10**6), mesh)
+    fitted = exchange_step(adacomp(AXIS, form=form, conv_bin=216, fc_bin=2080), mesh)
+    assert max(math.prod(s) for s in LEAVES.values()) == 2080
+    grads = {k: jnp.asarray(np.random.default_rng(1).standard_normal((4, *s)), jnp.float32)
+             for k, s in LEAVES.items()}
+    (step, state, _), (step_fit, state_fit, _) = huge, fitted
+    assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, state_fit)
+    memory = [s.lower(grads, st).compile().memory_analysis().temp_size_in_bytes
+              for s, st in ((step, state), (step_fit, state_fit))]
+    assert memory[0] == memory[1], memory
+    for a, b in zip(jax.tree.leaves(step(grads, state)[:2]),
+                    jax.tree.leaves(step_fit(grads, state_fit)[:2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def replay_allgather(residuals, grads, bin_len):
     """The all-gather exchange with our compressor and float32 NumPy sums in device
     order: ``(mean, new_residuals)``."""

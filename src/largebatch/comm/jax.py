@@ -119,7 +119,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length
+from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length, fit_bin
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 __all__ = [
@@ -233,6 +233,7 @@ def chunk_length(numel: int, bin_len: int, n: int) -> int:
     """The two-phase exchange's chunk length for ``n`` devices: whole bins, enough of
     them that ``n`` chunks cover ``numel`` elements (``reference.chunk_bounds``'s size;
     chunk ``j`` starts at ``j * chunk_length``; the last ones may reach past the leaf)."""
+    bin_len = fit_bin(bin_len, numel)
     nbins = -(-numel // bin_len)
     return -(-nbins // n) * bin_len
 
@@ -412,6 +413,7 @@ def compress(residual: Any, grad: Any, bin_len: int, *, capacity: int | None = N
         vals = jnp.zeros(0, jnp.int8 if values == "ternary" else dtype)
         zero = jnp.zeros((), jnp.int32)
         return r.reshape(shape), AdaCompMessage(empty, vals, jnp.zeros((), dtype), zero, zero)
+    bin_len = fit_bin(bin_len, numel)
     cap = _capacity(capacity, numel, bin_len)
     nbins = -(-numel // bin_len)
     parts = _compress_rows(r, g, bin_len, 1, nbins * bin_len, cap, select, values)

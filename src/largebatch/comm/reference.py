@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = ["CONV_BIN", "FC_BIN", "SELECTIONS", "VALUES", "Compressed", "allgather_exchange",
-           "bin_length", "chunk_bounds", "compress", "two_phase_exchange"]
+           "bin_length", "chunk_bounds", "compress", "fit_bin", "two_phase_exchange"]
 
 CONV_BIN = 50  # L_T for convolution weights (Chen et al. 2018)
 FC_BIN = 500  # L_T for fully connected and recurrent weights
@@ -59,13 +59,18 @@ VALUES = ("ternary", "exact")
 def bin_length(shape: Sequence[int], conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN) -> int | None:
     """``L_T`` for a parameter of this shape: rank 3 or more (convolutions) ``conv_bin``,
     rank 2 (fully connected) ``fc_bin``, rank 0 or 1 (biases, normalization) ``None``:
-    sent uncompressed."""
+    sent uncompressed. Never more than the parameter's size: a bin longer than the layer
+    is the same single bin, and it would cost memory in proportion to ``L_T``."""
     rank = len(shape)
-    if rank >= 3:
-        return conv_bin
-    if rank == 2:
-        return fc_bin
-    return None
+    if rank < 2:
+        return None
+    return fit_bin(conv_bin if rank >= 3 else fc_bin, math.prod(shape))
+
+
+def fit_bin(bin_len: int, numel: int) -> int:
+    """``bin_len`` capped at ``numel`` (at least 1): the same bins, since one bin of a
+    layer's size or longer holds the whole layer, without padding to ``bin_len``."""
+    return max(1, min(bin_len, numel))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +112,7 @@ def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: st
         mask = big_g != 0
     else:
         h = big_g + g
+        bin_len = fit_bin(bin_len, big_g.size)
         nbins = -(-big_g.size // bin_len)
         padded = np.zeros(nbins * bin_len)
         padded[: big_g.size] = np.abs(big_g)

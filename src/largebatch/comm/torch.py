@@ -61,7 +61,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length, chunk_bounds
+from largebatch.comm.reference import (
+    CONV_BIN, FC_BIN, _check_modes, bin_length, chunk_bounds, fit_bin,
+)
 from largebatch.comm.scaling import DEFAULT_LINK, choose_form
 
 __all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_hook", "compress",
@@ -93,6 +95,7 @@ def compress(residual: torch.Tensor, grad: torch.Tensor, bin_len: int, *,
         mask = big_g != 0
     else:
         h = big_g + grad
+        bin_len = fit_bin(bin_len, big_g.numel())
         nbins = -(-big_g.numel() // bin_len)
         padded = big_g.new_zeros(nbins * bin_len)
         padded[: big_g.numel()] = big_g.abs()
