@@ -216,6 +216,30 @@ def nonfinite_leaves_residuals(form: str) -> dict:
             "others_finite": int(torch.isfinite(grad).sum()) == grad.numel() - 1}
 
 
+def overflow_keeps_residuals(form: str) -> dict:
+    """fp16 gradients, all finite, whose compressed average overflows 65504 (residuals of
+    300,000 sent at once): the bucket holds the inf, so a GradScaler skips the step, and
+    the residuals stay as they were."""
+    rank = dist.get_rank()
+    model = DDP(Linear(torch.float16), bucket_cap_mb=0.001)
+    state = AdaCompState(model, form=form)
+    model.register_comm_hook(state, adacomp_hook)
+    model(coefs_for(rank, 0, torch.float16, False)).backward()
+    saved = state.state_dict()
+    saved["residuals"]["fc"] = torch.full_like(saved["residuals"]["fc"], 3e5)
+    state.load_state_dict(saved)
+    before = copy.deepcopy(state.state_dict())
+    model.zero_grad(set_to_none=True)
+    model(coefs_for(rank, 1, torch.float16, False)).backward()
+    after = state.state_dict()
+    kept = all(torch.equal(before[part][k], after[part][k])
+               for part in ("residuals", "chunk_residuals") for k in before[part])
+    return {"kept": kept, "inf_seen": bool(torch.isinf(model.module.fc.grad).any()),
+            "dtype": str(model.module.fc.grad.dtype),
+            "finite_in": all(bool(torch.isfinite(c).all())
+                             for c in coefs_for(rank, 1, torch.float16, False).values())}
+
+
 def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
 
@@ -293,6 +317,7 @@ def main() -> None:
         if full:
             record(f"training/{form}", **training_equals_simulation(form))
             record(f"nonfinite/{form}", **nonfinite_leaves_residuals(form))
+            record(f"overflow/{form}", **overflow_keeps_residuals(form))
             record(f"resume/{form}", **resume_is_exact(form))
 
 

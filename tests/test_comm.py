@@ -334,6 +334,13 @@ def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str)
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_an_fp16_average_that_overflows_commits_no_residual(two, form: str) -> None:
+    c = two[f"overflow/{form}/2"]
+    assert c["dtype"] == "torch.float16" and c["finite_in"]
+    assert c["inf_seen"] and c["kept"]
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_resume_is_bit_exact_and_refuses_other_settings(two, form: str) -> None:
     c = two[f"resume/{form}/2"]
     assert c["same"]

@@ -291,6 +291,56 @@ def test_a_bin_longer_than_the_leaf_costs_the_leafs_memory(form):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _state_leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(
+        (state.residuals, state.chunk_residuals, state.selected))]
+
+
+@pytest.mark.parametrize("form", ["allgather", "two_phase"])
+@pytest.mark.parametrize("bad, leaf", [(np.inf, "fc"), (np.nan, "conv"), (-np.inf, "bias")])
+def test_a_nonfinite_gradient_on_one_device_is_a_plain_step_that_keeps_the_residuals(
+        form, bad, leaf):
+    """As the torch hook: an inf or NaN on one device makes the step a plain average on
+    every device (the value reaches the result) and no residual changes, so the next
+    finite step is the one it would have been."""
+    mesh = data_mesh(4)
+    step, state, _ = exchange_step(adacomp(AXIS, form=form), mesh)
+    rng = np.random.default_rng(2)
+    first, later = device_grads(rng, 4), device_grads(rng, 4)
+    _, state1, _ = step(first, state)
+    poisoned = {k: np.array(v) for k, v in device_grads(rng, 4).items()}
+    where = (2, *(0,) * len(LEAVES[leaf]))
+    poisoned[leaf][where] = bad
+    mean, state2, plain = step(poisoned, state1)
+    for k in LEAVES:
+        np.testing.assert_array_equal(np.asarray(mean[k]), np.asarray(plain[k]), err_msg=k)
+    assert not np.isfinite(np.asarray(mean[leaf])[where[1:]])
+    for a, b in zip(_state_leaves(state1), _state_leaves(state2), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(step(later, state2)[:2]),
+                    jax.tree.leaves(step(later, state1)[:2]), strict=True):
+        if a.ndim:  # all but the step count
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("form", ["allgather", "two_phase"])
+def test_an_fp16_average_that_overflows_commits_no_residual(form):
+    """Finite fp16 gradients whose compressed average exceeds 65504 (residuals of
+    300,000, each device sending its own elements: 75,000 on average): the result holds
+    the inf for a loss scaler to skip, and the residuals stay as they were: delayed, not
+    dropped."""
+    mesh = data_mesh(4)
+    step, state, _ = exchange_step(adacomp(AXIS, form=form), mesh)
+    state = state._replace(residuals={**state.residuals,
+                                      "fc": jnp.full_like(state.residuals["fc"], 3e5)})
+    grads = {k: jnp.asarray(v, jnp.float16) for k, v in device_grads(np.random.default_rng(3),
+                                                                      4).items()}
+    mean, after, _ = step(grads, state)
+    assert mean["fc"].dtype == jnp.float16 and np.isinf(np.asarray(mean["fc"])).any()
+    for a, b in zip(_state_leaves(state), _state_leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def replay_allgather(residuals, grads, bin_len):
     """The all-gather exchange with our compressor and float32 NumPy sums in device
     order: ``(mean, new_residuals)``."""

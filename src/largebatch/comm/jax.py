@@ -603,6 +603,13 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
 # ------------------------------------------------------------------------------- optax
 
 
+def _all_finite(leaves: Sequence[Any]) -> jax.Array:
+    """Whether every element of every leaf is finite (True for no leaves)."""
+    flags = [jnp.isfinite(x).all() for x in leaves
+             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.stack(flags).all() if flags else jnp.asarray(True)
+
+
 def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_BIN,
             fc_bin: int = FC_BIN, bin_capacity: int | None = DEFAULT_BIN_CAPACITY,
             form: str = "allgather", select: str = "adacomp", values: str = "ternary",
@@ -617,8 +624,12 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
     (biases, normalization parameters, empty or non-real-floating leaves) averaged
     with ``lax.pmean``. During the first ``warmup_steps`` updates every leaf is
     ``pmean``-ed and the residuals stay zero (a ``lax.cond`` on the step count: one
-    compiled step for both). The state (:class:`AdaCompState`) holds per-device
-    residuals: create it inside ``shard_map`` (:func:`adacomp_init_state`) and pass it
+    compiled step for both). A step where any device's gradients hold an inf or NaN is
+    such a plain step too, on every device, and leaves every residual as it was (the
+    inf reaches the result, for ``skip_if_nonfinite`` or ``optax.apply_if_finite`` after
+    it); so does a step whose compressed average overflows the leaves' dtype (fp16):
+    gradient is delayed, never dropped. The state (:class:`AdaCompState`) holds
+    per-device residuals: create it inside ``shard_map`` (:func:`adacomp_init_state`) and pass it
     in and out with :func:`adacomp_state_specs`. See the module docstring for an
     example.
 
@@ -739,10 +750,21 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
                 grads, res, chk, sel = ops
                 return lax.pmean(grads, axis_name), res, chk, sel
 
+            # A non-finite gradient on any device: every leaf plain-averaged (the inf or
+            # NaN reaches every device, for a loss scaler or apply_if_finite to see) and
+            # no residual changes, on every device alike.
+            plain = lax.pmin(_all_finite(leaves).astype(jnp.int32), axis_name) == 0
             if warmup_steps:
-                result = lax.cond(state.count < warmup_steps, warm, compressed, operands)
-            else:
-                result = compressed(operands)
+                plain = plain | (state.count < warmup_steps)
+            result = lax.cond(plain, warm, compressed, operands)
+            # A finite exchange whose average overflows the leaves' dtype (fp16) is a
+            # skipped step too: its residuals are not committed, so nothing is lost. The
+            # average is the same on every device, and so is this choice.
+            keep = ~_all_finite(result[0])
+            result = (result[0], *(
+                [jax.tree.map(lambda old, new: jnp.where(keep, old, new), o, n)
+                 for o, n in zip(before, after)]
+                for before, after in zip(operands[1:], result[1:])))
             for k, i in enumerate(packed):
                 out[i], residuals[i], chunks[i], selected[i] = (x[k] for x in result)
         new_state = AdaCompState(

@@ -366,7 +366,8 @@ class AdaCompState:
             two: exact) and rescaled each iteration; a change of scale moves nothing.
 
     The residuals of an iteration are committed after its last bucket, and only if every
-    bucket was finite on every rank: a step a GradScaler skips leaves them untouched.
+    bucket was finite on every rank, before and after the exchange (an fp16 average can
+    overflow): a step a GradScaler skips leaves them untouched.
     """
 
     def __init__(self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, *,
@@ -591,6 +592,10 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
         sent += packed.numel() * packed.element_size()
     state._pending += [("residuals", name, c.residual.div(scale)) for name, c in parts.items()]
     buf.copy_(result)
+    # Every input was finite, but the average overflows the bucket's dtype (fp16): the
+    # GradScaler will skip the step, so the iteration's residuals are not committed
+    # (delayed, never dropped). The average is the same on every rank, so is this choice.
+    state._skip |= not bool(torch.isfinite(buf).all())
     stats = state.stats
     stats["compressed_steps"] += int(bucket.is_last())
     stats["dense_bytes"] += buf.numel() * buf.element_size()
