@@ -323,6 +323,33 @@ def test_a_nonfinite_gradient_on_one_device_is_a_plain_step_that_keeps_the_resid
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_skip_if_nonfinite_after_adacomp_skips_a_poisoned_step_on_every_device():
+    """The documented chain: adacomp, then skip_if_nonfinite(lars): an inf on one device
+    leaves params, residuals and the optimizer state as they were, on every device."""
+    from largebatch.jax import skip_if_nonfinite
+
+    mesh = data_mesh(4)
+    opt = optax.chain(adacomp(AXIS), skip_if_nonfinite(lars(0.1, weight_decay=1e-4)))
+    params = {k: jnp.ones(s, jnp.float32) for k, s in LEAVES.items()}
+    state, specs = adacomp_init_state(opt, params, mesh, AXIS)
+
+    def body(params, state, grads):
+        updates, state = opt.update(jax.tree.map(lambda x: x[0], grads), state, params)
+        return optax.apply_updates(params, updates), state
+
+    grad_specs = {k: P(AXIS) for k in LEAVES}
+    step = jax.jit(shard_map(body, mesh, (P(), specs, grad_specs), (P(), specs)))
+    rng = np.random.default_rng(4)
+    params1, state1 = step(params, state, device_grads(rng, 4))
+    poisoned = {k: np.array(v) for k, v in device_grads(rng, 4).items()}
+    poisoned["fc"][1, 0, 0] = np.inf
+    params2, state2 = step(params1, state1, poisoned)
+    for a, b in zip(jax.tree.leaves((params1, state1)), jax.tree.leaves((params2, state2)),
+                    strict=True):
+        if np.ndim(a):  # all but the step counts
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("form", ["allgather", "two_phase"])
 def test_an_fp16_average_that_overflows_commits_no_residual(form):
     """Finite fp16 gradients whose compressed average exceeds 65504 (residuals of

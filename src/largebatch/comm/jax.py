@@ -626,8 +626,8 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
     ``pmean``-ed and the residuals stay zero (a ``lax.cond`` on the step count: one
     compiled step for both). A step where any device's gradients hold an inf or NaN is
     such a plain step too, on every device, and leaves every residual as it was (the
-    inf reaches the result, for ``skip_if_nonfinite`` or ``optax.apply_if_finite`` after
-    it); so does a step whose compressed average overflows the leaves' dtype (fp16):
+    inf reaches the result, so ``skip_if_nonfinite`` around the optimizer after it skips
+    the step on every device); so does a step whose compressed average overflows the leaves' dtype (fp16):
     gradient is delayed, never dropped. The state (:class:`AdaCompState`) holds
     per-device residuals: create it inside ``shard_map`` (:func:`adacomp_init_state`) and pass it
     in and out with :func:`adacomp_state_specs`. See the module docstring for an
