@@ -240,6 +240,38 @@ def overflow_keeps_residuals(form: str) -> dict:
                              for c in coefs_for(rank, 1, torch.float16, False).values())}
 
 
+def channels_last_is_logical(form: str, steps: int = 3) -> dict:
+    """The same gradients through a model whose conv weights are channels_last and one
+    whose are contiguous: the same averages and the same residuals, element for element
+    (the hook bins in logical order), and a state saved from one loads into the other."""
+    rank = dist.get_rank()
+    runs = []
+    for channels_last in (False, True):
+        model = Linear(torch.float32)
+        if channels_last:
+            for p in (model.conv, model.zero):
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = AdaCompState(ddp, form=form)
+        ddp.register_comm_hook(state, adacomp_hook)
+        grads = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            ddp(coefs_for(rank, step, torch.float32, False)).backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        runs.append((model, state, grads))
+    (_, plain, plain_grads), (model, strided, strided_grads) = runs
+    saved, mine = plain.state_dict(), strided.state_dict()
+    return {
+        "strided": not model.conv.is_contiguous(),
+        "grads": all(torch.equal(a[k], b[k]) for a, b in zip(plain_grads, strided_grads)
+                     for k in a),
+        "residuals": all(torch.equal(saved[part][k], mine[part][k])
+                         for part in ("residuals", "chunk_residuals") for k in saved[part]),
+        "loads": refusal(strided, saved) == "",
+    }
+
+
 def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
 
@@ -318,6 +350,7 @@ def main() -> None:
             record(f"training/{form}", **training_equals_simulation(form))
             record(f"nonfinite/{form}", **nonfinite_leaves_residuals(form))
             record(f"overflow/{form}", **overflow_keeps_residuals(form))
+            record(f"channels_last/{form}", **channels_last_is_logical(form))
             record(f"resume/{form}", **resume_is_exact(form))
 
 

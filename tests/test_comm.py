@@ -334,6 +334,12 @@ def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str)
 
 
 @pytest.mark.parametrize("form", FORMS)
+def test_channels_last_weights_are_binned_in_logical_order(two, form: str) -> None:
+    c = two[f"channels_last/{form}/2"]
+    assert c["strided"] and c["grads"] and c["residuals"] and c["loads"]
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_an_fp16_average_that_overflows_commits_no_residual(two, form: str) -> None:
     c = two[f"overflow/{form}/2"]
     assert c["dtype"] == "torch.float16" and c["finite_in"]

@@ -71,7 +71,8 @@ __all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_h
 
 FORMS = ("allgather", "two_phase")
 KINDS = ("conv", "fc", "dense")
-_STATE_VERSION = 1
+# 2: residuals in logical order; version 1 kept a channels_last weight's in memory order.
+_STATE_VERSION = 2
 if sys.byteorder != "little":  # the byte packing of the indices below assumes it
     raise ImportError("largebatch.comm.torch needs a little-endian machine")
 
@@ -122,6 +123,10 @@ class _Layer:
     numel: int
     bin_len: int | None  # None: uncompressed
     fc: bool = False  # a rank-2 weight
+    # The param's shape and strides where DDP's bucket holds it in memory order other
+    # than the logical one (channels_last): the hook bins in logical order, as
+    # SimulatedWorkers and JAX do, and keeps its residuals in it.
+    strided: tuple[torch.Size, tuple[int, ...]] | None = None
 
     @property
     def kind(self) -> str:
@@ -156,14 +161,56 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _layout(names: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype,
-            conv_bin: int, fc_bin: int) -> _Layout:
+            conv_bin: int, fc_bin: int,
+            strides: Sequence[tuple[int, ...] | None] | None = None) -> _Layout:
     layers, offset = [], 0
-    for name, shape in zip(names, shapes):
+    for i, (name, shape) in enumerate(zip(names, shapes)):
         numel = math.prod(shape)
         bin_len = bin_length(tuple(shape), conv_bin, fc_bin)
-        layers.append(_Layer(name, offset, numel, bin_len, fc=len(shape) == 2))
+        stride = None if strides is None else strides[i]
+        layers.append(_Layer(name, offset, numel, bin_len, fc=len(shape) == 2,
+                             strided=None if stride is None else (torch.Size(shape), stride)))
         offset += numel
     return _Layout(tuple(layers), offset, _compute_dtype(dtype))
+
+
+def _bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+    """``p``'s strides if DDP's bucket holds it in a memory order other than the logical
+    one: DDP lays a dense, non-overlapping param out as the param is (channels_last
+    included), anything else contiguously."""
+    if p.is_contiguous():
+        return None
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(p.stride(), p.shape) if n != 1):
+        if stride != expected:
+            return None  # overlapping or with gaps: DDP copies it in logical order
+        expected *= size
+    return tuple(p.stride())
+
+
+def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """The bucket ``flat`` with every strided layer in logical (row-major) order."""
+    strided = [layer for layer in layout.layers if layer.strided is not None]
+    if not strided:
+        return flat
+    out = flat.clone()
+    for layer in strided:
+        seg = flat.narrow(0, layer.offset, layer.numel)
+        out.narrow(0, layer.offset, layer.numel).copy_(seg.as_strided(*layer.strided).reshape(-1))
+    return out
+
+
+def _to_memory(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """The inverse of :func:`_to_logical`: each strided layer back in DDP's memory order."""
+    strided = [layer for layer in layout.layers if layer.strided is not None]
+    if not strided:
+        return flat
+    out = flat.clone()
+    for layer in strided:
+        shape, stride = layer.strided
+        out.narrow(0, layer.offset, layer.numel).as_strided(shape, stride).copy_(
+            flat.narrow(0, layer.offset, layer.numel).view(shape))
+    return out
 
 
 # ----------------------------------------------------------------------------- messages
@@ -434,7 +481,8 @@ class AdaCompState:
         refused before anything changes."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"AdaComp state version {state.get('version')!r} is not "
-                             f"{_STATE_VERSION}")
+                             f"{_STATE_VERSION} (version 2 keeps residuals in logical order): "
+                             "start the compression afresh")
         saved = state["config"]
         diff = {k: (saved.get(k), v) for k, v in self.config.items() if saved.get(k) != v}
         if diff:
@@ -504,7 +552,7 @@ def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:
                              "build the state with the DDP model the hook is registered on")
         names.append(state.names[p])
     return _layout(names, [p.shape for p in params], bucket.buffer().dtype, state.conv_bin,
-                   state.fc_bin)
+                   state.fc_bin, [_bucket_strides(p) for p in params])
 
 
 def adacomp_hook(state: AdaCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -542,7 +590,7 @@ def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
 def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
     layout = _bucket_layout(state, bucket)
     ex = _Exchange(layout, state.world, state.select, state.values)
-    flat = buf.to(layout.dtype)
+    flat = _to_logical(buf.to(layout.dtype), layout)
     finite = bool(torch.isfinite(flat).all())
     scale = state._loss_scale()
     parts = ex.compress(state.worker, flat, scale) if finite else {}
@@ -591,7 +639,7 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
             pos += d.numel
         sent += packed.numel() * packed.element_size()
     state._pending += [("residuals", name, c.residual.div(scale)) for name, c in parts.items()]
-    buf.copy_(result)
+    buf.copy_(_to_memory(result, layout))
     # Every input was finite, but the average overflows the bucket's dtype (fp16): the
     # GradScaler will skip the step, so the iteration's residuals are not committed
     # (delayed, never dropped). The average is the same on every rank, so is this choice.
