@@ -295,7 +295,10 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         comm = AdaCompState(ddp, warmup_steps=ends[min(settings["compression_warmup"], epochs)],
                             scaler=scaler)
         if state is not None:
-            comm.load_state_dict(_to_device(state["adacomp"][rank], device))
+            try:
+                comm.load_state_dict(_to_device(state["adacomp"][rank], device))
+            except ValueError as err:  # another version or setting: every rank alike
+                raise _fail(f"--resume: {out / 'checkpoint.pt'}: {err}") from None
         ddp.register_comm_hook(comm, adacomp_hook)
     nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
     stop = min(epochs, args.stop_after or epochs)
