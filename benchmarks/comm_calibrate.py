@@ -78,10 +78,11 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, wa
         rows = []
         for size in sizes:
             x = torch.ones(max(1, size // 4), dtype=torch.float32)
-            reduce_s = _time(lambda: dist.all_reduce(x), repeats, warmup)
+            reduce_s = _time(lambda x=x: dist.all_reduce(x), repeats, warmup)
             payload = torch.ones(max(1, round(size / 4 / compression)), dtype=torch.float32)
             gathered = [torch.empty_like(payload) for _ in range(world)]
-            gather_s = _time(lambda: dist.all_gather(gathered, payload), repeats, warmup)
+            gather_s = _time(lambda out=gathered, x=payload: dist.all_gather(out, x), repeats,
+                             warmup)
             rows.append({"workers": world, "size_bytes": x.numel() * 4,
                          "allreduce_s": reduce_s, "payload_bytes": payload.numel() * 4,
                          "allgather_s": gather_s})

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import optimizer_step as bench  # noqa: E402
+import optimizer_step as bench
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "src/largebatch"
@@ -33,7 +33,7 @@ PATHS = {"compiled": dict(compiled=True), "foreach": dict(foreach=True, compiled
          "loop": dict(foreach=False, compiled=False)}
 
 
-def _load_base(revision: str, tmp: Path):  # noqa: ANN202
+def _load_base(revision: str, tmp: Path):
     """``largebatch.torch`` of ``revision``, imported as ``largebatch_base.torch``."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, PACKAGE],
                              capture_output=True)

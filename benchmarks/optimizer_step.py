@@ -107,7 +107,7 @@ def _random_arrays(shapes: Shapes, seed: int, precision: str) -> tuple[list[np.n
     return weights, grads
 
 
-def torch_optimizer(factory: Callable[..., torch.optim.Optimizer]):  # noqa: ANN201
+def torch_optimizer(factory: Callable[..., torch.optim.Optimizer]):
     """A provider's ``make`` for a torch.optim.Optimizer built by ``factory(params, precision)``."""
 
     def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
@@ -137,7 +137,7 @@ def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int, precision: str)
     return step
 
 
-def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
+def optax_jit(factory: Callable[[], object]):
     """A provider's ``make`` for an optax transformation, jitted with donated params and state."""
 
     def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
@@ -151,7 +151,7 @@ def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
         gs = [jax.device_put(g, target) for g in grads]
         tx = factory()
 
-        def update(params, state, grads):  # noqa: ANN001, ANN202
+        def update(params, state, grads):
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
@@ -167,8 +167,8 @@ def optax_jit(factory: Callable[[], object]):  # noqa: ANN201
     return make
 
 
-def _ours(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory(params, precision):  # noqa: ANN001, ANN202
+def _ours(name: str, **kwargs):
+    def factory(params, precision):
         from largebatch import torch as lb
 
         return getattr(lb, name)(params, master_weights=precision != "fp32", **kwargs)
@@ -182,8 +182,8 @@ _COMPILED = dict(compiled=True, fused=False)
 _FUSED = dict(fused=True)
 
 
-def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory(params, precision):  # noqa: ANN001, ANN202
+def _timm(name: str, **kwargs):
+    def factory(params, precision):
         import timm.optim
 
         return getattr(timm.optim, name)(params, **kwargs)
@@ -191,14 +191,14 @@ def _timm(name: str, **kwargs):  # noqa: ANN001, ANN202
     return torch_optimizer(factory)
 
 
-def _torch_optimizer_lamb(params, precision):  # noqa: ANN001, ANN202
+def _torch_optimizer_lamb(params, precision):
     import torch_optimizer
 
     return torch_optimizer.Lamb(params, lr=LR, weight_decay=LAMB_WD)
 
 
-def _optax(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory():  # noqa: ANN202
+def _optax(name: str, **kwargs):
+    def factory():
         import optax
 
         return getattr(optax, name)(learning_rate=LR, **kwargs)
@@ -206,8 +206,8 @@ def _optax(name: str, **kwargs):  # noqa: ANN001, ANN202
     return optax_jit(factory)
 
 
-def _ours_jax(name: str, **kwargs):  # noqa: ANN001, ANN202
-    def factory():  # noqa: ANN202
+def _ours_jax(name: str, **kwargs):
+    def factory():
         from largebatch import jax as lb
 
         return getattr(lb, name)(LR, **kwargs)

@@ -45,7 +45,7 @@ class Case:
     max_grad_norm: float | None = None
 
     @property
-    def spec(self):  # noqa: ANN201
+    def spec(self):
         return LARS_SPEC if self.optimizer == "lars" else LAMB_SPEC
 
     def groups(self) -> list[dict[str, Any]]:
@@ -103,7 +103,7 @@ CASES = [
 CASE_IDS = [c.id for c in CASES]
 
 
-def make_problem(dtype: Any = np.float64, shapes=SHAPES, steps: int = len(LRS), seed: int = 0):  # noqa: ANN001
+def make_problem(dtype: Any = np.float64, shapes=SHAPES, steps: int = len(LRS), seed: int = 0):
     """Params and a gradient per step (NumPy, rounded to ``dtype``, as float64 arrays)."""
     rng = np.random.default_rng(seed)
     params = [rng.standard_normal(s) for s in shapes]
@@ -175,7 +175,8 @@ def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, 
                   **hyper: Any) -> dict[str, np.ndarray]:
     """The JAX factories' keywords on the float64 spec, leaf by leaf (flat dicts of
     leaves): a mask (a dict, a callable or None) becomes each leaf's ``trust_ratio``
-    and weight decay (``weight_decay_mask`` None: decayed where adapted), a schedule ``lr(t)`` the lr of step ``t`` (from 0)."""
+    and weight decay (``weight_decay_mask`` None: decayed where adapted), a schedule
+    ``lr(t)`` the lr of step ``t`` (from 0)."""
     def flags(mask: Any) -> dict[str, bool]:
         if mask is None:
             return {k: True for k in params}
@@ -198,7 +199,7 @@ def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, 
 
 
 def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
-                  lrs=LRS, split: int = ADAPTED) -> Result:  # noqa: ANN001
+                  lrs=LRS, split: int = ADAPTED) -> Result:
     """``case`` on the float64 spec."""
     first, second = case.groups()
     hypers = [first] * split + [second] * (len(params) - split)
@@ -206,7 +207,7 @@ def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndar
 
 
 def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
-              masters: bool = False, lrs=LRS, split: int = ADAPTED, **paths: Any) -> Result:  # noqa: ANN001
+              masters: bool = False, lrs=LRS, split: int = ADAPTED, **paths: Any) -> Result:
     """``case`` on ``largebatch.torch`` with params of ``dtype``; ``paths``: the
     constructor's ``foreach``/``fused``/``compiled``. With ``masters`` the result is
     the fp32 masters (the params are their casts)."""
@@ -255,7 +256,7 @@ def drive(opt: Any, params: list, grads: list[list[np.ndarray]], lrs: list[float
 
 
 def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
-            lrs=LRS, split: int = ADAPTED) -> Result:  # noqa: ANN001
+            lrs=LRS, split: int = ADAPTED) -> Result:
     """``case`` on ``largebatch.jax`` with leaves of ``dtype`` (a NumPy dtype or "bfloat16").
 
     The second group is a ``trust_ratio_mask`` where it only excludes tensors, else an
@@ -270,7 +271,7 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
     labels = ["a"] * split + ["b"] * (len(params) - split)
     lr = optax.piecewise_constant_schedule(lrs[0], {i: lrs[i] / lrs[i - 1] for i in range(1, len(lrs))})
 
-    def build(hyper: dict[str, Any], **masks: Any):  # noqa: ANN202
+    def build(hyper: dict[str, Any], **masks: Any):
         if case.optimizer == "lars":
             hyper = {k: v for k, v in hyper.items() if k != "trust_ratio"}
             return lars(lr, **hyper, **masks)
@@ -281,7 +282,8 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
 
     first, second = case.groups()
     differs = {k for k in second if second[k] != first[k]}
-    only_excludes = not differs or (second["trust_ratio"] is False and differs <= {"trust_ratio", "weight_decay"}
+    only_excludes = not differs or (second["trust_ratio"] is False
+                                    and differs <= {"trust_ratio", "weight_decay"}
                                     and second["weight_decay"] in (0.0, first["weight_decay"]))
     if only_excludes:
         mask = [label == "a" or second["trust_ratio"] for label in labels]
@@ -314,5 +316,7 @@ def assert_matches(actual: Result, expected: Result, precision: str,
     pairs += [(k, actual.state[k], expected.state[k], None) for k in actual.state]
     for what, xs, es, starts in pairs:
         for i, (a, e) in enumerate(zip(xs, es)):
-            scale = max(np.max(np.abs(e), initial=0.0), 0.0 if starts is None else np.max(np.abs(starts[i]), initial=0.0))
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=f"{what} {i} of shape {e.shape}")
+            start = 0.0 if starts is None else np.max(np.abs(starts[i]), initial=0.0)
+            scale = max(np.max(np.abs(e), initial=0.0), start)
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale,
+                                       err_msg=f"{what} {i} of shape {e.shape}")

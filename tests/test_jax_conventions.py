@@ -274,7 +274,8 @@ def test_complex_lars_is_lars_on_the_real_view(name):
     if callable(ref_kw.get("trust_ratio_mask")):  # of the complex leaves, not of their real views
         ref_kw["trust_ratio_mask"] = ref_kw["trust_ratio_mask"](params)
     views = lambda tree: {k: real_view(x) for k, x in tree.items()}  # noqa: E731
-    expected = run_spec_tree("lars", views(params), [views(g) for g in grads], lr=kw["learning_rate"], **ref_kw)
+    expected = run_spec_tree("lars", views(params), [views(g) for g in grads],
+                             lr=kw["learning_rate"], **ref_kw)
     for k, w in expected.items():
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 

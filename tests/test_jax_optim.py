@@ -248,7 +248,7 @@ def test_lars_equals_optax_lars_without_weight_decay(nesterov):
 
 
 def test_lars_differs_from_optax_lars_with_weight_decay():
-    """optax divides by ||g + wd * w|| and decays excluded leaves; DESIGN §2 does neither."""
+    """optax divides by ||g + wd * w|| and decays excluded leaves; docs/design.md §2 does neither."""
     params, grads = make_problem(np.float32)
     kw = dict(weight_decay=0.5, trust_ratio_mask=exclusion_mask)
     ours = run_jax(lars(0.1, **kw), params, grads[:1])
@@ -265,7 +265,7 @@ def _cached_update(opt, params):
     update = jax.jit(opt.update)
     grads = jax.tree.map(jnp.ones_like, params)
     for i in range(3):
-        updates, new_state = update(jax.tree.map(lambda g: g * (i + 1), grads), state, params)
+        updates, new_state = update(jax.tree.map(lambda g, k=i + 1: g * k, grads), state, params)
         assert jax.tree.structure(new_state) == jax.tree.structure(state)
         for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
             assert (old.dtype, old.shape, old.weak_type) == (new.dtype, new.shape, new.weak_type)

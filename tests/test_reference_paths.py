@@ -41,7 +41,7 @@ RUNS = {
 TORCH_RUNS = [(path, precision) for path, ps in RUNS.items() for precision in ps]
 
 
-def _unsupported(case, precision):  # noqa: ANN001, ANN202
+def _unsupported(case, precision):
     """LAMB with fp16 state: (1 - b2) g^2 underflows fp16 (docs/mixed_precision.md)."""
     return case.optimizer == "lamb" and precision == "fp16"
 
@@ -70,7 +70,8 @@ def test_jax_matches_the_spec(case, precision):
     dtype = {"float64": np.float64, "float32": np.float32, "bfloat16": "bfloat16"}[precision]
     params, grads = make_problem(torch.bfloat16 if dtype == "bfloat16" else dtype)
     expected = run_reference(case, params, grads)
-    assert_matches(run_jax(case, params, grads, dtype=dtype), Result(expected.params, {}), precision, start=params)
+    assert_matches(run_jax(case, params, grads, dtype=dtype), Result(expected.params, {}), precision,
+                   start=params)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-trust-clip", "lamb-max-grad-norm")],

@@ -1,4 +1,4 @@
-"""The schedule factory (DESIGN §4) and its torch adapter ScheduleLR."""
+"""The schedule factory (docs/design.md §4) and its torch adapter ScheduleLR."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from largebatch.torch import LARS, ScheduleLR
 
 
 def formula(name, t, *, peak, total, warmup, init=0.0, end=0.0, power=2.0, milestones=(), gamma=0.1):
-    """DESIGN §4 written out independently, branch by branch."""
+    """docs/design.md §4 written out independently, branch by branch."""
     if t < warmup:
         return init + (peak - init) * t / warmup
     if t >= total:

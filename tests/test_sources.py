@@ -82,7 +82,7 @@ def flags(source: str) -> tuple[list[bool], list[bool]]:
     return [split[kind(n)][0] for n in SHAPES], [split[kind(n)][1] for n in SHAPES]
 
 
-def port(source: str, params, grads) -> list[np.ndarray]:  # noqa: ANN001
+def port(source: str, params, grads) -> list[np.ndarray]:
     adapt, decay = flags(source)
     return PORTS[source](params, grads, LRS, adapt=adapt, decay=decay, wd=WD[SOURCES[source].optimizer])
 
@@ -100,14 +100,14 @@ def hypers(source: str) -> list[dict]:
 
 
 def assert_close(actual: list[np.ndarray], expected: list[np.ndarray], start: list[np.ndarray],
-                 dtype=torch.float64) -> None:  # noqa: ANN001
+                 dtype=torch.float64) -> None:
     rtol = RTOL[dtype]
     for name, a, e, s in zip(SHAPES, actual, expected, start):
         scale = max(np.max(np.abs(e)), np.max(np.abs(s)))
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=name)
 
 
-def run_torch(source: str, params, grads, dtype=torch.float64, **paths) -> list[np.ndarray]:  # noqa: ANN001
+def run_torch(source: str, params, grads, dtype=torch.float64, **paths) -> list[np.ndarray]:
     from largebatch.torch import LAMB, LARS
 
     optimizer = SOURCES[source].optimizer
@@ -115,7 +115,8 @@ def run_torch(source: str, params, grads, dtype=torch.float64, **paths) -> list[
     groups: dict[tuple, dict] = {}
     for t, h in zip(ts, hypers(source)):
         key = (h["trust_ratio"], h["weight_decay"])
-        groups.setdefault(key, {"params": [], "trust_ratio": key[0], "weight_decay": key[1]})["params"].append(t)
+        group = groups.setdefault(key, {"params": [], "trust_ratio": key[0], "weight_decay": key[1]})
+        group["params"].append(t)
     keywords = source_keywords(source)
     if optimizer == "lars":
         keywords["momentum"] = MOMENTUM
@@ -124,7 +125,7 @@ def run_torch(source: str, params, grads, dtype=torch.float64, **paths) -> list[
     return [t.detach().double().numpy() for t in ts]
 
 
-def run_jax(source: str, params, grads) -> list[np.ndarray]:  # noqa: ANN001
+def run_jax(source: str, params, grads) -> list[np.ndarray]:
     import jax
     import jax.numpy as jnp
     import optax
@@ -138,7 +139,8 @@ def run_jax(source: str, params, grads) -> list[np.ndarray]:  # noqa: ANN001
         keywords["momentum"] = MOMENTUM
     schedule = optax.piecewise_constant_schedule(LRS[0], {t: LRS[t] / LRS[t - 1] for t in range(1, STEPS)})
     make = lars if optimizer == "lars" else lamb
-    opt = make(schedule, weight_decay=WD[optimizer], trust_ratio_mask=adapt, weight_decay_mask=decay, **keywords)
+    opt = make(schedule, weight_decay=WD[optimizer], trust_ratio_mask=adapt, weight_decay_mask=decay,
+               **keywords)
     with jax.enable_x64(True):
         ws = [jnp.asarray(p, jnp.float64) for p in params]
         state = opt.init(ws)

@@ -61,7 +61,8 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_call
     models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).half()
               for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [cls(m.parameters(), lr=0.1, master_weights=True, compiled=c) for m, c in zip(models, (False, True))]
+    opts = [cls(m.parameters(), lr=0.1, master_weights=True, compiled=c)
+            for m, c in zip(models, (False, True))]
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     x, y = torch.randn(64, 16).half(), torch.randint(0, 4, (64,))
     for step in range(3):

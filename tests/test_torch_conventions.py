@@ -89,7 +89,8 @@ def run(opt, params, steps: int, start: int = 0, only=None) -> None:
 
 def assert_same(a, b, **tol):
     for i, (x, y) in enumerate(zip(a, b)):
-        torch.testing.assert_close(x.detach(), y.detach(), equal_nan=True, msg=lambda m: f"tensor {i}: {m}", **tol)
+        torch.testing.assert_close(x.detach(), y.detach(), equal_nan=True,
+                                   msg=lambda m, i=i: f"tensor {i}: {m}", **tol)
 
 
 def assert_state_dicts_equal(a: dict, b: dict) -> None:
@@ -443,7 +444,8 @@ def test_load_keeps_the_constructors_paths_and_master_choice(cls):
     cpu = cls(params, lr=0.1, foreach=False, compiled=False)
     cpu.load_state_dict(fused.state_dict())
     group = cpu.param_groups[0]
-    assert (group["fused"], group["foreach"], group["compiled"], group["master_weights"]) == (False, False, False, False)
+    flags = (group["fused"], group["foreach"], group["compiled"], group["master_weights"])
+    assert flags == (False, False, False, False)
     assert all(cpu.state[p]["step"].device.type == "cpu" for p in params)
 
 
@@ -514,7 +516,8 @@ def test_huge_weights_do_not_overflow_the_norms(case, impl, size):
     opt.step()
     assert torch.isfinite(w).all()
     hyper = group_hyper(cls.spec, {k: v for k, v in kwargs.items() if k in cls.spec.group_keys})
-    expected = run_spec("lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper], [hyper["lr"]])
+    expected = run_spec("lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper],
+                        [hyper["lr"]])
     np.testing.assert_allclose(w.detach().double().numpy(), expected.params[0], rtol=1e-5)
 
 

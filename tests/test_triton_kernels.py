@@ -20,14 +20,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from cases import group_hyper, spec_step  # noqa: E402
-from largebatch.lars.kernels import (  # noqa: E402
+from cases import group_hyper, spec_step
+from largebatch.lars.kernels import (
     FusedGroup,
     fused_lamb_step_,
     fused_lars_step_,
 )
-from largebatch.lars.kernels import plan as kplan  # noqa: E402
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC  # noqa: E402
+from largebatch.lars.kernels import plan as kplan
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 
 # (rtol, atol) of a result of this dtype against the float64 reference. Each new value is
 # a sum of terms bounded by |old| + |new|, so rtol applies to that (cancellation-proof).

@@ -219,8 +219,9 @@ def hierarchical(size_bytes: float, workers: int, network: Network, *,
     et al. 2018 (arXiv 1807.11205) use a hierarchical all-reduce too, whose phases inside
     the node may instead be a reduce to and a broadcast from one GPU (then ``S``, not
     ``S/g``, crosses between nodes per ring; not modelled). Its bytes between nodes are
-    about the flat ring's (``2(m-1)/m S`` against ``2(n-1)/n S``); its gain is latency: ``2(g-1) + 2(m-1)`` messages a bucket instead
-    of ``2(n-1)``. With ``n <= g`` it is the ring inside the node.
+    about the flat ring's (``2(m-1)/m S`` against ``2(n-1)/n S``); its gain is latency:
+    ``2(g-1) + 2(m-1)`` messages a bucket instead of ``2(n-1)``. With ``n <= g`` it is the
+    ring inside the node.
 
     Args:
         size_bytes: ``S``.

@@ -1,7 +1,7 @@
 """The float64 NumPy statement of LARS and LAMB: the spec every path is tested against.
 
 Readable, slow, pure: each function takes arrays and returns new arrays, and never
-changes its inputs. The rules are those of DESIGN §2 and the docstrings of
+changes its inputs. The rules are those of docs/design.md §2 and the docstrings of
 ``largebatch.torch.LARS`` / ``LAMB``; ``t`` counts steps from 1.
 
 LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888; by default in the

@@ -164,7 +164,8 @@ class OptimizerSpec:
         names = names or {}
         unknown = set(values) - set(self.defaults)
         if unknown:
-            raise TypeError(f"{self.name} has no hyperparameter {sorted(unknown)}; it has {list(self.defaults)}")
+            raise TypeError(f"{self.name} has no hyperparameter {sorted(unknown)}; "
+                            f"it has {list(self.defaults)}")
         out = {k: self.hyper(k).check(v, names.get(k)) for k, v in values.items()}
         self.rules(out)
         return out

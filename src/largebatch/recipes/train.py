@@ -23,7 +23,7 @@ every rank's residuals go into the checkpoint, and each metrics line records the
 compression rates so far.
 
 The trust ratio is recomputed here from params and gradients with the optimizer's own
-formula (DESIGN §2) at the last step of each epoch; for SGD it is the ratio LARS would
+formula (docs/design.md §2) at the last step of each epoch; for SGD it is the ratio LARS would
 apply, a diagnostic only.
 
 The model, optimizer, schedule and loss come from :mod:`largebatch.recipes.build`, the
@@ -367,7 +367,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
                         "epoch": epoch + 1, "rng": rng, "history": history,
                         "adacomp": residuals,
                         "recipe": recipe.name, "settings": settings}
-            atomic_write(checkpoint, lambda f: torch.save(snapshot, f))
+            atomic_write(checkpoint, lambda f, saved=snapshot: torch.save(saved, f))
             atomic_write(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
             if epoch + 1 < stop:  # the last plot comes after the summary
                 plot(history)

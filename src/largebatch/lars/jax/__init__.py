@@ -2,7 +2,7 @@
 
 ``lars()`` and ``lamb()`` are short ``optax.chain``\\ s of small public transformations,
 each an ``(init, update)`` pair with NamedTuple state, built from optax's own pieces
-wherever those give exactly the rule of DESIGN §2 (``scale_by_adam``, ``trace``,
+wherever those give exactly the rule of docs/design.md §2 (``scale_by_adam``, ``trace``,
 ``add_decayed_weights``, ``masked``, ``scale_by_learning_rate``) and from the
 transformations of this package where they do not:
 

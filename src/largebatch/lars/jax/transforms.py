@@ -39,7 +39,7 @@ def _known(value: Any) -> Any:
     return spec.UNKNOWN if isinstance(value, jax.core.Tracer) else value
 
 
-def _rate(learning_rate: ScalarOrSchedule, count: jax.Array):
+def _rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
     return learning_rate(count) if callable(learning_rate) else learning_rate
 
 

@@ -1,6 +1,6 @@
 """Fused multi-tensor Triton kernels for LARS and LAMB: the engine of the torch fused path.
 
-The update rules are those of ``largebatch.lars.reference`` (DESIGN §2); this package
+The update rules are those of ``largebatch.lars.reference`` (docs/design.md §2); this package
 only changes where they run. A whole model's step is a constant number of launches,
 whatever its tensor count.
 
@@ -55,18 +55,19 @@ after the pass that forms them (pass 1), before any norm is read; LAMB's
 
 Kernels and launches
 --------------------
-Tensors are bucketed by (param dtype, masters or not). Per bucket a ``meta`` table
-holds each tensor's addresses (int64 ``data_ptr``), size and group, and a ``chunks``
-table maps each program to (tensor, first element) of its chunk: BLOCK * TILES = 4096
+Tensors are bucketed by (param dtype, masters or not). Per bucket a ``meta`` table holds
+each tensor's addresses (int64 ``data_ptr``), size and group, and a ``chunks`` table
+maps each program to (tensor, first element) of its chunk: BLOCK * TILES = 4096
 elements, fewer when every tensor of the bucket is smaller. Small per-group tables hold
 the hyperparameters and the address of ``lr``: the hyperparameter table is fp64 (for an
-accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1), one column per ``spec.columns`` entry, which the kernels
-read by name (``lars.py``, ``lamb.py``). Sums of squares are formed and accumulated in
-fp64 (``tl.atomic_add``) in one workspace, which also holds LAMB's global grad sum of
-squares: no finite weight or gradient can overflow them (an fp32 sum of squares does
-above ||x|| ~ 1.8e19), and on a memory-bound kernel the fp64 adds cost no time. Full
-chunks run without effective masks and, when every address of the bucket is 16-byte
-aligned, with 16-byte loads and stores; only each tensor's last chunk is masked.
+accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1), one column per
+``spec.columns`` entry, which the kernels read by name (``lars.py``, ``lamb.py``). Sums
+of squares are formed and accumulated in fp64 (``tl.atomic_add``) in one workspace,
+which also holds LAMB's global grad sum of squares: no finite weight or gradient can
+overflow them (an fp32 sum of squares does above ||x|| ~ 1.8e19), and on a memory-bound
+kernel the fp64 adds cost no time. Full chunks run without effective masks and, when
+every address of the bucket is 16-byte aligned, with 16-byte loads and stores; only each
+tensor's last chunk is masked.
 
     LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor
           pass 2 _lars_apply_kernel   trust ratio, momentum, w (and param from master)

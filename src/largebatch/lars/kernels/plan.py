@@ -110,7 +110,8 @@ def _describe(x: torch.Tensor) -> str:
     return f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
 
 
-def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device) -> None:
+def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...],
+                 device: torch.device) -> None:
     if set(group.state) != set(state_names):
         raise ValueError(f"group {i}: state must hold {state_names}, got {sorted(group.state)}")
     lists = {"grads": group.grads, "masters": group.masters or group.params, "steps": group.steps,
@@ -136,7 +137,7 @@ def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device
         _check_scalar(f"group {i} steps[{j}]", group.steps[j], device)
 
 
-def _check_scalar(name: str, x: torch.Tensor, device) -> None:
+def _check_scalar(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.dtype != torch.float32 or x.numel() != 1 or x.device != device:
         raise ValueError(f"{name} must be one fp32 on {device}: {_describe(x)}")
 
@@ -241,7 +242,8 @@ def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
     plan.lrs = lrs
 
 
-def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None):
+def _plan(spec: OptimizerSpec, groups: list[FusedGroup],
+          counter: torch.Tensor | None) -> _Plan | None:
     """The cached plan for these groups, or None when there is nothing to update."""
     groups = [g for g in groups if g.params]
     if not groups:
@@ -258,7 +260,8 @@ def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor |
     return plan
 
 
-def _scalars(plan: _Plan, grad_scale, found_inf) -> tuple:
+def _scalars(plan: _Plan, grad_scale: torch.Tensor | None,
+             found_inf: torch.Tensor | None) -> tuple:
     """Pointer arguments for the optional device scalars, and their flags.
 
     An absent one is replaced by the workspace: a valid pointer the kernels never read.

@@ -10,7 +10,7 @@ Files: ``_common`` (param groups, checks, norms), ``_paths`` (the path choice an
 compiled path), ``_base`` (what the two optimizers share: state dicts, master weights,
 the GradScaler contract), ``_lars`` and ``_lamb`` (each optimizer: class, functional,
 paths), ``_fused`` (glue to ``largebatch.lars.kernels``). The hyperparameters are
-``largebatch.lars.spec``; the math is ``largebatch.lars.reference`` (DESIGN §2), and every
+``largebatch.lars.spec``; the math is ``largebatch.lars.reference`` (docs/design.md §2), and every
 path is tested against it.
 
 Mixed precision: with ``master_weights=True``, fp16/bf16 params get an fp32 master copy

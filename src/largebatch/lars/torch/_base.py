@@ -162,7 +162,8 @@ class LayerwiseOptimizer(Optimizer):
                 )
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"loaded param group {i} has {len(saved['params'])} params, {name}'s has {len(group['params'])}"
+                    f"loaded param group {i} has {len(saved['params'])} params, {name}'s has "
+                    f"{len(group['params'])}"
                 )
             merged = {**group, **{k: v for k, v in saved.items() if k not in CONSTRUCTOR_KEYS}}
             self._validate(merged)
@@ -179,7 +180,8 @@ class LayerwiseOptimizer(Optimizer):
                 )
             step = entry["step"]
             if not (isinstance(step, numbers.Real) or (isinstance(step, Tensor) and step.numel() == 1)):
-                raise ValueError(f"param {pid!r}: step must be a number or a one-element Tensor, got {step!r}")
+                raise ValueError(f"param {pid!r}: step must be a number or a one-element Tensor, "
+                                 f"got {step!r}")
             for key in allowed - {"step"}:
                 value = entry.get(key)
                 if value is not None and (not isinstance(value, Tensor) or value.shape != param.shape):
@@ -269,7 +271,8 @@ class LayerwiseOptimizer(Optimizer):
             self._fused_step(gathered, reducer, grad_scale=grad_scale, found_inf=found_inf)
         elif not skipped(found_inf):  # decided before any state is created or changed
             gathered = [self._gather(g) for g in self.param_groups]
-            for group, tensors, scale in zip(self.param_groups, gathered, self._grad_scales(gathered, grad_scale)):
+            scales = self._grad_scales(gathered, grad_scale)
+            for group, tensors, scale in zip(self.param_groups, gathered, scales):
                 self.functional(*self._lists(tensors), **self._hyper(group), grad_scale=scale,
                                 foreach=group["foreach"], fused=False, compiled=group["compiled"])
             self._applied += 1

@@ -56,7 +56,8 @@ def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
     return counter
 
 
-def device_lr(lr: float | Tensor, device: torch.device, buffers: dict | None = None, key: Any = None) -> Tensor:
+def device_lr(lr: float | Tensor, device: torch.device, buffers: dict | None = None,
+              key: Any = None) -> Tensor:
     """``lr`` as an fp32 0-dim tensor on ``device``: ``lr`` itself when it is one (the
     CUDA-graph-friendly way, read in place), else a buffer filled with it, kept in
     ``buffers[key]`` so that the kernels' lr address table stays valid between steps."""

@@ -61,7 +61,8 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> d
     if fused and compiled:
         raise ValueError("compiled=True and fused=True cannot both be set")
     if fused is None:
-        fused = not (foreach or compiled) and bool(tensors) and all(t.is_cuda for t in tensors) and triton_available()
+        fused = (not (foreach or compiled) and bool(tensors) and all(t.is_cuda for t in tensors)
+                 and triton_available())
     elif fused:
         if not triton_available():
             raise RuntimeError("fused=True needs triton: pip install triton")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,7 +63,8 @@ def _is_real_dtype(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
 
 
-def _check_number(name: str, value: Any, ok, rule: str, integral: bool = False) -> float | int:
+def _check_number(name: str, value: Any, ok: Callable[[float], bool], rule: str,
+                  integral: bool = False) -> float | int:
     """``value`` as a Python number, checked; raises naming ``value`` otherwise.
 
     A number is a Python or NumPy int or float, or a 0-dim NumPy or JAX array of an
@@ -188,13 +190,13 @@ class DynamicLossScale(_LossScaleMethods):
         return _dynamic_unflatten(self._static(), leaves)
 
 
-def _dynamic_flatten_with_keys(ls: DynamicLossScale):
+def _dynamic_flatten_with_keys(ls: DynamicLossScale) -> tuple[tuple, tuple]:
     keys = jax.tree_util.GetAttrKey
     children = ((keys("loss_scale"), ls.loss_scale), (keys("counter"), ls.counter))
     return children, ls._static()
 
 
-def _dynamic_unflatten(static: tuple[tuple[str, Any], ...], children) -> DynamicLossScale:
+def _dynamic_unflatten(static: tuple[tuple[str, Any], ...], children: Any) -> DynamicLossScale:
     # Skips __post_init__: the leaves may be traced (or placeholders), the static fields
     # were checked when the first object was built.
     new = object.__new__(DynamicLossScale)
@@ -227,7 +229,7 @@ class StaticLossScale(_LossScaleMethods):
         return self
 
 
-def _static_unflatten(_, children) -> StaticLossScale:
+def _static_unflatten(_: Any, children: Any) -> StaticLossScale:
     new = object.__new__(StaticLossScale)
     object.__setattr__(new, "loss_scale", children[0])
     return new

@@ -18,8 +18,8 @@ from typing import Any
 
 from largebatch.recipes.registry import Recipe, get_recipe
 
-__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES", "GRID_CENTRES",
-           "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
+__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES",
+           "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
            "RunSpec", "StudyConfig", "pair_plan", "plan"]
 
 BASELINE = (128, "sgd")
