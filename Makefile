@@ -1,4 +1,5 @@
-# make demo | make test | make bench | make docs -- each sets up .venv first (Python 3.10+).
+# make demo | make test | make bench | make docs | make lint | make test-fast -- each sets
+# up .venv first (Python 3.10+).
 # make docs builds the documentation site (mkdocs, --strict: a warning fails) into site/.
 PYTHON ?= python3
 VENV   := .venv
@@ -6,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test bench docs data setup clean
+.PHONY: demo test test-fast lint bench docs data setup clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,15 @@ data:
 
 test: $(STAMP) data
 	$(PY) -m pytest -q tests
+
+# The inner loop: every test but those marked slow (torchrun, process pools, subprocesses).
+test-fast: $(STAMP) data
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The gate CI runs before the tests: ruff (style, errors, annotations), mypy (types).
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m mypy
 
 demo: $(STAMP) data
 	$(PY) -m largebatch study --quick

@@ -159,7 +159,7 @@ class AdaCompMessage(NamedTuple):
     indices: jax.Array
     values: jax.Array
     scale: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     selected: jax.Array
 
 
@@ -178,7 +178,7 @@ class AdaCompState(NamedTuple):
     leaf's capacity means elements were deferred.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     residuals: Any
     chunk_residuals: Any
     selected: Any
@@ -323,7 +323,7 @@ class _Parts(NamedTuple):
     indices: jax.Array  # [rows, capacity] int32, relative to the row; fill row_len
     values: jax.Array  # [rows, capacity] int8 signs or exact values
     scale: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     selected: jax.Array
 
 

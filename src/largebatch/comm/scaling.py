@@ -98,7 +98,7 @@ def _number(name: str, value: Any, *, low: float = 0.0, strict: bool = True) -> 
 def _integer(name: str, value: Any, low: int = 1) -> int:
     """``value`` as an int; a ``ValueError`` naming ``name`` unless it is an integer >= ``low``
     (bools refused; NumPy integers accepted)."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= low:
         return int(value)
     raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
 

@@ -56,7 +56,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,12 @@ class _Layer:
     def kind(self) -> str:
         return "dense" if self.bin_len is None else "fc" if self.fc else "conv"
 
+    @property
+    def bins(self) -> int:
+        """``bin_len`` of a compressed layer (one of :attr:`_Layout.compressed`)."""
+        assert self.bin_len is not None
+        return self.bin_len
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
@@ -190,24 +196,23 @@ def _bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
 
 def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """The bucket ``flat`` with every strided layer in logical (row-major) order."""
-    strided = [layer for layer in layout.layers if layer.strided is not None]
+    strided = [(layer, layer.strided) for layer in layout.layers if layer.strided is not None]
     if not strided:
         return flat
     out = flat.clone()
-    for layer in strided:
+    for layer, (shape, stride) in strided:
         seg = flat.narrow(0, layer.offset, layer.numel)
-        out.narrow(0, layer.offset, layer.numel).copy_(seg.as_strided(*layer.strided).reshape(-1))
+        out.narrow(0, layer.offset, layer.numel).copy_(seg.as_strided(shape, stride).reshape(-1))
     return out
 
 
 def _to_memory(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """The inverse of :func:`_to_logical`: each strided layer back in DDP's memory order."""
-    strided = [layer for layer in layout.layers if layer.strided is not None]
+    strided = [(layer, layer.strided) for layer in layout.layers if layer.strided is not None]
     if not strided:
         return flat
     out = flat.clone()
-    for layer in strided:
-        shape, stride = layer.strided
+    for layer, (shape, stride) in strided:
         out.narrow(0, layer.offset, layer.numel).as_strided(shape, stride).copy_(
             flat.narrow(0, layer.offset, layer.numel).view(shape))
     return out
@@ -275,7 +280,7 @@ def _decode_into(out: Sequence[torch.Tensor], message: torch.Tensor, width: int,
     for j, (dst, count) in enumerate(zip(out, counts)):
         if count:
             code = codes[start: start + count]
-            if values == "exact":
+            if vals is not None:  # values == "exact"
                 dst.index_add_(0, code, vals[start: start + count])
             else:
                 sign = 1 - 2 * (code & 1).to(dtype)
@@ -310,7 +315,7 @@ class _Exchange:
             g = flat[layer.offset: layer.offset + layer.numel]
             r = worker.residuals.get(layer.name)
             r = torch.zeros_like(g) if r is None else r * scale if scale != 1.0 else r
-            out[layer.name] = compress(r, g, layer.bin_len, select=self.select, values=self.values)
+            out[layer.name] = compress(r, g, layer.bins, select=self.select, values=self.values)
         return out
 
     @staticmethod
@@ -327,7 +332,7 @@ class _Exchange:
         return _encode(items, self.layout.width, self.values)
 
     def chunk(self, layer: _Layer, j: int) -> tuple[int, int]:
-        return chunk_bounds(layer.numel, layer.bin_len, self.world)[j]
+        return chunk_bounds(layer.numel, layer.bins, self.world)[j]
 
     def decode_all(self, messages: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The all-gather form's result for the compressed layers: messages decoded and
@@ -353,7 +358,7 @@ class _Exchange:
             mean = total.div_(self.world)
             r = worker.chunk_residuals.get(layer.name)
             r = torch.zeros_like(mean) if r is None else r * scale if scale != 1.0 else r
-            parts[layer.name] = compress(r, mean, layer.bin_len, select=self.select,
+            parts[layer.name] = compress(r, mean, layer.bins, select=self.select,
                                          values=self.values)
         return parts
 
@@ -785,7 +790,7 @@ def simulate_step(model: torch.nn.Module, sim: SimulatedWorkers,
         loss = loss_fn(model(x), y)
         loss.backward()
         losses.append(float(loss.detach()))
-        grads.append([p.grad for p in params])
+        grads.append([cast(torch.Tensor, p.grad) for p in params])  # every param takes part
         if w == 0:
             after_first = [b.clone() for b in model.buffers()]
     for b, s in zip(model.buffers(), after_first):

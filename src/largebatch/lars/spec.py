@@ -23,7 +23,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "UNKNOWN", "as_number"]
 
@@ -96,14 +96,14 @@ class Hyper:
         if self.optional and value is None:
             return None
         if self.kind == "flag":
-            flag = as_flag(name, value)
+            flag = as_flag(cast(str, name), value)  # a tuple names only a pair's parts
             return value if flag is None else flag
         if self.kind == "pair":
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
                 raise ValueError(f"Invalid {self.name}: {value!r} (must be a pair ({', '.join(self.parts)}))")
             parts = name if isinstance(name, tuple) else [f"{name}[{i}]" for i in range(2)]
             return tuple(self._real(x, part) for x, part in zip(value, parts))
-        return self._real(value, name)
+        return self._real(value, cast(str, name))
 
     def _real(self, value: Any, name: str) -> Any:
         number = as_number(name, value, self.rule)

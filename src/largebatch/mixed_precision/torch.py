@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -15,7 +17,7 @@ def _to_float32(module: nn.Module, args: tuple) -> tuple:
 
 
 def _back_to_input_dtype(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output.to(module._largebatch_io_dtype)
+    return output.to(cast(torch.dtype, module._largebatch_io_dtype))
 
 
 def to_half(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
@@ -40,11 +42,12 @@ def norms_in_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
     its input cast to fp32, its output back to ``dtype`` (forward hooks, added once).
     Returns the layers; their params are the caller's to keep fp32 (:func:`to_half` casts
     them, FSDP2 gives them a policy of their own: ``recipes.distributed.shard_model``)."""
-    norms = [m for m in model.modules() if isinstance(m, NORM_LAYERS)]
+    norms: list[nn.Module] = [m for m in model.modules() if isinstance(m, NORM_LAYERS)]
     for module in norms:
         if not getattr(module, "_largebatch_fp32", False):
-            module._largebatch_io_dtype = dtype
-            module._largebatch_fp32 = True
+            # Module.__setattr__ is typed for Tensor and Module values only
+            module._largebatch_io_dtype = dtype  # type: ignore[assignment]
+            module._largebatch_fp32 = True  # type: ignore[assignment]
             module.register_forward_pre_hook(_to_float32)
             module.register_forward_hook(_back_to_input_dtype)
     return norms

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,19 @@ from torch import nn
 from largebatch.mixed_precision.torch import norms_in_float32
 from largebatch.recipes.outputs import CommandError
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 __all__ = ["buffers_sha256", "check_device", "exit_process", "full_optimizer_state", "full_state",
            "join", "joined", "params_sha256", "shard_model", "sync_buffers"]
 
 _joined = False  # join() initialized the process group in this process
+
+
+class _ShardOptions(TypedDict, total=False):
+    """The options :func:`shard_model` gives ``fully_shard``."""
+
+    mp_policy: MixedPrecisionPolicy
 
 
 def check_device(device_arg: str | None) -> str:
@@ -112,7 +121,8 @@ def shard_model(model: nn.Module, dtype: torch.dtype) -> None:
     are units of their own that compute in fp32, as :func:`to_half` keeps them."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy, own = {}, set()
+    policy: _ShardOptions = {}
+    own: set[nn.Module] = set()
     if dtype != torch.float32:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         # Normalization layers compute in fp32, as to_half keeps them: a unit of their own

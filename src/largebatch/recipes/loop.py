@@ -63,8 +63,8 @@ def train_epoch(
     for step, (x, y) in enumerate(batches):
         parts = list(zip(x.split(micro_batch), y.split(micro_batch))) if micro_batch else [(x, y)]
         for k, (xm, ym) in enumerate(parts):
-            sync = k == len(parts) - 1 or no_sync is None
-            with contextlib.nullcontext() if sync else no_sync():
+            sync = k == len(parts) - 1  # DDP all-reduces at the last micro-batch only
+            with contextlib.nullcontext() if sync or no_sync is None else no_sync():
                 loss = loss_fn(model(xm).float(), ym) / len(parts)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += loss.detach()

@@ -9,6 +9,8 @@ layer (:func:`fmnist_cnn`), chosen by measurement among the candidates docs/stud
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -116,8 +118,12 @@ def alexnet_bn(num_classes: int = 1000) -> nn.Sequential:
     features: list[nn.Module] = []
     for m in base.features:
         if isinstance(m, nn.Conv2d):
-            features += [nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride,
-                                   m.padding, bias=False), nn.BatchNorm2d(m.out_channels)]
+            # A Conv2d holds kernel_size, stride and padding as pairs (padding: or a mode name).
+            size = cast("tuple[int, int]", m.kernel_size)
+            stride = cast("tuple[int, int]", m.stride)
+            padding = cast("str | tuple[int, int]", m.padding)
+            features += [nn.Conv2d(m.in_channels, m.out_channels, size, stride, padding, bias=False),
+                         nn.BatchNorm2d(m.out_channels)]
         else:
             features.append(m)
     classifier: list[nn.Module] = []

@@ -125,6 +125,7 @@ class Recipe:
         ``lr`` (``0.09 * 3072 / 3072`` is not 0.09 in floating point)."""
         if self.lr is not None:
             return self.lr * (batch_size / self.batch_size)
+        assert self.base_lr is not None  # __post_init__: exactly one of lr and base_lr
         return self.base_lr * batch_size / self.base_batch
 
     def with_epochs(self, epochs: int) -> Recipe:

@@ -115,7 +115,7 @@ def _read_calibration(path: str) -> model.Link:
         raise _fail(f"cannot read --calibration {path}: {err.strerror or err}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _fail(f"--calibration {path} is not JSON: {err}") from None
-    fit = data.get("fit") if isinstance(data, dict) else None
+    fit: Any = data.get("fit") if isinstance(data, dict) else None  # None: a TypeError below
     try:
         link = model.Link(float(fit["latency_s"]), float(fit["bandwidth_Bps"]))
         model.Network.flat(*link)
@@ -142,7 +142,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise _fail(f"invalid --workers {n} (must be >= 1)")
     if args.model is not None and args.params is not None:
         raise _fail("give --model or --params, not both")
-    opts = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in DEFAULTS.items()}
+    opts: dict[str, Any] = {k: (v if getattr(args, k) is None else getattr(args, k))
+                            for k, v in DEFAULTS.items()}
     name = args.model or ("resnet50" if args.params is None else None)
     params = model.MODELS[name][0] if name else args.params
     size = 4 * params

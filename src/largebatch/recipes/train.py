@@ -38,13 +38,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -252,7 +253,8 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     model = build_model(recipe.model, data.num_classes)
     fsdp = settings["fsdp"]
     # FSDP2 shards contiguous params only: channels-last weights are not.
-    model = model.to(device) if fsdp else model.to(device, memory_format=torch.channels_last)
+    model = model.to(device) if fsdp else model.to(  # type: ignore[call-overload]  # torch's stubs
+        device, memory_format=torch.channels_last)
     dtype = DTYPES[precision]
     if fsdp:  # sharded: fp32 params, FSDP2's policy computes in dtype; evaluated whole
         if state is not None:
@@ -299,7 +301,8 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
                 comm.load_state_dict(_to_device(state["adacomp"][rank], device))
             except ValueError as err:  # another version or setting: every rank alike
                 raise _fail(f"--resume: {out / 'checkpoint.pt'}: {err}") from None
-        ddp.register_comm_hook(comm, adacomp_hook)
+        # compression runs under DDP only (checked with the settings)
+        cast(nn.parallel.DistributedDataParallel, ddp).register_comm_hook(comm, adacomp_hook)
     nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
     stop = min(epochs, args.stop_after or epochs)
     if rank == 0:
@@ -326,7 +329,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         loss_sum = train_epoch(
             ddp, batches(data.train, sampler, local_batch, args.workers, device, dtype),
             optimizer, scheduler, loss_fn, micro_batch=micro, scaler=scaler,
-            no_sync=ddp.no_sync if ddp is not model else None,
+            no_sync=ddp.no_sync if isinstance(ddp, nn.parallel.DistributedDataParallel) else None,
             before_step=telemetry.before_step, after_step=telemetry.after_step)
         seconds, seen = telemetry.close(), telemetry.seen
         if world > 1:
@@ -345,8 +348,8 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
         if comm is not None:  # elements per selected element so far, rank 0's
             row["compression_rates"] = comm.compression_rates()
         history.append(row)
-        rng = [(torch.get_rng_state(),
-                torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
+        rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [
+            (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
         if world > 1:
             mine, rng = rng[0], [None] * world
             dist.all_gather_object(rng, mine)
@@ -367,7 +370,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
                         "epoch": epoch + 1, "rng": rng, "history": history,
                         "adacomp": residuals,
                         "recipe": recipe.name, "settings": settings}
-            atomic_write(checkpoint, lambda f, saved=snapshot: torch.save(saved, f))
+            atomic_write(checkpoint, functools.partial(torch.save, snapshot))
             atomic_write(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
             if epoch + 1 < stop:  # the last plot comes after the summary
                 plot(history)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -165,8 +165,9 @@ def epoch_sampler(recipe: Recipe, n: int, batch: int, rank: int, world: int, see
     ``Recipe.epoch_end(epoch)`` to ``Recipe.epoch_end(epoch + 1)`` of a
     :class:`StreamSampler`."""
     if recipe.epoch_steps == "floor":
-        sampler = torch.utils.data.DistributedSampler(
-            range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        images = cast("torch.utils.data.Dataset[int]", range(n))  # the sampler needs only its length
+        sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
+            images, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
         sampler.set_epoch(epoch)
         return sampler
     return StreamSampler(n, batch, rank, world, seed, recipe.epoch_end(epoch, n, batch),

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, SupportsFloat
 
 import numpy as np
 
@@ -54,7 +54,7 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def _is_finite(value: numbers.Real) -> bool:
+def _is_finite(value: SupportsFloat) -> bool:
     """``math.isfinite``, False also for an int too large for a float."""
     try:
         return math.isfinite(value)

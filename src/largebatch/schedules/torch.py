@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["ScheduleLR"]
+
+
+class _CountsSteps(Protocol):
+    """An optimizer that counts the steps it applied (largebatch LARS/LAMB)."""
+
+    num_steps: int
 
 
 def _checked_lr(group: int, step: int, value: Any) -> float:
@@ -39,9 +46,16 @@ class ScheduleLR(LRScheduler):
     skipped by ``torch.amp.GradScaler`` on overflow does not advance the schedule.
 
     Examples:
-      >>> sched = ScheduleLR(opt, make_schedule("poly", peak_lr=3.2, total_steps=T, warmup_steps=W))
-      >>> for batch in data:
-      ...     loss_fn(batch).backward(); opt.step(); opt.zero_grad(); sched.step()
+      >>> import torch
+      >>> from largebatch.torch import LARS, make_schedule
+      >>> w = torch.nn.Parameter(torch.ones(3))
+      >>> opt = LARS([w], lr=0.0)
+      >>> sched = ScheduleLR(opt, make_schedule("poly", peak_lr=3.2, total_steps=10,
+      ...                                       warmup_steps=2))
+      >>> for _ in range(2):
+      ...     (w ** 2).sum().backward(); opt.step(); opt.zero_grad(); sched.step()
+      >>> opt.param_groups[0]["lr"]
+      3.2
 
     A group whose ``lr`` is a Tensor (the fused, graph-capturable path) is updated in
     place. A schedule that gives a negative, NaN or infinite lr (or no number) raises a
@@ -57,7 +71,10 @@ class ScheduleLR(LRScheduler):
         last_epoch: int = -1,
     ) -> None:
         n_groups = len(optimizer.param_groups)
-        schedules = list(schedule) if isinstance(schedule, (list, tuple)) else [schedule] * n_groups
+        if isinstance(schedule, (list, tuple)):
+            schedules: list[Callable[[int], float]] = list(schedule)
+        else:
+            schedules = [cast("Callable[[int], float]", schedule)] * n_groups
         if len(schedules) != n_groups:
             raise ValueError(
                 f"Expected one schedule per param group ({n_groups}), got {len(schedules)}"
@@ -75,9 +92,11 @@ class ScheduleLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def _schedule_step(self) -> int:
-        return self.optimizer.num_steps if self.follow_optimizer else self.last_epoch
+        if self.follow_optimizer:
+            return cast(_CountsSteps, self.optimizer).num_steps
+        return self.last_epoch
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | Tensor]:
         step = self._schedule_step()
         return [_checked_lr(i, step, s(step)) for i, s in enumerate(self.schedules)]
 

@@ -54,7 +54,8 @@ def _computed_leaves(updates: Any, params: Any) -> tuple[list, list, Any]:
     leaves, treedef = jax.tree.flatten(updates)
     dtypes = [_compute_dtype(u) for u in leaves]
     us = [u.astype(d) for u, d in zip(leaves, dtypes)]
-    ws = [w.astype(d) for w, d in zip(treedef.flatten_up_to(params), dtypes)]
+    param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]  # PyTreeDef: no stubs
+    ws = [w.astype(d) for w, d in zip(param_leaves, dtypes)]
     return us, ws, treedef
 
 
@@ -78,7 +79,7 @@ def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransform
 class LarsTrustRatioState(NamedTuple):
     """State of :func:`scale_by_lars_trust_ratio`: the step count (for a clip schedule)."""
 
-    count: jax.Array  # int32 scalar
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar; shadows tuple.count
 
 
 def scale_by_lars_trust_ratio(

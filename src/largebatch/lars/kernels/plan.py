@@ -342,7 +342,7 @@ def fused_lamb_step_(
     for b in plan.buckets:
         _lamb_moments_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.ws, plan.hyper, scale, inf,
-            float(max_grad_norm) if clip else 1.0, CLIP=clip, **has, **b.consts,
+            float(max_grad_norm) if max_grad_norm is not None else 1.0, CLIP=clip, **has, **b.consts,
         )  # fmt: skip
     if reduce_norms is not None:
         reduce_norms(plan.ws[_WS_HEAD:])

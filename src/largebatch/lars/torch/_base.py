@@ -153,7 +153,7 @@ class LayerwiseOptimizer(Optimizer):
             raise ValueError(
                 f"loaded state dict has {len(saved_groups)} param groups, {name} has {len(self.param_groups)}"
             )
-        by_id = {}
+        by_id: dict[Any, Tensor] = {}
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             missing = [k for k in self.spec.group_keys if k not in saved]
             if missing:

@@ -39,7 +39,8 @@ def param_groups(
     """
     LARS_SPEC.hyper("weight_decay").check(weight_decay)
     exclude = default_exclude if exclude is None else exclude
-    adapted, excluded = [], []
+    adapted: list[Tensor] = []
+    excluded: list[Tensor] = []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (excluded if exclude(name, param) else adapted).append(param)
@@ -105,7 +106,7 @@ def lr_value(lr: float | Tensor) -> float | Tensor:
 # --------------------------------------------------------------------------- norms
 
 
-def stacked_norms(tensors: list[Tensor]) -> Tensor:
+def stacked_norms(tensors: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
     """Per-tensor L2 norms as one vector (fp64 for fp64 tensors, else fp32) that cannot
     overflow for finite inputs: a sum of squares past the fp32 range (||x|| > ~1.8e19) is
     recomputed with fp64 accumulation. The common case costs one fp32 pass."""

@@ -8,7 +8,7 @@ of applied steps, on the device unless GradScaler's ``found_inf`` skips the step
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -36,6 +36,12 @@ def check_group(spec: OptimizerSpec, i: int, hyper: dict[str, Any]) -> None:
     check_hyper(spec, i, {k: hyper[k] for k in spec.group_keys[1:]})
 
 
+@overload
+def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor,
+               found_inf: Tensor | None, **kwargs: Any) -> Tensor: ...
+@overload
+def fused_step(spec: OptimizerSpec, groups: list, *, counter: None,
+               found_inf: Tensor | None, **kwargs: Any) -> None: ...
 def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
                found_inf: Tensor | None, **kwargs: Any) -> Tensor | None:
     """One step of the kernels on ``groups``; returns ``counter``, moved to the params'

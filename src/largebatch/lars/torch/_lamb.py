@@ -107,6 +107,7 @@ def _lamb_one(
     v.mul_(b2).add_(g * g * (1.0 - b2))
     u = lamb_direction(w, m, v, eps, weight_decay if adam_w_mode else 0.0, bc1, bc2)
     u_norm = None
+    ratio: Tensor | float
     if trust_ratio:
         w_norm, u_norm = norm(w), plain_norm(u)
         ratio = lamb_ratio(w_norm, u_norm)
@@ -132,7 +133,7 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
 
 def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    betas = hyper["betas"]
+    betas: tuple[float, float] = hyper["betas"]
     trust_ratio = adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"])
     lr, eps, wd = hyper["lr"], hyper["eps"], hyper["weight_decay"]
     flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
@@ -152,6 +153,7 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_ste
         elif chosen is _lamb_one:
             chosen(*tensors, grad_scale, *numbers, *bcs, **flags)
         else:
+            assert compiled_numbers is not None  # the compiled body is picked only when compiled
             u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
                             **flags, **_paths.COMPILED_NORMS)
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
@@ -169,7 +171,7 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
     wd = weight_decay
     trust_ratio = adapts(trust_ratio, wd, adapt_without_decay)
     ws = weights(params, masters)
-    gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
+    gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
     if not adam_w_mode and wd != 0:  # L2: the decay enters the moments, not u
@@ -349,8 +351,8 @@ class LAMB(LayerwiseOptimizer):
                 state = self.state.get(p, {})
                 lists = ([state.get("master_param", p)], [p.grad], [state.get("exp_avg")],
                          [state.get("exp_avg_sq")])
-                (w, grad, m, v), _ = _sharded.local(lists)  # a sharded param's local block
-                w, grad, m, v = w[0], grad[0], m[0], v[0]
+                (ws, grads, ms, vs), _ = _sharded.local(lists)  # a sharded param's local block
+                w, grad, m, v = ws[0], grads[0], ms[0], vs[0]
                 g = unscaled(grad, w, divisor)
                 if not hyper["adam_w_mode"]:
                     g = g + wd * w

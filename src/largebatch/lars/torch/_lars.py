@@ -128,6 +128,7 @@ def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *
         elif chosen is _lars_one:
             chosen(*tensors, grad_scale, *numbers, **flags)
         else:
+            assert compiled_numbers is not None  # the compiled body is picked only when compiled
             chosen(*tensors, grad_scale, *compiled_numbers, **flags, **_paths.COMPILED_NORMS)
         step.add_(1)
 
@@ -140,7 +141,7 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
         return
     wd = weight_decay
     ws = weights(params, masters)
-    gs = [unscaled(g, w, None) for g, w in zip(grads, ws)]
+    gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
     ratios = None

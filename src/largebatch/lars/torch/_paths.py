@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -37,6 +37,16 @@ COMPILE_MIN_TENSOR = 1 << 16
 
 PATHS = ("single_tensor", "foreach", "compiled", "fused")
 
+_Tensors = TypeVar("_Tensors", bound=tuple)
+
+
+class PathSettings(TypedDict):
+    """What :func:`resolve` returns."""
+
+    foreach: bool | None
+    fused: bool
+    compiled: bool
+
 
 def triton_available() -> bool:
     try:
@@ -46,7 +56,7 @@ def triton_available() -> bool:
     return True
 
 
-def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> dict[str, bool | None]:
+def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> PathSettings:
     """The path settings for ``tensors``, checked, with the defaults filled in.
 
     ``fused=None``: fused when every tensor is on CUDA and triton imports, unless
@@ -182,10 +192,10 @@ def split_for_compile(lists: tuple[list, ...]) -> tuple[tuple[list, ...], tuple[
     return tuple([xs[i] for i in large] for xs in lists), tuple([xs[i] for i in small] for xs in lists)
 
 
-def pick_body(body: Callable, compiled: Callable | None, tensors: tuple) -> tuple[Callable, tuple]:
+def pick_body(body: Callable, compiled: Callable | None, tensors: _Tensors) -> tuple[Callable, _Tensors]:
     """The compiled body on flat views of contiguous tensors of 2+ elements, else the
     eager one (sizes 0 and 1 would each cost a compile of their own)."""
     present = [t for t in tensors if t is not None]
     if compiled is None or present[0].numel() < 2 or not all(t.is_contiguous() for t in present):
         return body, tensors
-    return compiled, tuple(None if t is None else t.view(-1) for t in tensors)
+    return compiled, cast(_Tensors, tuple(None if t is None else t.view(-1) for t in tensors))

@@ -29,7 +29,7 @@ try:  # torch.distributed may be absent from a build
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    dist, DTensor = None, ()  # type: ignore[assignment]
+    dist, DTensor = None, ()  # type: ignore[assignment, misc]
 
 # What a shard key is: the process groups that split a tensor, in mesh-dimension order.
 Key = tuple[Any, ...]

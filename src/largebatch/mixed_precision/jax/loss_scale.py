@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +75,9 @@ def _check_number(name: str, value: Any, ok: Callable[[float], bool], rule: str,
         raise TypeError(f"Invalid {name}: a traced value (need a concrete number, {rule})")
     if _is_bool(value):
         raise TypeError(f"Invalid {name}: {value!r} (a bool; need {rule})")
+    shown: object
     if isinstance(value, numbers.Real):
-        number, shown = value, value
+        number, shown = cast(float, value), value  # a Python or NumPy int or float
     elif isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
         if not _is_real_dtype(value.dtype):
             raise TypeError(f"Invalid {name}: {value!r} (need {rule})")
@@ -139,7 +140,7 @@ class DynamicLossScale(_LossScaleMethods):
     """
 
     loss_scale: jax.Array
-    counter: jax.Array = 0
+    counter: jax.Array | int = 0
     period: int = 2000
     factor: float = 2.0
     min_loss_scale: float = 1.0

@@ -10,7 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
 from largebatch.recipes.study.plan import BASELINE, StudyConfig, _best, _recipe, pair_plan
@@ -66,15 +66,15 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         row["steps_to_target"] = steps
     base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None
     for row in rows:
-        steps = _mean_steps(row["steps_to_target"])
-        row["fewer_steps"] = None if base_steps is None or steps is None else base_steps / steps
+        mean_steps = _mean_steps(row["steps_to_target"])
+        row["fewer_steps"] = None if base_steps is None or mean_steps is None else base_steps / mean_steps
     return {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
             "grids": grids, "techniques": techniques, "model": _recipe(*BASELINE).model}
 
 
 def _mean_steps(steps: Sequence[int | None]) -> float | None:
     """The mean steps to target when every run reached it, else None."""
-    return statistics.fmean(steps) if steps and None not in steps else None
+    return statistics.fmean(cast("Sequence[int]", steps)) if steps and None not in steps else None
 
 
 def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],

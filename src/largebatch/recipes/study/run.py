@@ -103,7 +103,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
                                  label_smoothing=spec.label_smoothing, power=spec.power)
     steps_per_epoch = len(y_train) // spec.batch
     torch.manual_seed(spec.seed)
-    model = build_model(recipe.model, 10).to(device, memory_format=torch.channels_last)
+    model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
+        device, memory_format=torch.channels_last)
     optimizer = build_optimizer(recipe, model, spec.lr)
     scheduler = ScheduleLR(optimizer, build_schedule(
         recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
