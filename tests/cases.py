@@ -35,6 +35,20 @@ LRS = [0.5, 1.0, 2.0, 0.25]  # the lr changes between steps (warmup, then decay)
 # are rounded to the precision first, so the spec starts where the backend starts.
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}
 
+# The torch paths by name, as the optimizers' keywords: the one table every test takes its
+# paths from (a test that needs fewer picks them by name; DTensor params refuse compiled).
+TORCH_PATHS: dict[str, dict[str, bool]] = {
+    "single_tensor": dict(foreach=False, compiled=False, fused=False),
+    "foreach": dict(foreach=True, compiled=False, fused=False),
+    "compiled": dict(compiled=True, fused=False),
+    "fused": dict(fused=True),
+}
+
+
+def torch_paths(*names: str) -> dict[str, dict[str, bool]]:
+    """The entries of :data:`TORCH_PATHS` named (all when none is)."""
+    return {n: TORCH_PATHS[n] for n in names or TORCH_PATHS}
+
 
 @dataclass(frozen=True)
 class Case:

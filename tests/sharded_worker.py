@@ -27,12 +27,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from largebatch.lars.torch import _sharded
 from largebatch.torch import LAMB, LARS, param_groups
+from cases import torch_paths
 from largebatch.recipes.distributed import exit_process
 
 STEPS = 4
 TOL = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}  # torch's (rtol, atol)
-PATHS = {"single_tensor": dict(foreach=False), "foreach": dict(foreach=True),
-         "fused": dict(fused=True)}
+PATHS = torch_paths("single_tensor", "foreach", "fused")  # DTensor params refuse compiled
 
 
 class Net(nn.Module):

@@ -12,24 +12,12 @@ import pytest
 import torch
 
 from largebatch.recipes.cli import main as cli
+from helpers import user_error
 from largebatch.recipes.data import FASHION_MNIST_FILES, fashion_mnist_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 TINY = ["train", "--recipe", "fmnist-sgd-128", "--subset", "2048", "--epochs", "1"]
-
-
-def _user_error(argv: list[str], capsys) -> str:
-    """Run ``largebatch ARGV`` in this process; its one stderr line, after checking the rest."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as err:
-        cli(argv)
-    stderr = capsys.readouterr().err
-    assert err.value.code == 2, (err.value.code, stderr)
-    assert stderr.count("\n") == 1 and stderr.endswith("\n"), stderr
-    assert stderr.startswith(f"largebatch {argv[0]}: ") and "Traceback" not in stderr, stderr
-    assert str(err.value) == stderr.rstrip("\n")
-    return stderr.rstrip("\n")
 
 
 def _image_tree(root, counts: dict[str, int]) -> None:
@@ -51,7 +39,7 @@ def test_corrupt_fashion_mnist_fails_its_checksum(tmp_path, capsys):
     raw = bytearray(target.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     target.write_bytes(bytes(raw))
-    line = _user_error([*TINY, "--data", str(tmp_path), "--out", str(tmp_path / "out")], capsys)
+    line = user_error([*TINY, "--data", str(tmp_path), "--out", str(tmp_path / "out")], capsys)
     assert f"Checksum mismatch for {target}: sha256 " in line, line
 
 
@@ -62,14 +50,14 @@ def test_corrupt_fashion_mnist_fails_its_checksum(tmp_path, capsys):
     (["--workers", "-1"], "invalid --workers -1 (must be >= 0)"),
 ])
 def test_bad_flag_values(tmp_path, capsys, flags, message):
-    line = _user_error([*TINY, *flags, "--out", str(tmp_path)], capsys)
+    line = user_error([*TINY, *flags, "--out", str(tmp_path)], capsys)
     assert line == f"largebatch train: {message}"
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_device_cuda_without_a_gpu(tmp_path, capsys):
-    line = _user_error([*TINY, "--device", "cuda", "--out", str(tmp_path)], capsys)
+    line = user_error([*TINY, "--device", "cuda", "--out", str(tmp_path)], capsys)
     assert "--device cuda: no CUDA GPU is available here" in line, line
 
 
@@ -77,7 +65,7 @@ def test_an_image_folder_class_without_images(tmp_path, capsys):
     _image_tree(tmp_path / "tree", {"a": 1, "b": 1})
     for image in (tmp_path / "tree" / "train" / "b").iterdir():
         image.unlink()
-    line = _user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
+    line = user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
                         str(tmp_path / "tree"), "--out", str(tmp_path / "out")], capsys)
     assert f"ImageFolder tree {tmp_path / 'tree' / 'train'}: Found no valid file for the " \
            "classes b" in line, line
@@ -87,7 +75,7 @@ def test_an_unreadable_image_is_named(tmp_path, capsys):
     _image_tree(tmp_path / "tree", {"a": 2, "b": 2})
     broken = tmp_path / "tree" / "train" / "b" / "1.png"
     broken.write_bytes(b"not a png")  # in the first (and only) batch: no step runs
-    line = _user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
+    line = user_error(["train", "--recipe", "alexnet-bn-lars-8k", "--data",
                         str(tmp_path / "tree"), "--batch-size", "4", "--epochs", "1",
                         "--workers", "0", "--device", "cpu", "--out", str(tmp_path / "out")],
                        capsys)
@@ -98,17 +86,18 @@ def test_an_unwritable_out_is_refused_before_the_data_loads(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "run"
     # The data folder is missing too: the --out check comes first.
-    line = _user_error([*TINY, "--data", str(tmp_path / "absent"), "--out", str(out)], capsys)
+    line = user_error([*TINY, "--data", str(tmp_path / "absent"), "--out", str(out)], capsys)
     assert line == f"largebatch train: cannot create --out {out}: Not a directory"
 
 
 def test_study_with_a_missing_data_folder(tmp_path, capsys):
-    line = _user_error(["study", "--quick", "--data", str(tmp_path / "absent"),
+    line = user_error(["study", "--quick", "--data", str(tmp_path / "absent"),
                         "--out", str(tmp_path / "out")], capsys)
     assert line == f"largebatch study: data directory not found: {tmp_path / 'absent'}"
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_user_error_in_a_subprocess_exits_2_with_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "largebatch", *TINY, "--device", "tpu", "--out", str(tmp_path)],
@@ -119,11 +108,11 @@ def test_a_user_error_in_a_subprocess_exits_2_with_one_line(tmp_path):
 
 def test_missing_matplotlib_is_named_before_any_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as with largebatch[torch] only
-    line = _user_error([*TINY, "--out", str(tmp_path)], capsys)
+    line = user_error([*TINY, "--out", str(tmp_path)], capsys)
     assert line == ("largebatch train: needs matplotlib, not installed: "
                     "pip install 'largebatch[recipes]'")
     assert not list(tmp_path.iterdir())
-    line = _user_error(["study", "--quick", "--out", str(tmp_path / "study")], capsys)
+    line = user_error(["study", "--quick", "--out", str(tmp_path / "study")], capsys)
     assert line == ("largebatch study: needs matplotlib, not installed: "
                     "pip install 'largebatch[recipes]'")
 

@@ -288,6 +288,7 @@ def world(request, two, four):
     return request.param, {2: two, 4: four}[request.param]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_hook_with_everything_selected_equals_default_allreduce(world, form: str) -> None:
     """select="all", values="exact": the hook returns DDP's default all-reduce bit for bit
@@ -298,6 +299,7 @@ def test_hook_with_everything_selected_equals_default_allreduce(world, form: str
     assert c["same"] and c["shapes_kept"] and c["compressed_steps"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_hook_equals_reference(world, form: str) -> None:
     """float64 DDP with the hook against the NumPy reference for 4 compressed steps after a
@@ -309,6 +311,7 @@ def test_hook_equals_reference(world, form: str) -> None:
     assert c["worst"] < 1e-15 and c["residual_err"] < 1e-14
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_hook_equals_simulation_bit_for_bit(world, form: str) -> None:
     n, cases = world
@@ -318,6 +321,7 @@ def test_hook_equals_simulation_bit_for_bit(world, form: str) -> None:
     assert c["rates"]["dense"] == 1.0 and c["rates"]["conv"] > 5 and c["rates"]["fc"] > 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_training_with_hook_equals_simulation(two, form: str) -> None:
     """A CNN with batch norm, SGD with momentum, 2 warm-up steps then 4 compressed: the
@@ -327,18 +331,21 @@ def test_training_with_hook_equals_simulation(two, form: str) -> None:
     assert c["same"] and c["moved"] and c["residuals_same"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str) -> None:
     c = two[f"nonfinite/{form}/2"]
     assert c["inf_seen"] and c["others_finite"] and c["kept"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_channels_last_weights_are_binned_in_logical_order(two, form: str) -> None:
     c = two[f"channels_last/{form}/2"]
     assert c["strided"] and c["grads"] and c["residuals"] and c["loads"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_an_fp16_average_that_overflows_commits_no_residual(two, form: str) -> None:
     c = two[f"overflow/{form}/2"]
@@ -346,6 +353,7 @@ def test_an_fp16_average_that_overflows_commits_no_residual(two, form: str) -> N
     assert c["inf_seen"] and c["kept"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_resume_is_bit_exact_and_refuses_other_settings(two, form: str) -> None:
     c = two[f"resume/{form}/2"]

@@ -48,6 +48,7 @@ def site(build: tuple[subprocess.CompletedProcess, Path]) -> Path:
     return site_dir
 
 
+@pytest.mark.slow
 def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> None:
     proc, site_dir = build
     output = proc.stdout + proc.stderr
@@ -65,6 +66,7 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
     assert (site_dir / "study" / "headline" / "runs.jsonl").is_file()
 
 
+@pytest.mark.slow  # reads the site the build fixture makes in a subprocess
 @pytest.mark.parametrize(
     ("page", "names"),
     [

@@ -53,7 +53,7 @@ from largebatch.comm.jax import (  # noqa: E402
     two_phase_mean,
 )
 from largebatch.jax import lars  # noqa: E402
-from test_jax_sharded_params import shard_map  # noqa: E402  (jax.shard_map on any jax)
+from helpers import shard_map  # noqa: E402
 
 U = 2.0**-24  # float32 unit roundoff
 AXIS = "data"

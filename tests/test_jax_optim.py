@@ -41,7 +41,7 @@ SHAPES = {
 GRAD_SCALE = {"conv": 1e-3, "dense": 1.0, "one": 1e2, "bias": 10.0, "scale": 1e-2}
 
 
-def make_problem(dtype, seed=0, shapes=SHAPES):
+def make_tree_problem(dtype, seed=0, shapes=SHAPES):
     """Params and STEPS gradient trees (numpy, ``dtype``), fixed by ``seed``."""
     rng = np.random.default_rng(seed)
     params = {k: np.asarray(rng.standard_normal(s), dtype) for k, s in shapes.items()}
@@ -59,7 +59,7 @@ def make_problem(dtype, seed=0, shapes=SHAPES):
     return params, grads
 
 
-def run_jax(opt, params, grads, jit=False):
+def run_optax(opt, params, grads, jit=False):
     """Apply ``opt`` to each gradient tree in turn; returns the params.
 
     Eager by default: on the CPU, compiling each case's chain costs more than running it
@@ -126,20 +126,20 @@ def jax_lr(lr, dtype):
 
 def test_python_schedule_is_accepted():
     """A largebatch.schedules.Schedule works as learning_rate, also under jit."""
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     kw = dict(peak_lr=0.4, total_steps=3)
-    expected = run_jax(lars(make_schedule("cosine", **kw), trust_clip=True), params, grads)
+    expected = run_optax(lars(make_schedule("cosine", **kw), trust_clip=True), params, grads)
     opt = lars(py_make_schedule("cosine", **kw), trust_clip=True)
-    actual = run_jax(opt, params, grads, jit=True)
+    actual = run_optax(opt, params, grads, jit=True)
     assert_trees_close(actual, expected, RTOL[np.float32])
 
 
 def test_trust_clip_at_a_zero_rate():
     """Warmup from 0: LARC's min(ratio / 0, 1) is 1, so the first step moves nothing."""
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     sched = make_schedule("poly", peak_lr=0.4, total_steps=STEPS, warmup_steps=2)
     opt = lars(sched, trust_clip=True, weight_decay=0.01)
-    assert_trees_close(run_jax(opt, params, grads[:1]), params, 0.0)
+    assert_trees_close(run_optax(opt, params, grads[:1]), params, 0.0)
     expected = run_spec_tree(
         "lars", params, grads[1:], lr=lambda t: sched.schedule(t + 1), trust_clip=True, weight_decay=0.01
     )
@@ -153,7 +153,7 @@ def test_trust_clip_at_a_zero_rate():
 @pytest.mark.parametrize("make", [lars, lamb])
 def test_prefix_and_callable_masks_match_full_masks(make):
     """Masks as optax takes them: a prefix pytree or a callable give the full mask's numbers."""
-    params, grads = make_problem(np.float32, shapes={"a": (3, 4), "b": (4,), "c": (5, 2)})
+    params, grads = make_tree_problem(np.float32, shapes={"a": (3, 4), "b": (4,), "c": (5, 2)})
     nest = lambda t: {"x": {"a": t["a"], "b": t["b"]}, "y": t["c"]}  # noqa: E731
     params, grads = nest(params), [nest(g) for g in grads]
     full = dict(
@@ -164,8 +164,8 @@ def test_prefix_and_callable_masks_match_full_masks(make):
         trust_ratio_mask=lambda p: {"x": {"a": True, "b": False}, "y": True},
         weight_decay_mask={"x": False, "y": True},
     )
-    a = run_jax(make(0.1, weight_decay=0.1, **full), params, grads)
-    b = run_jax(make(0.1, weight_decay=0.1, **prefix), params, grads)
+    a = run_optax(make(0.1, weight_decay=0.1, **full), params, grads)
+    b = run_optax(make(0.1, weight_decay=0.1, **prefix), params, grads)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
     # "x/a" adapted but not decayed, "x/b" excluded, "y" adapted and decayed.
@@ -183,14 +183,14 @@ def test_weight_decay_without_the_trust_ratio_where_the_masks_say_so(make):
     """Decay and adaptation are independent where ``weight_decay_mask`` is given (NVIDIA's
     MLPerf LARS decays the fc bias without adapting it); without it, excluded leaves are
     not decayed."""
-    params, grads = make_problem(np.float32, shapes={"w": (3, 4), "b": (4,)})
+    params, grads = make_tree_problem(np.float32, shapes={"w": (3, 4), "b": (4,)})
     trust = {"w": True, "b": False}
-    got = run_jax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust,
+    got = run_optax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust,
                        weight_decay_mask={"w": True, "b": True}), params, grads)
     expected = run_spec_tree(make.__name__, params, grads, lr=0.1, weight_decay=0.1,
                              trust_ratio_mask=trust, weight_decay_mask={"w": True, "b": True})
     assert_trees_close(got, expected, RTOL[np.float32])
-    plain = run_jax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust), params, grads)
+    plain = run_optax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust), params, grads)
     assert not np.allclose(plain["b"], got["b"])  # the decay moved the excluded leaf
 
 
@@ -206,7 +206,7 @@ def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
     """Weights of 1e19 and gradients of 1e20 square past float32's range, weights of 1e-25
     square to zero; the trust ratios and the global gradient norm still follow the
     float64 reference."""
-    params, grads = make_problem(np.float32, seed=3, shapes=HUGE_TINY_SHAPES)
+    params, grads = make_tree_problem(np.float32, seed=3, shapes=HUGE_TINY_SHAPES)
     params["huge"] *= np.float32(1e19)
     params["tiny"] *= np.float32(1e-25)
     for g in grads:  # Adam squares LAMB's gradients: huge ones only where they are clipped
@@ -215,7 +215,7 @@ def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
     kw = dict((LARS_CASES if make == "lars" else LAMB_CASES)[case])
     expected = run_spec_tree(make, params, grads, **kw)
     lr = kw.pop("lr")
-    actual = run_jax((lars if make == "lars" else lamb)(lr, **kw), params, grads, jit=True)
+    actual = run_optax((lars if make == "lars" else lamb)(lr, **kw), params, grads, jit=True)
     for k, leaf in actual.items():
         assert np.isfinite(np.asarray(leaf)).all(), k
     assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
@@ -225,34 +225,34 @@ def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
 
 
 def test_lamb_equals_optax_lamb():
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     for ours, theirs in [
         (lamb(0.01), optax.lamb(0.01)),
         (lamb(0.01, weight_decay=0.1, weight_decay_mask=exclusion_mask),
          optax.lamb(0.01, weight_decay=0.1, mask=exclusion_mask)),
     ]:
-        assert_trees_close(run_jax(ours, params, grads), run_jax(theirs, params, grads), 1e-6)
+        assert_trees_close(run_optax(ours, params, grads), run_optax(theirs, params, grads), 1e-6)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_lars_equals_optax_lars_without_weight_decay(nesterov):
     """Both keep the rate inside the trace and divide by ||g|| + eps when wd = 0."""
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     sched = make_schedule("poly", peak_lr=0.3, total_steps=STEPS, warmup_steps=1)
     for kw in (dict(eps=0.0), dict(eps=1e-2, trust_coefficient=0.1)):
         ours = lars(sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw)
         theirs = optax.lars(
             sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw
         )
-        assert_trees_close(run_jax(ours, params, grads), run_jax(theirs, params, grads), 1e-6)
+        assert_trees_close(run_optax(ours, params, grads), run_optax(theirs, params, grads), 1e-6)
 
 
 def test_lars_differs_from_optax_lars_with_weight_decay():
     """optax divides by ||g + wd * w|| and decays excluded leaves; docs/design.md §2 does neither."""
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     kw = dict(weight_decay=0.5, trust_ratio_mask=exclusion_mask)
-    ours = run_jax(lars(0.1, **kw), params, grads[:1])
-    theirs = run_jax(optax.lars(0.1, **kw), params, grads[:1])
+    ours = run_optax(lars(0.1, **kw), params, grads[:1])
+    theirs = run_optax(optax.lars(0.1, **kw), params, grads[:1])
     for k in ("dense", "bias"):  # an adapted leaf and an excluded one
         assert not np.allclose(ours[k], theirs[k], rtol=1e-4), k
 
@@ -317,6 +317,7 @@ def test_bfloat16_params_stay_bfloat16(opt):
 # ---------------------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build, value",
     [
@@ -340,6 +341,7 @@ def test_bad_hyperparameters_raise_on_build(build, value):
         build()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build, error, value",
     [
@@ -440,7 +442,7 @@ def test_torch_and_jax_agree(name, jax_kw, torch_kw):
     torch = pytest.importorskip("torch")
     from largebatch.torch import LAMB, LARS
 
-    params, grads = make_problem(np.float32)
+    params, grads = make_tree_problem(np.float32)
     adapt = exclusion_mask(params)
     tensors, groups = _torch_groups(torch, params, adapt)
     lr = 0.1 if name == "LARS" else 0.01
@@ -450,7 +452,7 @@ def test_torch_and_jax_agree(name, jax_kw, torch_kw):
             t.grad = torch.tensor(g[k])
         opt.step()
     make = lars if name == "LARS" else lamb
-    actual = run_jax(make(lr, trust_ratio_mask=exclusion_mask, **jax_kw), params, grads)
+    actual = run_optax(make(lr, trust_ratio_mask=exclusion_mask, **jax_kw), params, grads)
     expected = {k: t.detach().numpy() for k, t in tensors.items()}
     assert_trees_close(actual, expected, RTOL[np.float32], np.float32)
 
@@ -458,6 +460,7 @@ def test_torch_and_jax_agree(name, jax_kw, torch_kw):
 # ---------------------------------------------------------------------------- facade
 
 
+@pytest.mark.slow
 def test_facade_exports_and_imports_no_torch():
     """Every name in largebatch.jax.__all__ exists, and importing it loads no torch."""
     import subprocess

@@ -38,20 +38,7 @@ from largebatch.jax import (  # noqa: E402
     scale_by_lamb_trust_ratio,
     scale_by_lars_trust_ratio,
 )
-
-if hasattr(jax, "shard_map"):
-    _shard_map, _CHECK = jax.shard_map, "check_vma"
-else:  # older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-    _CHECK = "check_rep"
-
-
-def shard_map(f, mesh, in_specs, out_specs, check=True):
-    """``shard_map``; ``check=False`` turns off its typing of values as varying or
-    replicated over the mesh axes (``check_vma``, ``check_rep`` in older jax)."""
-    return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK: check})
-
+from helpers import shard_map  # noqa: E402
 
 STEPS = 3
 RTOL, ATOL = 2e-6, 1e-7

@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from cases import CASE_IDS, CASES, Result, assert_matches, make_problem, run_jax, run_reference, run_torch
+from cases import (
+    CASE_IDS, CASES, TORCH_PATHS, Result, assert_matches, make_problem, run_jax, run_reference, run_torch,
+)
 
-PATHS = {
-    "single_tensor": dict(foreach=False, compiled=False, fused=False),
-    "foreach": dict(foreach=True, compiled=False, fused=False),
-    "compiled": dict(compiled=True, fused=False),
-    "fused": dict(fused=True),
-}
+PATHS = TORCH_PATHS
 # (param dtype, fp32 masters, the tolerance the result is held to)
 PRECISIONS = {
     "fp64": (torch.float64, False, "float64"),

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from test_cli_errors import _user_error  # the one-line-error check every command shares
+from helpers import user_error
 
 from largebatch.comm import scaling as sc
 from largebatch.recipes.cli import main as cli
@@ -357,19 +357,19 @@ def test_cli_published(capsys):
                             "overflow a float)"),
 ])
 def test_cli_bad_values(capsys, flags, message):
-    assert _user_error(["scaling", *flags], capsys) == f"largebatch scaling: {message}"
+    assert user_error(["scaling", *flags], capsys) == f"largebatch scaling: {message}"
 
 
 def test_cli_bad_calibration(tmp_path, capsys):
     missing = tmp_path / "absent.json"
-    line = _user_error(["scaling", "--calibration", str(missing)], capsys)
+    line = user_error(["scaling", "--calibration", str(missing)], capsys)
     assert line == f"largebatch scaling: cannot read --calibration {missing}: " \
                    "No such file or directory"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"fit": {"latency_s": 1e-4, "bandwidth_Bps": -1}}))
-    line = _user_error(["scaling", "--calibration", str(bad)], capsys)
+    line = user_error(["scaling", "--calibration", str(bad)], capsys)
     assert line.startswith(f"largebatch scaling: --calibration {bad} has no valid fit")
-    line = _user_error(["scaling", "--calibration", str(bad), "--inter-gbps", "10"], capsys)
+    line = user_error(["scaling", "--calibration", str(bad), "--inter-gbps", "10"], capsys)
     assert line == "largebatch scaling: --calibration sets the links: drop --inter-gbps"
 
 
@@ -377,13 +377,14 @@ def test_cli_plot_without_matplotlib_is_named(tmp_path, capsys, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as with largebatch[torch] only
-    line = _user_error(["scaling", "--workers", "1", "2", "--plot", str(tmp_path / "p.png")],
+    line = user_error(["scaling", "--workers", "1", "2", "--plot", str(tmp_path / "p.png")],
                        capsys)
     assert line == ("largebatch scaling: needs matplotlib, not installed: "
                     "pip install 'largebatch[recipes]'")
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_the_command_loads_no_framework_and_exits_2_in_a_subprocess():
     import subprocess
     import sys

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import source_ports as ports
-from cases import drive, run_spec
+from cases import drive, run_spec, torch_paths
 from largebatch.lars.sources import SOURCES, source_keywords
 
 SHAPES = {"conv": (3, 2, 3, 3), "zero": (5, 4), "still": (2, 3), "bn.weight": (3,), "bn.bias": (3,),
@@ -53,9 +53,7 @@ PORTS = {
     "tfa": ports.tfa_lamb,
 }
 PORTED = list(PORTS)
-TORCH_PATHS = {"single_tensor": dict(foreach=False, compiled=False, fused=False),
-               "foreach": dict(foreach=True, compiled=False, fused=False),
-               "fused": dict(fused=True)}
+TORCH_PATHS = torch_paths("single_tensor", "foreach", "fused")
 # Each element against the largest of its tensor, before or after (a step may cancel a
 # tensor to rounding noise, as cases.assert_matches allows): float64; the fused kernels take
 # float32 (cases.TOLERANCE's), from the same float32-rounded inputs as the port.

@@ -203,6 +203,7 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     assert "not reached" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--batches", "128,1000"], "Invalid batch 1000"),
     (["--optimizers", "adam"], "Invalid optimizer 'adam'"),
@@ -325,6 +326,7 @@ def test_a_run_follows_its_recipes_step_schedule_and_milestones(monkeypatch):
     assert lrs == pytest.approx([0.5] * 3 + [0.05] * 3 + [0.005] * 3)
 
 
+@pytest.mark.slow
 def test_report_writes_the_tables_of_a_part_finished_study_and_trains_nothing(tmp_path):
     grid = plan(LARS_3072, {})
     log = tmp_path / "runs.jsonl"
@@ -396,6 +398,7 @@ def test_sigterm_stops_the_study_and_its_workers(tmp_path):
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_worker_exits_when_its_parent_is_killed():
     import signal
 

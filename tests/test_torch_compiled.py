@@ -119,6 +119,7 @@ print(json.dumps(errors))
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_with_other_hyperparameters_gets_its_own_numbers(tmp_path):
     """Two processes share one Inductor cache: the second, with other hyperparameter
     values, must compute with its own values, not the first one's (compiled against

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from largebatch.lars.torch import _paths
-from cases import group_hyper, run_spec
+from cases import TORCH_PATHS, group_hyper, run_spec
 from largebatch.torch import LAMB, LARS, ScheduleLR, param_groups
 
 # (id, class, constructor kwargs): each case has an adapted group and an excluded one.
@@ -30,12 +30,7 @@ CASES = [
     ("lamb", LAMB, dict(lr=0.05, weight_decay=1e-2)),
     ("lamb_clip", LAMB, dict(lr=0.05, weight_decay=1e-2, max_grad_norm=0.5, betas=(0.8, 0.99))),
 ]
-IMPLS = {
-    "loop": dict(foreach=False, compiled=False),
-    "foreach": dict(foreach=True, compiled=False),
-    "compiled": dict(compiled=True),
-    "fused": dict(fused=True),
-}
+IMPLS = TORCH_PATHS
 SHAPES = [(6, 5), (7,), (3, 4, 2), (5,)]  # two adapted (ndim > 1), two excluded
 
 
@@ -157,7 +152,7 @@ def test_params_that_start_late_equal_the_loop(case, impl):
     step counts drive the bias correction, and the saved counts are their own."""
     late = {1, 2}
     params, opt = build(case, impl)
-    ref_params, ref = build(case, "loop")
+    ref_params, ref = build(case, "single_tensor")
     for o, ps in ((opt, params), (ref, ref_params)):
         run(o, ps, 4, only=late)
         run(o, ps, 3, start=4)
@@ -337,7 +332,7 @@ def test_schedule_lr_keeps_its_count_when_the_first_param_starts_late(cls):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["lars", "lamb_clip"])
-@pytest.mark.parametrize("impl", ["loop", "foreach"])
+@pytest.mark.parametrize("impl", ["single_tensor", "foreach"])
 def test_torch_compile_of_step_equals_eager(case, impl):
     torch._dynamo.reset()
     params, opt = build(case, impl)
@@ -527,7 +522,7 @@ def test_non_finite_grads_without_a_scaler_are_applied_as_torch_optim_does(case,
     """Without a GradScaler every path applies the step: an inf/NaN gradient reaches the
     params and the state, as in torch.optim; skipping is GradScaler's job."""
     params, opt = build(case, impl)
-    ref_params, ref = build(case, "loop")
+    ref_params, ref = build(case, "single_tensor")
     for o, ps in ((opt, params), (ref, ref_params)):
         run(o, ps, 1)
         grads_for(1, ps)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from cases import torch_paths
 from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups, to_half
 
-PATHS = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+PATHS = torch_paths("single_tensor", "foreach", "fused")
 STATE_KEYS = {LARS: ("momentum_buffer",), LAMB: ("exp_avg", "exp_avg_sq")}
 
 

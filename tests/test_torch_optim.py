@@ -10,11 +10,12 @@ import re
 import pytest
 import torch
 
+from cases import torch_paths
 from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups
 
 # The fused Triton path runs on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py);
 # its kernels take fp32/fp16/bf16 params.
-PATHS = {"single": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+PATHS = torch_paths("single_tensor", "foreach", "fused")
 
 
 
@@ -116,7 +117,8 @@ def test_resume_gives_the_identical_trajectory(cls, path):
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
-@pytest.mark.parametrize("src,dst", [("single", "foreach"), ("foreach", "fused"), ("fused", "single")])
+@pytest.mark.parametrize("src,dst", [("single_tensor", "foreach"), ("foreach", "fused"),
+                                     ("fused", "single_tensor")])
 def test_state_dicts_are_interchangeable_between_paths(cls, src, dst):
     torch.manual_seed(0)
     w = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(3, 3))]

@@ -24,7 +24,10 @@ import torch.distributed as dist
 
 from largebatch.torch import LAMB, LARS
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built"),
+    pytest.mark.slow,  # every test reads the torchrun worker's results
+]
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 OPTIMIZERS = ("lars", "lamb")

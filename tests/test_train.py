@@ -63,6 +63,7 @@ def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path):
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "largebatch", "train", "--subset", "1024", "--batch-size", "256",
@@ -135,6 +136,7 @@ def _torchrun_train(out, *args: str) -> str:
     return digests["0"]
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp_step_equals_ddp_step(tmp_path):
     # One step (256 images): FSDP2's reduce-scatter and sharded LARS against DDP's
     # all-reduce and whole-param LARS, to float32 tolerance.
@@ -174,6 +176,7 @@ def test_a_process_that_joined_a_group_exits_through_exit_process(monkeypatch, c
     assert ended == [status]
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp_with_an_sgd_recipe_records_its_diagnostic_trust_ratios(tmp_path):
     # The trust-ratio telemetry of SGD takes each whole param's norm from its shards.
     _torchrun_train(tmp_path / "fsdp", "--recipe", "fmnist-sgd-1536", "--subset", "512",
@@ -185,6 +188,7 @@ def test_torchrun_fsdp_with_an_sgd_recipe_records_its_diagnostic_trust_ratios(tm
     assert fsdp["trust_ratio_median"] == pytest.approx(ddp["trust_ratio_median"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp_in_bf16_keeps_batch_norm_in_fp32(tmp_path):
     # FSDP2's bf16 policy casts params, not batch norm's running statistics: the norm
     # layers are units of their own computing in fp32, as to_half keeps them.
@@ -202,6 +206,7 @@ def test_torchrun_fsdp_in_bf16_keeps_batch_norm_in_fp32(tmp_path):
     assert summary["precision"] == "bf16" and summary["test_accuracy"] > 0
 
 
+@pytest.mark.slow
 def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     two_epochs = ["--subset", "512", "--epochs", "2"]
     whole_run = _torchrun_train(tmp_path / "a", *two_epochs, "--fsdp")
@@ -209,6 +214,7 @@ def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
     assert _torchrun_train(tmp_path / "b", *two_epochs, "--fsdp", "--resume") == whole_run
 
 
+@pytest.mark.slow
 def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tmp_path, capsys):
     # AdaComp from the first step (no warm-up), 2 x 2 micro-batches of 64 (the hook runs
     # at the last one): a run cut after epoch 1 and resumed ends as the whole run does.
@@ -412,6 +418,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_survives_a_kill_in_the_middle_of_its_rewrite(tmp_path):
     import signal
 

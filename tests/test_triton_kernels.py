@@ -422,6 +422,7 @@ for p_dtype, w_dtype, aligned in [(tl.float32, tl.float32, True), (tl.bfloat16, 
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90(tmp_path):
     """The kernels build for a real GPU (no interpreter, no GPU needed); aligned ones vectorize."""
     pytest.importorskip("triton.backends.nvidia")
