@@ -115,7 +115,7 @@ def against_reference(form: str, steps: int = 5) -> dict:
             scale = max(np.abs(want).max(), 1e-300)
             worst = max(worst, float(np.abs(got - want).max() / scale))
     rank = dist.get_rank()
-    mine = {k: state.worker.residuals[k].numpy() for k in state.worker.residuals}
+    mine = {k: v.numpy() for k, v in state.state_dict()["residuals"].items()}
     res_err = max(float(np.abs(mine[k] - residuals[k][rank]).max()) for k in mine)
     return {"worst": worst, "masks_equal": masks_equal, "residual_err": res_err,
             "compressed_steps": state.stats["compressed_steps"]}
@@ -188,8 +188,8 @@ def training_equals_simulation(form: str, steps: int = 6) -> dict:
     same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(),
                                                  sim_net.state_dict().values()))
     moved = any(not torch.equal(a, b) for a, b in zip(net.parameters(), Net().parameters()))
-    res_same = all(torch.equal(state.worker.residuals[k], sim.workers[rank].residuals[k])
-                   for k in state.worker.residuals)
+    residuals = state.state_dict()["residuals"]
+    res_same = all(torch.equal(residuals[k], sim.workers[rank].residuals[k]) for k in residuals)
     return {"same": same, "moved": moved, "residuals_same": res_same,
             "rates": state.compression_rates()}
 

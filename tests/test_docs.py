@@ -88,6 +88,12 @@ def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> 
         assert f'id="{module}.{name}"' in html, f"{page}: {name} is not rendered"
     if page == "api/torch":
         assert "trust_coefficient" in html  # a parameter, from LARS's signature/docstring
+        # inherited members a user relies on are shown; the internals are not
+        for cls in ("LARS", "LAMB"):
+            for member in ("num_steps", "load_state_dict", "state_dict"):
+                assert f'id="{module}.{cls}.{member}"' in html, (cls, member)
+            for member in ("spec", "functional"):
+                assert f'id="{module}.{cls}.{member}"' not in html, (cls, member)
     if page == "api/comm":
         for name in ("reference.compress", "torch.AdaCompState", "torch.adacomp_hook",
                      "jax.adacomp", "jax.adacomp_init_state", "scaling.predict",

@@ -116,3 +116,53 @@ def test_many_tensors_match_the_spec(case, path):
     else:
         actual = run_torch(case, params, grads, dtype=torch.float32, lrs=lrs, split=100, **PATHS[path])
     assert_matches(actual, expected, "float32", start=params)
+
+
+def _signature_defaults(fn) -> dict[str, object]:
+    """``fn``'s parameters with defaults, by the spec's names (``learning_rate`` is ``lr``;
+    ``b1``, ``b2`` are the two ``betas``)."""
+    import inspect
+
+    out = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.default is not inspect.Parameter.empty:
+            out[{"learning_rate": "lr"}.get(name, name)] = p.default
+    if "b1" in out:
+        out["betas"] = (out.pop("b1"), out.pop("b2"))
+    return out
+
+
+def _public_signatures():
+    from largebatch import jax as lb_jax
+    from largebatch.lars import reference
+    from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
+    from largebatch.lars.torch import lamb as lamb_fn
+    from largebatch.lars.torch import lars as lars_fn
+    from largebatch.torch import LAMB, LARS
+
+    return [
+        (LARS_SPEC, LARS.__init__, 10), (LAMB_SPEC, LAMB.__init__, 10),
+        (LARS_SPEC, lars_fn, 2), (LAMB_SPEC, lamb_fn, 3),
+        (LARS_SPEC, reference.lars_step, 9), (LAMB_SPEC, reference.lamb_step, 8),
+        (LARS_SPEC, lb_jax.lars, 8), (LAMB_SPEC, lb_jax.lamb, 8),
+        (LARS_SPEC, lb_jax.scale_by_lars_trust_ratio, 4),
+        (LAMB_SPEC, lb_jax.scale_by_uncorrected_adam, 2),  # its bias_correction is False
+    ]
+
+
+def _uncorrected():
+    from largebatch import jax as lb_jax
+
+    return lb_jax.scale_by_uncorrected_adam
+
+
+def test_signatures_show_the_specs_defaults_as_literals():
+    """The signatures a user reads (help(), the API pages) state each default as a value,
+    and that value is the spec's."""
+    for spec, fn, least in _public_signatures():
+        shown = _signature_defaults(fn)
+        own = {"bias_correction"} if fn is _uncorrected() else set()
+        checked = {k: v for k, v in shown.items() if k in spec.defaults and k not in own}
+        assert len(checked) >= least, (fn.__qualname__, sorted(checked))
+        for name, value in checked.items():
+            assert value == spec.defaults[name], (fn.__qualname__, name, value, spec.defaults[name])

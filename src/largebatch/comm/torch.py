@@ -441,18 +441,18 @@ class AdaCompState:
                              "(torch.distributed.init_process_group)")
         module = getattr(model, "module", model)
         self.process_group = process_group
-        self.world = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.names = {p: name for name, p in module.named_parameters()}
+        self._world = dist.get_world_size(process_group)
+        self._rank = dist.get_rank(process_group)
+        self._names = {p: name for name, p in module.named_parameters()}
         if form == "auto":
-            form = _choose_form(self.world, module, compression, network)
-        self.config = {"world": self.world, "rank": self.rank, "warmup_steps": warmup_steps,
+            form = _choose_form(self._world, module, compression, network)
+        self.config = {"world": self._world, "rank": self._rank, "warmup_steps": warmup_steps,
                        "conv_bin": conv_bin, "fc_bin": fc_bin, "form": form, "select": select,
                        "values": values}
         self.form, self.select, self.values = form, select, values
         self.warmup_steps, self.conv_bin, self.fc_bin = warmup_steps, conv_bin, fc_bin
         self.step = 0
-        self.worker = _Worker()
+        self._worker = _Worker()
         self.stats = _new_stats()
         self.scaler = scaler
         self._pending: list[tuple[str, str, torch.Tensor]] = []  # (which, name, residual)
@@ -468,7 +468,7 @@ class AdaCompState:
         """Commit the iteration's residuals, unless one of its buckets was not finite."""
         if not self._skip:
             for which, name, residual in self._pending:
-                getattr(self.worker, which)[name] = residual
+                getattr(self._worker, which)[name] = residual
         self._pending, self._skip, self._scale = [], False, None
         self.step += 1
         self.stats["steps"] += 1
@@ -477,8 +477,8 @@ class AdaCompState:
         """This rank's state: settings, iteration count, residuals (copies). Every rank has
         its own residuals: save one per rank (or gather them)."""
         return {"version": _STATE_VERSION, "config": dict(self.config), "step": self.step,
-                "residuals": {k: v.clone() for k, v in self.worker.residuals.items()},
-                "chunk_residuals": {k: v.clone() for k, v in self.worker.chunk_residuals.items()},
+                "residuals": {k: v.clone() for k, v in self._worker.residuals.items()},
+                "chunk_residuals": {k: v.clone() for k, v in self._worker.chunk_residuals.items()},
                 "stats": _copy_stats(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -495,7 +495,7 @@ class AdaCompState:
                              + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
         self._check_residuals(state)
         self.step = int(state["step"])
-        self.worker = _Worker({k: v.clone() for k, v in state["residuals"].items()},
+        self._worker = _Worker({k: v.clone() for k, v in state["residuals"].items()},
                               {k: v.clone() for k, v in state["chunk_residuals"].items()})
         self.stats = _copy_stats(state["stats"])
 
@@ -503,7 +503,7 @@ class AdaCompState:
         """Every saved residual names a compressed param of this model and is a flat
         floating tensor of its length (this rank's chunk for the two-phase exchange's
         chunk residuals); else a ValueError naming it."""
-        params = {name: p for p, name in self.names.items()}
+        params = {name: p for p, name in self._names.items()}
         for which in ("residuals", "chunk_residuals"):
             unknown = sorted(set(state[which]) - set(params))
             if unknown:
@@ -517,7 +517,7 @@ class AdaCompState:
                 if which == "residuals":
                     length = p.numel()
                 else:
-                    lo, hi = chunk_bounds(p.numel(), bin_len, self.world)[self.rank]
+                    lo, hi = chunk_bounds(p.numel(), bin_len, self._world)[self._rank]
                     length = hi - lo
                 ok = isinstance(r, torch.Tensor) and r.is_floating_point() and r.shape == (length,)
                 if not ok:
@@ -552,10 +552,10 @@ def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:
     params = bucket.parameters()
     names = []
     for p in params:
-        if p not in state.names:
+        if p not in state._names:
             raise ValueError("a bucket holds a parameter the AdaCompState's model does not have: "
                              "build the state with the DDP model the hook is registered on")
-        names.append(state.names[p])
+        names.append(state._names[p])
     return _layout(names, [p.shape for p in params], bucket.buffer().dtype, state.conv_bin,
                    state.fc_bin, [_bucket_strides(p) for p in params])
 
@@ -586,7 +586,7 @@ def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
     """DDP's default: divide by the world size, then sum. ``skip``: the bucket is not
     finite on some rank, and the iteration's residuals are not committed."""
     state._skip |= skip
-    buf.div_(state.world)
+    buf.div_(state._world)
     dist.all_reduce(buf, group=state.process_group)
     state.stats["dense_bytes"] += buf.numel() * buf.element_size()
     state.stats["sent_bytes"] += buf.numel() * buf.element_size()
@@ -594,12 +594,12 @@ def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
 
 def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
     layout = _bucket_layout(state, bucket)
-    ex = _Exchange(layout, state.world, state.select, state.values)
+    ex = _Exchange(layout, state._world, state.select, state.values)
     flat = _to_logical(buf.to(layout.dtype), layout)
     finite = bool(torch.isfinite(flat).all())
     scale = state._loss_scale()
-    parts = ex.compress(state.worker, flat, scale) if finite else {}
-    group, world, rank = state.process_group, state.world, state.rank
+    parts = ex.compress(state._worker, flat, scale) if finite else {}
+    group, world, rank = state.process_group, state._world, state._rank
     device = buf.device
     if state.form == "allgather":
         mine = ex.message(parts) if finite else torch.zeros(0, dtype=torch.uint8, device=device)
@@ -625,7 +625,7 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
         dist.all_to_all_single(received, torch.cat(outgoing), incoming_sizes.tolist(),
                                split.tolist(), group=group)
         chunks = list(received.split(incoming_sizes.tolist()))
-        owned = ex.owner_compress(state.worker, rank, chunks, device, scale)
+        owned = ex.owner_compress(state._worker, rank, chunks, device, scale)
         mine = ex.owner_message(owned)
         sizes = _all_gather_sizes(torch.tensor([mine.numel()], device=device), world, group)
         messages = _all_gather_padded(mine, sizes, group)

@@ -44,12 +44,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 
 __all__ = ["lars_step", "lamb_step", "clip_divisor", "global_norm", "safe_ratio"]
 
-_LARS = LARS_SPEC.defaults
-_LAMB = LAMB_SPEC.defaults
 
 
 def _f64(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -74,15 +71,15 @@ def lars_step(
     momentum_buffers: Sequence[np.ndarray],
     *,
     lr: float,
-    momentum: float = _LARS["momentum"],
-    weight_decay: float = _LARS["weight_decay"],
-    trust_coefficient: float = _LARS["trust_coefficient"],
-    eps: float = _LARS["eps"],
-    nesterov: bool = _LARS["nesterov"],
-    trust_clip: bool = _LARS["trust_clip"],
-    trust_ratio: bool = _LARS["trust_ratio"],
-    lr_in_momentum: bool = _LARS["lr_in_momentum"],
-    zero_norm_skip: bool = _LARS["zero_norm_skip"],
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
+    nesterov: bool = False,
+    trust_clip: bool = False,
+    trust_ratio: bool = True,
+    lr_in_momentum: bool = True,
+    zero_norm_skip: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
     new_params, new_bufs = [], []
@@ -117,14 +114,14 @@ def lamb_step(
     *,
     step: int,
     lr: float,
-    betas: tuple[float, float] = _LAMB["betas"],
-    eps: float = _LAMB["eps"],
-    weight_decay: float = _LAMB["weight_decay"],
-    bias_correction: bool = _LAMB["bias_correction"],
-    trust_ratio: bool = _LAMB["trust_ratio"],
-    adam_w_mode: bool = _LAMB["adam_w_mode"],
-    grad_averaging: bool = _LAMB["grad_averaging"],
-    adapt_without_decay: bool = _LAMB["adapt_without_decay"],
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    trust_ratio: bool = True,
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    adapt_without_decay: bool = True,
     grad_scale: float = 1.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.

@@ -26,7 +26,6 @@ from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 from largebatch.schedules import Schedule
 from largebatch.schedules.jax import as_optax_schedule
 
-_LARS, _LAMB = LARS_SPEC.defaults, LAMB_SPEC.defaults
 
 
 def _as_optax_schedule(learning_rate: Any) -> ScalarOrSchedule:
@@ -43,17 +42,17 @@ def _rate_to_check(learning_rate: Any) -> dict[str, Any]:
 
 def lars(
     learning_rate: ScalarOrSchedule,
-    momentum: float = _LARS["momentum"],
-    weight_decay: float = _LARS["weight_decay"],
-    trust_coefficient: float = _LARS["trust_coefficient"],
-    eps: float = _LARS["eps"],
-    nesterov: bool = _LARS["nesterov"],
-    trust_clip: bool = _LARS["trust_clip"],
+    momentum: float = 0.9,
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
+    nesterov: bool = False,
+    trust_clip: bool = False,
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
     axis_name: AxisName = None,
-    lr_in_momentum: bool = _LARS["lr_in_momentum"],
-    zero_norm_skip: bool = _LARS["zero_norm_skip"],
+    lr_in_momentum: bool = True,
+    zero_norm_skip: bool = False,
 ) -> optax.GradientTransformation:
     r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
 
@@ -94,7 +93,7 @@ def lars(
       weight_decay: ``wd`` >= 0, in two places: the direction ``d = g + wd * w`` and
         the term ``wd * ||w||`` of the trust-ratio denominator.
       trust_coefficient: ``tc`` > 0 (eta in the paper).
-      eps: >= 0, added to the trust-ratio denominator.
+      eps: At least 0; added to the trust-ratio denominator.
       nesterov: Nesterov momentum.
       trust_clip: LARC's clipping ``min(ratio / lr_t, 1)``.
       weight_decay_mask: optax mask; False removes weight decay from a leaf. None: decay
@@ -194,18 +193,18 @@ def lars(
 
 def lamb(
     learning_rate: ScalarOrSchedule,
-    b1: float = _LAMB["betas"][0],
-    b2: float = _LAMB["betas"][1],
-    eps: float = _LAMB["eps"],
-    weight_decay: float = _LAMB["weight_decay"],
-    bias_correction: bool = _LAMB["bias_correction"],
-    max_grad_norm: float | None = _LAMB["max_grad_norm"],
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    max_grad_norm: float | None = None,
     weight_decay_mask: Mask = None,
     trust_ratio_mask: Mask = None,
     axis_name: AxisName = None,
-    adam_w_mode: bool = _LAMB["adam_w_mode"],
-    grad_averaging: bool = _LAMB["grad_averaging"],
-    adapt_without_decay: bool = _LAMB["adapt_without_decay"],
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    adapt_without_decay: bool = True,
 ) -> optax.GradientTransformation:
     r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
 
@@ -238,7 +237,7 @@ def lamb(
       learning_rate: ``lr_t``: a float >= 0 or a schedule of the step count.
       b1: the first moment's decay rate, in [0, 1).
       b2: the second moment's decay rate, in [0, 1).
-      eps: >= 0, added to ``sqrt(v_hat)``.
+      eps: At least 0; added to ``sqrt(v_hat)``.
       weight_decay: ``wd`` >= 0, decoupled from the moments: ``u = r + wd * w``, the
         direction whose norm ``||u||`` is the trust-ratio denominator.
       bias_correction: divide the moments by ``1 - b^t``.

@@ -30,7 +30,6 @@ ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 # divide_by_global_norm's threshold: LAMB's max_grad_norm, but a number (None is lamb's
 # "no clipping", which leaves this transformation out).
 _MAX_NORM = dataclasses.replace(LAMB_SPEC.hyper("max_grad_norm"), optional=False)
-_LARS, _LAMB = LARS_SPEC.defaults, LAMB_SPEC.defaults
 
 
 def _known(value: Any) -> Any:
@@ -83,12 +82,12 @@ class LarsTrustRatioState(NamedTuple):
 
 
 def scale_by_lars_trust_ratio(
-    weight_decay: float = _LARS["weight_decay"],
-    trust_coefficient: float = _LARS["trust_coefficient"],
-    eps: float = _LARS["eps"],
+    weight_decay: float = 0.0,
+    trust_coefficient: float = 0.001,
+    eps: float = 0.0,
     clip_learning_rate: ScalarOrSchedule | None = None,
     axis_name: AxisName = None,
-    zero_norm_skip: bool = _LARS["zero_norm_skip"],
+    zero_norm_skip: bool = False,
 ) -> optax.GradientTransformation:
     """Scale each leaf by the LARS trust ratio, with weight decay folded in.
 
@@ -226,7 +225,7 @@ def divide_by_global_norm(
 
 
 def scale_by_uncorrected_adam(
-    b1: float = _LAMB["betas"][0], b2: float = _LAMB["betas"][1], eps: float = _LAMB["eps"],
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
     bias_correction: bool = False, grad_averaging: bool = True,
 ) -> optax.GradientTransformation:
     """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.

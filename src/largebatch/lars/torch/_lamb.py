@@ -20,7 +20,6 @@ from largebatch.lars.torch._common import (
     write_back,
 )
 
-_D = LAMB_SPEC.defaults
 
 
 def lamb(
@@ -42,9 +41,9 @@ def lamb(
     weight_decay: float,
     bias_correction: bool,
     trust_ratio: bool,
-    adam_w_mode: bool = _D["adam_w_mode"],
-    grad_averaging: bool = _D["grad_averaging"],
-    adapt_without_decay: bool = _D["adapt_without_decay"],
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    adapt_without_decay: bool = True,
 ) -> None:
     """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
 
@@ -234,7 +233,7 @@ class LAMB(LayerwiseOptimizer):
             ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``master_weights``.
         lr: the global learning rate (a float or a one-element Tensor).
         betas: the moments' decay rates ``(b1, b2)``, each in [0, 1).
-        eps: >= 0, added to ``sqrt(v_hat)``.
+        eps: At least 0; added to ``sqrt(v_hat)``.
         weight_decay: ``wd`` >= 0, decoupled (added to the Adam direction).
         bias_correction: divide the moments by ``1 - b^t``.
         trust_ratio: adapt the group; False gives ratio 1 (weight decay still applies).
@@ -269,17 +268,17 @@ class LAMB(LayerwiseOptimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float | Tensor = _D["lr"],
+        lr: float | Tensor = 0.001,
         *,
-        betas: tuple[float, float] = _D["betas"],
-        eps: float = _D["eps"],
-        weight_decay: float = _D["weight_decay"],
-        bias_correction: bool = _D["bias_correction"],
-        trust_ratio: bool = _D["trust_ratio"],
-        adam_w_mode: bool = _D["adam_w_mode"],
-        grad_averaging: bool = _D["grad_averaging"],
-        adapt_without_decay: bool = _D["adapt_without_decay"],
-        max_grad_norm: float | None = _D["max_grad_norm"],
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        bias_correction: bool = True,
+        trust_ratio: bool = True,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        adapt_without_decay: bool = True,
+        max_grad_norm: float | None = None,
         partitioned: bool = False,
         master_weights: bool = False,
         foreach: bool | None = None,

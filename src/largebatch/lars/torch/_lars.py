@@ -20,7 +20,6 @@ from largebatch.lars.torch._common import (
     write_back,
 )
 
-_D = LARS_SPEC.defaults
 
 
 def lars(
@@ -43,8 +42,8 @@ def lars(
     nesterov: bool,
     trust_clip: bool,
     trust_ratio: bool,
-    lr_in_momentum: bool = _D["lr_in_momentum"],
-    zero_norm_skip: bool = _D["zero_norm_skip"],
+    lr_in_momentum: bool = True,
+    zero_norm_skip: bool = False,
 ) -> None:
     """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
 
@@ -223,7 +222,7 @@ class LARS(LayerwiseOptimizer):
         momentum: the momentum coefficient, in [0, 1).
         weight_decay: ``wd`` >= 0, inside the trust ratio.
         trust_coefficient: ``tc`` > 0 (0.001 in the paper).
-        eps: >= 0, added to the trust-ratio denominator.
+        eps: At least 0; added to the trust-ratio denominator.
         nesterov: Nesterov momentum (needs momentum > 0).
         trust_clip: LARC clipping.
         trust_ratio: adapt the group; False gives ratio 1 (weight decay still applies).
@@ -258,17 +257,17 @@ class LARS(LayerwiseOptimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float | Tensor = _D["lr"],
+        lr: float | Tensor = 1.0,
         *,
-        momentum: float = _D["momentum"],
-        weight_decay: float = _D["weight_decay"],
-        trust_coefficient: float = _D["trust_coefficient"],
-        eps: float = _D["eps"],
-        nesterov: bool = _D["nesterov"],
-        trust_clip: bool = _D["trust_clip"],
-        trust_ratio: bool = _D["trust_ratio"],
-        lr_in_momentum: bool = _D["lr_in_momentum"],
-        zero_norm_skip: bool = _D["zero_norm_skip"],
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 0.0,
+        nesterov: bool = False,
+        trust_clip: bool = False,
+        trust_ratio: bool = True,
+        lr_in_momentum: bool = True,
+        zero_norm_skip: bool = False,
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
