@@ -6,6 +6,19 @@ from typing import Any
 
 import pytest
 
+# AdaComp settings every form refuses with the same message (comm.reference.check_options):
+# the DDP hook's state, the one-process simulation and the JAX transform.
+BAD_ADACOMP_OPTIONS = [
+    ({"warmup_steps": -1}, "Invalid warmup_steps: -1 (must be an integer >= 0)"),
+    ({"warmup_steps": 1.5}, "Invalid warmup_steps: 1.5 (must be an integer >= 0)"),
+    ({"conv_bin": 0}, "Invalid conv_bin: 0 (must be an integer >= 1)"),
+    ({"fc_bin": -5}, "Invalid fc_bin: -5 (must be an integer >= 1)"),
+    ({"fc_bin": True}, "Invalid fc_bin: True (must be an integer >= 1)"),
+    ({"form": "ring"}, "Invalid form: 'ring' (must be one of allgather, two_phase)"),
+    ({"select": "topk"}, "Invalid select: 'topk' (must be one of adacomp, all)"),
+    ({"values": "binary"}, "Invalid values: 'binary' (must be one of ternary, exact)"),
+]
+
 
 def user_error(argv: list[str], capsys: Any) -> str:
     """Run ``largebatch ARGV`` in this process; its one stderr line, after checking the rest:

@@ -114,12 +114,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from largebatch.comm.reference import CONV_BIN, FC_BIN, _check_modes, bin_length, fit_bin
+from largebatch import checks
+from largebatch.comm.reference import (
+    CONV_BIN, FC_BIN, FORMS, _check_modes, bin_length, check_options, fit_bin,
+)
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 __all__ = [
@@ -138,7 +140,6 @@ __all__ = [
     "two_phase_mean",
 ]
 
-FORMS = ("allgather", "two_phase")
 DEFAULT_BIN_CAPACITY = 8  # message entries per bin of L_T elements
 _MAX_SPAN = 2**30 - 1  # index * 2 + sign bit must fit an int32 (with the fill value)
 _GATHER_TO = "to" in inspect.signature(lax.all_gather).parameters
@@ -187,20 +188,8 @@ class AdaCompState(NamedTuple):
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_int(name: str, value: Any, least: int) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-    return int(value)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
 def _check_bin(bin_len: Any) -> int:
-    return _check_int("bin length L_T", bin_len, 1)
+    return checks.integer("bin length L_T", bin_len, 1)
 
 
 def _compute_dtype(x: Any) -> jnp.dtype:
@@ -242,7 +231,7 @@ def _capacity(capacity: Any, span: int, bin_len: int) -> int:
     """A message length: ``capacity`` (int >= 1) or the default, at most ``span``."""
     if capacity is None:
         return default_capacity(span, bin_len)
-    return min(_check_int("capacity", capacity, 1), span)
+    return min(checks.integer("capacity", capacity, 1), span)
 
 
 def _check_span(span: int, values: str) -> None:
@@ -668,13 +657,11 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
     if axis_name is None:
         raise ValueError("axis_name must name the data-parallel mesh axis, got None")
     axis_name = _check_axis_name(axis_name)
-    warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-    conv_bin = _check_int("conv_bin", conv_bin, 1)
-    fc_bin = _check_int("fc_bin", fc_bin, 1)
+    options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
+                            form=form, select=select, values=values)
+    warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
     if bin_capacity is not None:
-        bin_capacity = _check_int("bin_capacity", bin_capacity, 1)
-    _check_choice("form", form, FORMS)
-    _check_modes(select, values)
+        bin_capacity = checks.integer("bin_capacity", bin_capacity, 1)
     two_phase = form == "two_phase"
 
     def bins_of(leaves):

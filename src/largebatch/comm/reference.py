@@ -44,16 +44,34 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["CONV_BIN", "FC_BIN", "SELECTIONS", "VALUES", "Compressed", "allgather_exchange",
-           "bin_length", "chunk_bounds", "compress", "fit_bin", "two_phase_exchange"]
+from largebatch import checks
+
+__all__ = ["CONV_BIN", "FC_BIN", "FORMS", "SELECTIONS", "VALUES", "Compressed", "allgather_exchange",
+           "bin_length", "check_options", "chunk_bounds", "compress", "fit_bin", "two_phase_exchange"]
 
 CONV_BIN = 50  # L_T for convolution weights (Chen et al. 2018)
 FC_BIN = 500  # L_T for fully connected and recurrent weights
 SELECTIONS = ("adacomp", "all")
 VALUES = ("ternary", "exact")
+FORMS = ("allgather", "two_phase")  # the exchanges
+
+
+def check_options(*, warmup_steps: Any = 0, conv_bin: Any = CONV_BIN, fc_bin: Any = FC_BIN,
+                  form: Any = "allgather", select: Any = "adacomp", values: Any = "ternary",
+                  forms: Sequence[str] = FORMS) -> dict[str, Any]:
+    """AdaComp's settings, checked: the one rule of the DDP hook (``AdaCompState``, whose
+    ``forms`` add ``"auto"``), the one-process simulation and the JAX transform. Returns
+    them as ints and strs; a ``ValueError`` naming the first bad one otherwise."""
+    return {"warmup_steps": checks.integer("warmup_steps", warmup_steps, 0),
+            "conv_bin": checks.integer("conv_bin", conv_bin, 1),
+            "fc_bin": checks.integer("fc_bin", fc_bin, 1),
+            "form": checks.choice("form", form, forms),
+            "select": checks.choice("select", select, SELECTIONS),
+            "values": checks.choice("values", values, VALUES)}
 
 
 def bin_length(shape: Sequence[int], conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN) -> int | None:
@@ -86,17 +104,14 @@ class Compressed:
 
 
 def _check(bin_len: int, select: str, values: str) -> None:
-    if not isinstance(bin_len, (int, np.integer)) or isinstance(bin_len, bool) or bin_len < 1:
-        raise ValueError(f"bin length L_T must be a positive int, got {bin_len!r}")
+    checks.integer("bin length L_T", bin_len, 1)
     _check_modes(select, values)
 
 
 def _check_modes(select: str, values: str) -> None:
     """The selection and value modes every path accepts (the torch hook, the JAX transform)."""
-    if select not in SELECTIONS:
-        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
-    if values not in VALUES:
-        raise ValueError(f"values must be one of {VALUES}, got {values!r}")
+    checks.choice("select", select, SELECTIONS)
+    checks.choice("values", values, VALUES)
 
 
 def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp",

@@ -54,11 +54,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from largebatch import checks
 
 __all__ = [
     "DEFAULT_LINK", "DDP_BUCKET_BYTES", "FORMS", "MODELS", "PUBLISHED", "Estimate", "Link",
@@ -82,32 +83,11 @@ MODELS: dict[str, tuple[float, str]] = {
 # ----------------------------------------------------------------------------- validation
 
 
-def _number(name: str, value: Any, *, low: float = 0.0, strict: bool = True) -> float:
-    """``value`` as a float; a ``ValueError`` naming ``name`` and the value unless it is a
-    finite real number above ``low`` (``strict``) or at least ``low``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if ok:
-        value_f = float(value)
-        ok = math.isfinite(value_f) and (value_f > low if strict else value_f >= low)
-    if not ok:
-        bound = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number {bound})")
-    return value_f
-
-
-def _integer(name: str, value: Any, low: int = 1) -> int:
-    """``value`` as an int; a ``ValueError`` naming ``name`` unless it is an integer >= ``low``
-    (bools refused; NumPy integers accepted)."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= low:
-        return int(value)
-    raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
-
-
 def _common(size_bytes: Any, workers: Any, latency: Any, bandwidth: Any,
             buckets: Any) -> tuple[float, int, float, float, int]:
-    return (_number("size_bytes", size_bytes), _integer("workers", workers),
-            _number("latency", latency, strict=False), _number("bandwidth", bandwidth),
-            _integer("buckets", buckets))
+    return (checks.number("size_bytes", size_bytes), checks.integer("workers", workers, 1),
+            checks.number("latency", latency, strict=False), checks.number("bandwidth", bandwidth),
+            checks.integer("buckets", buckets, 1))
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -145,10 +125,10 @@ class Network:
 
     def __post_init__(self) -> None:
         for name in ("intra_latency", "inter_latency"):
-            _number(name, getattr(self, name), strict=False)
+            checks.number(name, getattr(self, name), strict=False)
         for name in ("intra_bandwidth", "inter_bandwidth"):
-            _number(name, getattr(self, name))
-        _integer("gpus_per_node", self.gpus_per_node)
+            checks.number(name, getattr(self, name))
+        checks.integer("gpus_per_node", self.gpus_per_node, 1)
 
     @classmethod
     def flat(cls, latency: float, bandwidth: float) -> Network:
@@ -168,19 +148,19 @@ class Network:
     def link(self, workers: int) -> Link:
         """The link a flat collective over ``workers`` GPUs is bound by: inside the node
         while ``workers <= gpus_per_node``, between nodes beyond."""
-        return self.intra if _integer("workers", workers) <= self.gpus_per_node else self.inter
+        return self.intra if checks.integer("workers", workers, 1) <= self.gpus_per_node else self.inter
 
     def sharing(self, workers: int) -> int:
         """Workers whose all-to-all traffic shares one link: ``g`` once the job spans nodes
         (they all leave through the node's adapter), 1 inside a node."""
-        return self.gpus_per_node if _integer("workers", workers) > self.gpus_per_node else 1
+        return self.gpus_per_node if checks.integer("workers", workers, 1) > self.gpus_per_node else 1
 
 
 def ddp_buckets(size_bytes: float, bucket_bytes: float = DDP_BUCKET_BYTES) -> int:
     """Buckets DDP cuts ``size_bytes`` of gradients into: ``ceil(S / bucket_bytes)`` (its
     default ``bucket_cap_mb=25``; DDP's first bucket is smaller, ignored here)."""
-    return max(1, math.ceil(_number("size_bytes", size_bytes)
-                            / _number("bucket_bytes", bucket_bytes)))
+    return max(1, math.ceil(checks.number("size_bytes", size_bytes)
+                            / checks.number("bucket_bytes", bucket_bytes)))
 
 
 # ----------------------------------------------------------------------------- the exchanges
@@ -264,7 +244,7 @@ def allgather(size_bytes: float, workers: int, compression: float, latency: floa
         buckets: ``k``.
     """
     s, n, a, b, k = _common(size_bytes, workers, latency, bandwidth, buckets)
-    c = _number("compression", compression, low=1.0, strict=False)
+    c = checks.number("compression", compression, low=1.0, strict=False)
     return (n - 1) * k * a + (n - 1) * s / (c * b)
 
 
@@ -286,8 +266,8 @@ def two_phase(size_bytes: float, workers: int, compression: float, latency: floa
     With ``s = 1`` and ``a = 0`` this is exactly ``ring / c``.
     """
     s_, n, a, b, k = _common(size_bytes, workers, latency, bandwidth, buckets)
-    c = _number("compression", compression, low=1.0, strict=False)
-    share = _integer("sharing", sharing)
+    c = checks.number("compression", compression, low=1.0, strict=False)
+    share = checks.integer("sharing", sharing, 1)
     return 2 * (n - 1) * k * a + (n - 1) / n * (share + 1) * s_ / (c * b)
 
 
@@ -328,9 +308,9 @@ def allgather_crossover(compression: float, *, against: str = "ring", size_bytes
     ``inf`` when ``c k a >= S/B``: a compressed message takes no longer to send than the
     latency the all-gather saves.
     """
-    c = _number("compression", compression, low=1.0, strict=False)
+    c = checks.number("compression", compression, low=1.0, strict=False)
     s, _, a, b, k = _common(size_bytes, 1, latency, bandwidth, buckets)
-    share = _integer("sharing", sharing)
+    share = checks.integer("sharing", sharing, 1)
     if against not in ("ring", "two_phase"):
         raise ValueError(f"Invalid against: {against!r} (must be 'ring' or 'two_phase')")
     margin = 1.0 - c * k * a * b / s
@@ -362,11 +342,11 @@ class Workload:
     overlap: float = 0.0
 
     def __post_init__(self) -> None:
-        _number("size_bytes", self.size_bytes)
-        _number("compute_time", self.compute_time)
-        _integer("buckets", self.buckets)
-        _number("compression", self.compression, low=1.0, strict=False)
-        overlap = _number("overlap", self.overlap, strict=False)
+        checks.number("size_bytes", self.size_bytes)
+        checks.number("compute_time", self.compute_time)
+        checks.integer("buckets", self.buckets, 1)
+        checks.number("compression", self.compression, low=1.0, strict=False)
+        overlap = checks.number("overlap", self.overlap, strict=False)
         if overlap > 1:
             raise ValueError(f"Invalid overlap: {self.overlap!r} (must be between 0 and 1)")
 
@@ -374,7 +354,7 @@ class Workload:
     def from_params(cls, params: float, compute_time: float, **kwargs: Any) -> Workload:
         """The workload of a model of ``params`` parameters (fp32 gradients: ``4 * params``
         bytes); ``kwargs`` as the class's."""
-        return cls(4 * _number("params", params), compute_time, **kwargs)
+        return cls(4 * checks.number("params", params), compute_time, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +386,7 @@ class Prediction:
 
 
 def _comm_times(workload: Workload, network: Network, workers: int) -> dict[str, float]:
-    n = _integer("workers", workers)
+    n = checks.integer("workers", workers, 1)
     s, k, c = workload.size_bytes, workload.buckets, workload.compression
     a, b = network.link(n)
     return {
@@ -421,7 +401,7 @@ def compressed_best(workload: Workload, network: Network, workers: int) -> str:
     """The compressed form faster on ``network`` at ``workers``: :func:`choose_form` with
     the link of :meth:`Network.link` and the sharing of :meth:`Network.sharing`. On a
     :meth:`Network.flat` network it is ``choose_form`` with that network's link."""
-    n = _integer("workers", workers)
+    n = checks.integer("workers", workers, 1)
     a, b = network.link(n)
     return choose_form(n, workload.size_bytes, workload.compression, a, b,
                        buckets=workload.buckets, sharing=network.sharing(n))
@@ -475,11 +455,11 @@ def fit_ring(samples: Iterable[Sequence[float]]) -> Link:
     for row in rows:
         if len(row) != 3:
             raise ValueError(f"Invalid sample: {row!r} (must be (workers, size_bytes, seconds))")
-        n = _integer("workers", row[0], low=2)
-        s = _number("size_bytes", row[1])
+        n = checks.integer("workers", row[0], 2)
+        s = checks.number("size_bytes", row[1])
         lat.append(2 * (n - 1))
         vol.append(2 * (n - 1) / n * s)
-        t.append(_number("seconds", row[2]))
+        t.append(checks.number("seconds", row[2]))
     x = np.column_stack([lat, vol]) / np.asarray(t)[:, None]
     ones = np.ones(len(t))
     if np.linalg.matrix_rank(x) < 2:

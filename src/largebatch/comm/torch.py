@@ -61,15 +61,15 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from largebatch import checks
 from largebatch.comm.reference import (
-    CONV_BIN, FC_BIN, _check_modes, bin_length, chunk_bounds, fit_bin,
+    CONV_BIN, FC_BIN, FORMS, bin_length, check_options, chunk_bounds, fit_bin,
 )
 from largebatch.comm.scaling import DEFAULT_LINK, choose_form
 
 __all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_hook", "compress",
            "simulate_step"]
 
-FORMS = ("allgather", "two_phase")
 KINDS = ("conv", "fc", "dense")
 # 2: residuals in logical order; version 1 kept a channels_last weight's in memory order.
 _STATE_VERSION = 2
@@ -427,15 +427,9 @@ class AdaCompState:
                  form: str = "auto", select: str = "adacomp", values: str = "ternary",
                  network: Any = None, compression: float = 40.0,
                  scaler: torch.amp.GradScaler | None = None) -> None:
-        for label, v in (("warmup_steps", warmup_steps), ("conv_bin", conv_bin),
-                         ("fc_bin", fc_bin)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if label == "warmup_steps"
-                                                                      else 1):
-                raise ValueError(f"{label} must be an int >= {0 if label == 'warmup_steps' else 1}"
-                                 f", got {v!r}")
-        if form not in (*FORMS, "auto"):
-            raise ValueError(f"form must be one of {(*FORMS, 'auto')}, got {form!r}")
-        _check_modes(select, values)
+        options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
+                                form=form, select=select, values=values, forms=(*FORMS, "auto"))
+        warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("AdaCompState needs an initialized process group "
                              "(torch.distributed.init_process_group)")
@@ -684,11 +678,10 @@ class SimulatedWorkers:
                  warmup_steps: int = 0, conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN,
                  form: str = "allgather", select: str = "adacomp", values: str = "ternary",
                  dtype: torch.dtype = torch.float32) -> None:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"workers must be an int >= 1, got {n!r}")
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        _check_modes(select, values)
+        n = checks.integer("workers", n, 1)
+        options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
+                                form=form, select=select, values=values)
+        warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
         self.n, self.form, self.warmup_steps = n, form, warmup_steps
         self.layout = _layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
         self.ex = _Exchange(self.layout, n, select, values)

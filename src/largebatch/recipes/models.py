@@ -14,6 +14,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from largebatch import checks
+
 __all__ = ["alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn", "small_resnet"]
 
 
@@ -38,9 +40,8 @@ def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1,
     near 8 seconds on one CPU core. Batch norm's params and the output bias are what
     ``param_groups`` excludes from weight decay and adaptation.
     """
-    for name, value, low in (("width", width, 1), ("hidden", hidden, 0)):
-        if not (isinstance(value, int) and value >= low):
-            raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+    checks.integer("width", width, 1)
+    checks.integer("hidden", hidden, 0)
     w = width
     if hidden:
         head = [nn.Flatten(), nn.Linear(4 * w * 7 * 7, hidden, bias=False),
@@ -88,9 +89,8 @@ def small_resnet(num_classes: int = 10, width: int = 16, blocks: int = 1,
     ``blocks`` basic blocks at ``width``, ``2 width`` and ``4 width`` channels (14x14,
     7x7, 4x4), global average pooling and a linear layer (77,754 parameters at width 16,
     one block per stage: 8 weight layers). Zero-init last BN scale in every block."""
-    for name, value in (("width", width), ("blocks", blocks)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= 1)")
+    checks.integer("width", width, 1)
+    checks.integer("blocks", blocks, 1)
     layers: list[nn.Module] = _conv_block(in_channels, width, stride=2)
     cin = width
     for stage, cout in enumerate((width, 2 * width, 4 * width)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from largebatch import checks
 from largebatch.lars.sources import SOURCES, source_keywords
 
 __all__ = [
@@ -42,19 +43,14 @@ EPOCH_STEPS = ("floor", "ceil", "exact")
 TRAIN_IMAGES = {"imagenet": 1_281_167, "fashion-mnist": 60_000}
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if not (isinstance(value, int) and value > 0):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a positive integer)")
-
-
 def imagenet_equivalent(batch: int, n_train: int) -> int:
     """The ImageNet batch taking the same fraction of an epoch per step: ``B * 1,281,167 / N``.
 
     >>> imagenet_equivalent(1536, 60_000)
     32798
     """
-    _check_positive("batch", batch)
-    _check_positive("n_train", n_train)
+    checks.integer("batch", batch, 1)
+    checks.integer("n_train", n_train, 1)
     return round(batch * TRAIN_IMAGES["imagenet"] / n_train)
 
 
@@ -132,8 +128,7 @@ class Recipe:
         """This recipe over ``epochs`` epochs, its schedule stretched or shrunk to match:
         warmup and milestones scale by ``epochs / self.epochs``, so a shortened run keeps
         the recipe's shape (warmup, then decay) instead of ending inside its warmup."""
-        if not (isinstance(epochs, int) and epochs > 0):
-            raise ValueError(f"Invalid epochs: {epochs!r} (must be a positive integer)")
+        checks.integer("epochs", epochs, 1)
         if epochs == self.epochs:
             return self
         scale = epochs / self.epochs
@@ -145,8 +140,8 @@ class Recipe:
         """Steps per epoch of ``n_train`` images at ``batch`` under the recipe's
         ``epoch_steps``: ``N // B``, ``ceil(N / B)`` or, for ``exact``, ``N / B``
         (fractional). Warmup and milestones, in epochs, become ``round(epochs * this)``."""
-        _check_positive("n_train", n_train)
-        _check_positive("batch", batch)
+        checks.integer("n_train", n_train, 1)
+        checks.integer("batch", batch, 1)
         if self.epoch_steps == "floor":
             return n_train // batch
         if self.epoch_steps == "ceil":
@@ -158,8 +153,8 @@ class Recipe:
         are done: ``epoch`` whole epochs, or for ``exact`` ``round(epoch * N / B)``,
         computed in integers."""
         if self.epoch_steps == "exact":
-            _check_positive("n_train", n_train)
-            _check_positive("batch", batch)
+            checks.integer("n_train", n_train, 1)
+            checks.integer("batch", batch, 1)
             return (2 * epoch * n_train + batch) // (2 * batch)  # halves round up
         return epoch * int(self.epoch_length(n_train, batch))
 

@@ -40,6 +40,8 @@ from typing import Any, SupportsFloat
 
 import numpy as np
 
+from largebatch import checks
+
 __all__ = ["SCHEDULES", "Schedule", "linear_scaling", "make_schedule"]
 
 SCHEDULES = ("constant", "poly", "cosine", "step")
@@ -62,11 +64,6 @@ def _is_finite(value: SupportsFloat) -> bool:
         return False
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if not (_is_integer(value) and value > 0):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a positive integer)")
-
-
 def linear_scaling(base_lr: float, batch_size: int, base_batch_size: int = 256) -> float:
     """The linear scaling rule (Goyal et al. 2017): ``base_lr * batch_size / base_batch_size``.
 
@@ -78,9 +75,9 @@ def linear_scaling(base_lr: float, batch_size: int, base_batch_size: int = 256) 
       >>> linear_scaling(0.1, 8192)
       3.2
     """
-    _check_nonneg("base_lr", base_lr)
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("base_batch_size", base_batch_size)
+    checks.number("base_lr", base_lr, 0.0, strict=False)
+    checks.integer("batch_size", batch_size, 1)
+    checks.integer("base_batch_size", base_batch_size, 1)
     try:
         lr = base_lr * batch_size / base_batch_size
     except OverflowError:
@@ -173,11 +170,6 @@ class Schedule:
         return xp.where(valid, lr, math.nan).astype(dtype)
 
 
-def _check_nonneg(name: str, value: Any) -> None:
-    if not (_is_real(value) and value >= 0.0 and _is_finite(value)):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
-
-
 def make_schedule(
     name: str,
     *,
@@ -225,23 +217,19 @@ def make_schedule(
     """
     if not (isinstance(name, str) and name in SCHEDULES):
         raise ValueError(f"Unknown schedule {name!r}; known schedules: {', '.join(SCHEDULES)}")
-    _check_positive_int("total_steps", total_steps)
+    checks.integer("total_steps", total_steps, 1)
     if not (_is_integer(warmup_steps) and 0 <= warmup_steps <= total_steps):
         raise ValueError(
             f"Invalid warmup_steps: {warmup_steps!r} (must be an integer in "
             f"[0, total_steps={total_steps}])"
         )
-    if not (_is_integer(offset) and offset >= 0):
-        raise ValueError(f"Invalid offset: {offset!r} (must be an integer >= 0)")
+    checks.integer("offset", offset, 0)
     if decay_steps is not None:
-        _check_positive_int("decay_steps", decay_steps)
-    _check_nonneg("peak_lr", peak_lr)
-    _check_nonneg("init_lr", init_lr)
-    _check_nonneg("end_lr", end_lr)
-    if not (_is_real(power) and power > 0.0 and _is_finite(power)):
-        raise ValueError(f"Invalid power: {power!r} (must be a finite number > 0)")
-    if not (_is_real(gamma) and 0.0 < gamma <= 1.0):
-        raise ValueError(f"Invalid gamma: {gamma!r} (must be in (0, 1])")
+        checks.integer("decay_steps", decay_steps, 1)
+    for label, rate in (("peak_lr", peak_lr), ("init_lr", init_lr), ("end_lr", end_lr)):
+        checks.number(label, rate, 0.0, strict=False)
+    checks.number("power", power, 0.0)
+    checks.number("gamma", gamma, 0.0, high=1.0)
     if isinstance(milestones, (str, bytes)) or not isinstance(milestones, Iterable):
         raise ValueError(f"Invalid milestones: {milestones!r} (must be a sequence of integers)")
     milestones = tuple(milestones)

@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from largebatch import checks
 from largebatch.recipes.registry import Recipe, get_recipe
 
 __all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES",
@@ -108,16 +109,14 @@ def _check(cfg: StudyConfig) -> None:
         raise ValueError("No (batch, optimizer) pair to run: the baseline is sgd at 128, the "
                          f"other batches are {', '.join(map(str, LARGE_BATCHES))}")
     for name, low in (("seeds", 1), ("epochs", 1), ("subset", 1), ("jobs", 1), ("threads", 1)):
-        value = getattr(cfg, name)
-        if value is not None and not (isinstance(value, int) and value >= low):
-            raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {low})")
+        if getattr(cfg, name) is not None:
+            checks.integer(name, getattr(cfg, name), low)
     if cfg.subset is not None and cfg.subset - cfg.subset // 6 < max(cfg.batches):
         raise ValueError(f"Invalid subset: {cfg.subset} (its tuning split, five sixths, must "
                          f"hold one batch of {max(cfg.batches)})")
     if not 0 <= cfg.label_smoothing < 1:
         raise ValueError(f"Invalid label_smoothing: {cfg.label_smoothing} (must be in [0, 1))")
-    if not cfg.power > 0:
-        raise ValueError(f"Invalid power: {cfg.power} (must be > 0)")
+    checks.number("power", cfg.power, 0.0)
     for name in ("small_warmups", "large_warmups"):
         values = getattr(cfg, name)
         if not values or any(not (math.isfinite(w) and w >= 0) for w in values):
@@ -126,21 +125,15 @@ def _check(cfg: StudyConfig) -> None:
         raise ValueError(f"Invalid extend: {cfg.extend} (must be >= 0)")
     if cfg.target is not None and not 0 < cfg.target <= 1:
         raise ValueError(f"Invalid target: {cfg.target} (an accuracy in (0, 1])")
-    if cfg.device not in ("cpu", "cuda"):
-        raise ValueError(f"Invalid device: {cfg.device!r} (cpu or cuda)")
-    if not (isinstance(cfg.workers, int) and cfg.workers >= 1):
-        raise ValueError(f"Invalid workers: {cfg.workers!r} (must be an integer >= 1)")
+    checks.choice("device", cfg.device, ("cpu", "cuda"))
+    checks.integer("workers", cfg.workers, 1)
     for b in cfg.batches:
         if b % cfg.workers:
             raise ValueError(f"Invalid workers: {cfg.workers} does not divide the batch {b}")
-    if cfg.compression not in COMPRESSIONS:
-        raise ValueError(f"Invalid compression: {cfg.compression!r} "
-                         f"(one of {', '.join(COMPRESSIONS)})")
+    checks.choice("compression", cfg.compression, COMPRESSIONS)
     if cfg.compression != "none" and cfg.workers < 2:
         raise ValueError(f"Invalid compression: {cfg.compression} needs --workers 2 or more")
-    if not (isinstance(cfg.compression_warmup, int) and cfg.compression_warmup >= 0):
-        raise ValueError(f"Invalid compression warmup: {cfg.compression_warmup!r} "
-                         f"(must be an integer number of epochs >= 0)")
+    checks.integer("compression_warmup", cfg.compression_warmup, 0)
 
 
 def _recipe(batch: int, optimizer: str) -> Recipe:

@@ -1,0 +1,55 @@
+"""Checks of user-given arguments, with one message format for the whole package.
+
+Each check returns the value as the type it stands for, or raises a ``ValueError`` that
+names the argument and its value: ``Invalid warmup_steps: -1 (must be an integer >= 0)``.
+A bool is never taken for a number. LARS's and LAMB's hyperparameters have their own
+spec (``largebatch.lars.spec``), whose messages read the same. This module imports no
+framework.
+
+    >>> integer("workers", 4, least=1)
+    4
+    >>> choice("form", "ring", ("allgather", "two_phase"))
+    Traceback (most recent call last):
+      ...
+    ValueError: Invalid form: 'ring' (must be one of allgather, two_phase)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["choice", "integer", "number"]
+
+
+def integer(name: str, value: Any, least: int = 0) -> int:
+    """``value`` as an int: a Python or NumPy integer (not a bool) of at least ``least``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= least:
+        return int(value)
+    raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {least})")
+
+
+def number(name: str, value: Any, low: float = 0.0, *, strict: bool = True,
+           high: float = math.inf) -> float:
+    """``value`` as a float: a finite real number (not a bool) above ``low`` (``strict``)
+    or at least ``low``, and at most ``high``."""
+    rule = f"a finite number {'>' if strict else '>='} {low:g}"
+    if high != math.inf:
+        rule += f" and <= {high:g}"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            x = float(value)
+        except OverflowError:  # an int too large for a float
+            x = math.inf
+        if math.isfinite(x) and (x > low if strict else x >= low) and x <= high:
+            return x
+    raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
+
+
+def choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"Invalid {name}: {value!r} (must be one of {', '.join(choices)})")
