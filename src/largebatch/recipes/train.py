@@ -29,8 +29,11 @@ apply, a diagnostic only.
 The model, optimizer, schedule and loss come from :mod:`largebatch.recipes.build`, the
 epoch and the evaluation from :mod:`largebatch.recipes.loop` (both shared with ``largebatch
 study``), the data from :mod:`largebatch.recipes.train_data`, the plot from
-:mod:`largebatch.recipes.plots`; this module adds the processes, the checkpoints, the
-per-epoch metrics and the trust-ratio telemetry.
+:mod:`largebatch.recipes.plots`, reading and writing the checkpoint from
+:mod:`largebatch.recipes.checkpoint`; this module adds the processes, the checkpoints'
+contents, the per-epoch metrics and the trust-ratio telemetry. ``_fit`` runs a run as steps:
+build its objects (``_Run``), restore the checkpoint, wrap the model in DDP, print the header,
+then per epoch train, evaluate, record and checkpoint, and last the summary.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
+import dataclasses
 import json
 import math
 import os
@@ -52,8 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from largebatch.recipes import plots
-from largebatch.recipes.build import (
-    DTYPES, build_loss, build_model, build_optimizer, build_schedule,
+from largebatch.recipes.build import DTYPES, build_loss, build_model, build_optimizer, build_schedule
+from largebatch.recipes.checkpoint import (
+    gather_residuals, gather_rng, read_checkpoint, to_device, write_checkpoint,
 )
 from largebatch.recipes.distributed import (
     buffers_sha256, check_device, full_optimizer_state, full_state, join, params_sha256,
@@ -67,11 +71,10 @@ from largebatch.recipes.registry import (
     DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
 )
 from largebatch.recipes.study.plan import COMPRESSIONS
-from largebatch.recipes.train_data import batches, epoch_sampler, eval_chunks, load_data
+from largebatch.recipes.train_data import TrainData, batches, epoch_sampler, eval_chunks, load_data
 from largebatch.torch import ScheduleLR, to_half, trust_ratios
 
 __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_arguments", "main"]
-
 
 
 def _fail(message: str) -> CommandError:
@@ -122,50 +125,6 @@ class _EpochTelemetry:
 
 
 _OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
-# The settings a checkpoint records and ``--resume`` must match, with their flags.
-_SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--epochs",
-             "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision",
-             "fsdp": "--fsdp", "compression": "--compression",
-             "compression_warmup": "--compression-warmup"}
-# What a checkpoint made before a setting existed ran with.
-_SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None}
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    """``tree`` (dicts of tensors and plain values) with every tensor on ``device``."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: _to_device(v, device) for k, v in tree.items()}
-    return tree
-
-
-def _show(value: Any) -> str:
-    return "unset" if value is None else str(value)
-
-
-def _read_checkpoint(path: Path, settings: dict[str, Any], world: int) -> dict[str, Any]:
-    """The checkpoint to resume from, after checking that it was made with ``settings``
-    (and, for AdaComp, on ``world`` processes: each kept its own residuals)."""
-    if not path.is_file():
-        raise _fail(f"--resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 -- any unreadable checkpoint is a user error
-        raise _fail(f"--resume: cannot read {path} ({type(err).__name__}: {err})") from None
-    saved = ({**_SETTINGS_BEFORE, **state["settings"]} if state.get("settings")
-             else {"recipe": state.get("recipe")})
-    for key, flag in _SETTINGS.items():
-        if key in saved and saved[key] != settings[key]:
-            raise _fail(f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
-                        f"{_show(settings[key])}; resume it with its own settings, or start "
-                        "a new run in another --out")
-    saved_world = len(state.get("adacomp") or ())
-    if settings["compression"] == "adacomp" and saved_world and saved_world != world:
-        raise _fail(f"--resume: {path} holds the AdaComp residuals of {saved_world} processes, "
-                    f"not {world}: resume it on {saved_world} (each process keeps its own "
-                    "residuals), or start a new run in another --out")
-    return state
 
 
 def _steps_text(recipe: Recipe, ends: list[int]) -> str:
@@ -224,8 +183,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
             held.enter_context(lock_folder(out, "train"))
             remove_stale_temporaries(out, _OUTPUTS)
-        state = (_read_checkpoint(out / "checkpoint.pt", settings, world) if args.resume
-                 else None)
+        state = read_checkpoint(out / "checkpoint.pt", settings, world) if args.resume else None
         done, stop = (state["epoch"] if state else 0), min(epochs, args.stop_after or epochs)
         if done >= stop and (out / "summary.json").is_file():
             if rank == 0:
@@ -239,157 +197,250 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
          state: dict[str, Any] | None, device_name: str, micro: int) -> dict[str, Any]:
+    """Trains from the checkpoint ``state`` (None: from the start) up to ``--stop-after``,
+    checkpointing every epoch, then summarizes the run."""
+    run = _build(args, recipe, settings, out, state, device_name, micro)
+    start_epoch, history = _restore(run, state) if state is not None else (0, [])
+    _distribute(run, state)
+    _print_header(run, start_epoch)
+    for epoch in range(start_epoch, run.stop):
+        loss_sum, telemetry, seconds = _train(run, epoch)
+        accuracy = _evaluate(run)
+        history.append(_record(run, epoch, loss_sum, accuracy, telemetry, seconds))
+        _checkpoint(run, epoch, history)
+    return _summarize(run, history)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run's objects, built by :func:`_build` and read by every step of :func:`_fit`."""
+
+    args: argparse.Namespace
+    recipe: Recipe
+    settings: dict[str, Any]
+    out: Path
+    rank: int
+    world: int
+    device: torch.device
+    batch: int
+    local_batch: int
+    micro: int
+    epochs: int
+    stop: int  # the epoch this invocation stops after (--stop-after)
+    fsdp: bool
+    dtype: torch.dtype
+    data: TrainData
+    ends: list[int]  # the step count at the end of each epoch, by the recipe's source's arithmetic
+    model: nn.Module  # sharded under FSDP
+    whole: nn.Module | None  # under FSDP, the whole model, gathered from the shards
+    optimizer: torch.optim.Optimizer
+    scheduler: ScheduleLR
+    scaler: torch.amp.GradScaler | None
+    loss_fn: nn.Module
+    shape: Recipe  # the recipe's schedule, its warmup and milestones scaled to --epochs
+    nominal: int  # the ImageNet-equivalent batch
+    plot: plots.Plotter
+    ddp: nn.Module = dataclasses.field(init=False)  # what trains: DDP's wrapper, or the model
+    comm: Any = None  # the AdaComp hook's state
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The one whole model: evaluated, checkpointed and summarized."""
+        return self.model if self.whole is None else self.whole
+
+
+def _build(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
+           state: dict[str, Any] | None, device_name: str, micro: int) -> _Run:
+    """Joins the processes; the run's data, model, optimizer, schedule, scaler, loss and plot."""
     batch, epochs, lr = settings["batch_size"], settings["epochs"], settings["lr"]
-    precision = settings["precision"]
+    precision, fsdp = settings["precision"], settings["fsdp"]
     rank, world, device = join(device_name)
-    local_batch = batch // world
     data = load_data(recipe, args.data, args.subset)
     if data.n_train < batch:
         raise _fail(f"{data.n_train} training images hold no full batch of {batch}")
-    # The step count at the end of each epoch, by the recipe's source's arithmetic.
     ends = [recipe.epoch_end(e, data.n_train, batch) for e in range(epochs + 1)]
-
     torch.manual_seed(args.seed)
-    model = build_model(recipe.model, data.num_classes)
-    fsdp = settings["fsdp"]
+    dtype = DTYPES[precision]
+    model, whole = _build_model(recipe, data.num_classes, device, precision, fsdp, state)
+    try:
+        optimizer = build_optimizer(recipe, model, lr, precision)
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    shape = recipe.with_epochs(epochs)
+    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, n_train=data.n_train, batch=batch)
+    scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
+    title = f"{recipe.name} (batch {batch:,})"
+    return _Run(
+        args=args, recipe=recipe, settings=settings, out=out, rank=rank, world=world,
+        device=device, batch=batch, local_batch=batch // world, micro=micro, epochs=epochs,
+        stop=min(epochs, args.stop_after or epochs), fsdp=fsdp, dtype=dtype, data=data,
+        ends=ends, model=model, whole=whole, optimizer=optimizer, scheduler=scheduler,
+        scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
+        loss_fn=build_loss(recipe), shape=shape,
+        nominal=imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data]),
+        plot=plots.Plotter("train", out / "plot.png",
+                           lambda h, path: plots.plot_history(h, path, title),
+                           "; the metrics, checkpoint and summary are unaffected"))
+
+
+def _build_model(recipe: Recipe, num_classes: int, device: torch.device, precision: str,
+                 fsdp: bool, state: dict[str, Any] | None) -> tuple[nn.Module, nn.Module | None]:
+    """The recipe's model on ``device``, and under FSDP its whole copy (None otherwise)."""
+    model = build_model(recipe.model, num_classes)
     # FSDP2 shards contiguous params only: channels-last weights are not.
     model = model.to(device) if fsdp else model.to(  # type: ignore[call-overload]  # torch's stubs
         device, memory_format=torch.channels_last)
     dtype = DTYPES[precision]
+    whole = None
     if fsdp:  # sharded: fp32 params, FSDP2's policy computes in dtype; evaluated whole
-        if state is not None:
+        if state is not None:  # restored before sharding
             model.load_state_dict(state["model"])
         whole = copy.deepcopy(model)
         shard_model(model, dtype)
     elif precision != "fp32":
         to_half(model, dtype)
-    try:
-        optimizer = build_optimizer(recipe, model, lr, precision)
-    except ValueError as err:
-        raise _fail(str(err)) from None
-    # The recipe's schedule, its warmup and milestones scaled to --epochs.
-    shape = recipe.with_epochs(epochs)
-    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, n_train=data.n_train,
-                              batch=batch)
-    scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    loss_fn = build_loss(recipe)
+    return model, whole
 
-    start_epoch, history = 0, []
-    checkpoint = out / "checkpoint.pt"
+
+def _restore(run: _Run, state: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """Loads the checkpoint ``state`` into the run (under FSDP the model is already loaded) and
+    this process's RNG states; the epochs done and their metrics."""
+    if not run.fsdp:
+        run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    if run.scaler is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    cpu_rng, cuda_rng = state["rng"][run.rank if len(state["rng"]) > run.rank else 0]
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None and run.device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng, run.device)
+    return state["epoch"], state["history"]
+
+
+def _distribute(run: _Run, state: dict[str, Any] | None) -> None:
+    """Wraps the model in DDP (several processes, no FSDP) and registers the AdaComp hook
+    (``--compression adacomp``), its residuals restored from the checkpoint ``state``."""
+    run.ddp = (nn.parallel.DistributedDataParallel(run.model) if run.world > 1 and not run.fsdp
+               else run.model)
+    if run.settings["compression"] != "adacomp":
+        return
+    from largebatch.comm.torch import AdaCompState, adacomp_hook
+
+    warmup = run.ends[min(run.settings["compression_warmup"], run.epochs)]
+    run.comm = AdaCompState(run.ddp, warmup_steps=warmup, scaler=run.scaler)
     if state is not None:
-        if not fsdp:
-            model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None:
-            scaler.load_state_dict(state["scaler"])
-        cpu_rng, cuda_rng = state["rng"][rank if len(state["rng"]) > rank else 0]
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(cuda_rng, device)
-        start_epoch, history = state["epoch"], state["history"]
-    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 and not fsdp else model
-    comm = None
-    if settings["compression"] == "adacomp":
-        from largebatch.comm.torch import AdaCompState, adacomp_hook
+        try:
+            run.comm.load_state_dict(to_device(state["adacomp"][run.rank], run.device))
+        except ValueError as err:  # another version or setting: every rank alike
+            raise _fail(f"--resume: {run.out / 'checkpoint.pt'}: {err}") from None
+    # compression runs under DDP only (checked with the settings)
+    cast(nn.parallel.DistributedDataParallel, run.ddp).register_comm_hook(run.comm, adacomp_hook)
 
-        comm = AdaCompState(ddp, warmup_steps=ends[min(settings["compression_warmup"], epochs)],
-                            scaler=scaler)
-        if state is not None:
-            try:
-                comm.load_state_dict(_to_device(state["adacomp"][rank], device))
-            except ValueError as err:  # another version or setting: every rank alike
-                raise _fail(f"--resume: {out / 'checkpoint.pt'}: {err}") from None
-        # compression runs under DDP only (checked with the settings)
-        cast(nn.parallel.DistributedDataParallel, ddp).register_comm_hook(comm, adacomp_hook)
-    nominal = imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data])
-    stop = min(epochs, args.stop_after or epochs)
-    if rank == 0:
-        scaled = (f" (the recipe's {recipe.schedule_text} over {recipe.epochs} epochs, "
-                  f"scaled to {epochs})" if shape.schedule_text != recipe.schedule_text else "")
-        span = (f"epochs {start_epoch + 1}-{stop} of {epochs}" if start_epoch < stop else
-                f"{start_epoch} of {epochs} epochs done, writing the summary")
-        print(f"{recipe.name}: {recipe.model} on {recipe.data} ({data.n_train:,} images), batch "
-              f"{batch:,} (ImageNet-equivalent {nominal:,}) "
-              f"= {world} x {local_batch // micro} x {micro}, {recipe.optimizer} peak lr {lr:g}, "
-              f"{precision}, {span}, {_steps_text(recipe, ends)}; "
-              f"schedule {shape.schedule_text}{scaled}", flush=True)
 
-    title = f"{recipe.name} (batch {batch:,})"
-    plot = plots.Plotter("train", out / "plot.png",
-                         lambda h, path: plots.plot_history(h, path, title),
-                         "; the metrics, checkpoint and summary are unaffected")
-    acc = history[-1]["test_accuracy"] if history else float("nan")
-    for epoch in range(start_epoch, stop):
-        steps = ends[epoch + 1] - ends[epoch]
-        sampler = epoch_sampler(recipe, data.n_train, batch, rank, world, args.seed, epoch)
-        telemetry = _EpochTelemetry(optimizer, scaler, steps, batch,
-                                    f"epoch {epoch + 1}/{epochs}", show=rank == 0)
-        loss_sum = train_epoch(
-            ddp, batches(data.train, sampler, local_batch, args.workers, device, dtype),
-            optimizer, scheduler, loss_fn, micro_batch=micro, scaler=scaler,
-            no_sync=ddp.no_sync if isinstance(ddp, nn.parallel.DistributedDataParallel) else None,
-            before_step=telemetry.before_step, after_step=telemetry.after_step)
-        seconds, seen = telemetry.close(), telemetry.seen
-        if world > 1:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world
-        sync_buffers(model, world)  # one model: evaluated, checkpointed and summarized
-        if fsdp:  # gathered whole (every rank), evaluated in fp32 without collectives
-            whole.load_state_dict(full_state(model))
-        acc = evaluate(whole if fsdp else model, eval_chunks(data.test, rank, world, args.workers),
-                       device=device, dtype=torch.float32 if fsdp else dtype, world=world).accuracy
-        row = {
-            "epoch": epoch + 1, "train_loss": float(loss_sum) / steps,
-            "test_accuracy": acc, "lr": optimizer.param_groups[0]["lr"],
-            "images_per_second": seen / seconds, "seconds": seconds, **telemetry.row(),
-        }
-        if comm is not None:  # elements per selected element so far, rank 0's
-            row["compression_rates"] = comm.compression_rates()
-        history.append(row)
-        rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [
-            (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
-        if world > 1:
-            mine, rng = rng[0], [None] * world
-            dist.all_gather_object(rng, mine)
-        residuals = None
-        if comm is not None:  # every rank's own residuals
-            residuals = [None] * world
-            dist.all_gather_object(residuals, _to_device(comm.state_dict(), torch.device("cpu")))
-        # A checkpoint holds the whole model and state, sharded or not (collectives).
-        saved_model = whole.state_dict() if fsdp else model.state_dict()
-        saved_optimizer = full_optimizer_state(optimizer) if fsdp else optimizer.state_dict()
-        if rank == 0:
-            print(f"epoch {epoch + 1:>3}/{epochs}  train loss {row['train_loss']:.4f}  "
-                  f"test acc {acc:.2%}  lr {row['lr']:.4g}  "
-                  f"{row['images_per_second']:,.0f} img/s", flush=True)
-            snapshot = {"model": saved_model, "optimizer": saved_optimizer,
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict() if scaler else None,
-                        "epoch": epoch + 1, "rng": rng, "history": history,
-                        "adacomp": residuals,
-                        "recipe": recipe.name, "settings": settings}
-            atomic_write(checkpoint, functools.partial(torch.save, snapshot))
-            atomic_write(out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
-            if epoch + 1 < stop:  # the last plot comes after the summary
-                plot(history)
+def _print_header(run: _Run, start_epoch: int) -> None:
+    """Rank 0 prints what the run is and which epochs this invocation runs."""
+    if run.rank != 0:
+        return
+    recipe, shape, epochs, batch = run.recipe, run.shape, run.epochs, run.batch
+    scaled = (f" (the recipe's {recipe.schedule_text} over {recipe.epochs} epochs, "
+              f"scaled to {epochs})" if shape.schedule_text != recipe.schedule_text else "")
+    span = (f"epochs {start_epoch + 1}-{run.stop} of {epochs}" if start_epoch < run.stop else
+            f"{start_epoch} of {epochs} epochs done, writing the summary")
+    print(f"{recipe.name}: {recipe.model} on {recipe.data} ({run.data.n_train:,} images), batch "
+          f"{batch:,} (ImageNet-equivalent {run.nominal:,}) "
+          f"= {run.world} x {run.local_batch // run.micro} x {run.micro}, {recipe.optimizer} "
+          f"peak lr {run.settings['lr']:g}, {run.settings['precision']}, {span}, "
+          f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}", flush=True)
 
+
+def _train(run: _Run, epoch: int) -> tuple[torch.Tensor, _EpochTelemetry, float]:
+    """Trains epoch ``epoch`` (from 0): its loss summed over its steps (averaged over the
+    processes), its telemetry and its seconds."""
+    steps = run.ends[epoch + 1] - run.ends[epoch]
+    sampler = epoch_sampler(run.recipe, run.data.n_train, run.batch, run.rank, run.world,
+                            run.args.seed, epoch)
+    telemetry = _EpochTelemetry(run.optimizer, run.scaler, steps, run.batch,
+                                f"epoch {epoch + 1}/{run.epochs}", show=run.rank == 0)
+    loss_sum = train_epoch(
+        run.ddp, batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
+        run.optimizer, run.scheduler, run.loss_fn, micro_batch=run.micro, scaler=run.scaler,
+        no_sync=run.ddp.no_sync if isinstance(run.ddp, nn.parallel.DistributedDataParallel) else None,
+        before_step=telemetry.before_step, after_step=telemetry.after_step)
+    seconds = telemetry.close()
+    if run.world > 1:
+        dist.all_reduce(loss_sum)
+        loss_sum /= run.world
+    return loss_sum, telemetry, seconds
+
+
+def _evaluate(run: _Run) -> float:
+    """The test accuracy of the one model: the processes first average its batch-norm statistics;
+    under FSDP it is gathered whole (every rank) and evaluated in fp32 without collectives."""
+    sync_buffers(run.model, run.world)  # one model: evaluated, checkpointed and summarized
+    if run.whole is not None:
+        run.whole.load_state_dict(full_state(run.model))
+    return evaluate(run.evaluated, eval_chunks(run.data.test, run.rank, run.world, run.args.workers),
+                    device=run.device, dtype=torch.float32 if run.fsdp else run.dtype,
+                    world=run.world).accuracy
+
+
+def _record(run: _Run, epoch: int, loss_sum: torch.Tensor, accuracy: float,
+            telemetry: _EpochTelemetry, seconds: float) -> dict[str, Any]:
+    """Epoch ``epoch``'s (from 0) line of ``metrics.jsonl``."""
+    row = {
+        "epoch": epoch + 1, "train_loss": float(loss_sum) / (run.ends[epoch + 1] - run.ends[epoch]),
+        "test_accuracy": accuracy, "lr": run.optimizer.param_groups[0]["lr"],
+        "images_per_second": telemetry.seen / seconds, "seconds": seconds, **telemetry.row(),
+    }
+    if run.comm is not None:  # elements per selected element so far, rank 0's
+        row["compression_rates"] = run.comm.compression_rates()
+    return row
+
+
+def _checkpoint(run: _Run, epoch: int, history: list[dict[str, Any]]) -> None:
+    """Gathers the run's state (collectives, every rank); rank 0 then prints epoch ``epoch``'s
+    (from 0) line and rewrites the checkpoint, the metrics and, before the last epoch, the plot."""
+    rng = gather_rng(run.device, run.world)
+    residuals = gather_residuals(run.comm, run.world)  # every rank's own residuals
+    # A checkpoint holds the whole model and state, sharded or not (collectives).
+    saved_model = run.evaluated.state_dict()
+    saved_optimizer = full_optimizer_state(run.optimizer) if run.fsdp else run.optimizer.state_dict()
+    if run.rank != 0:
+        return
+    row = history[-1]
+    print(f"epoch {epoch + 1:>3}/{run.epochs}  train loss {row['train_loss']:.4f}  "
+          f"test acc {row['test_accuracy']:.2%}  lr {row['lr']:.4g}  "
+          f"{row['images_per_second']:,.0f} img/s", flush=True)
+    write_checkpoint(run.out / "checkpoint.pt", {
+        "model": saved_model, "optimizer": saved_optimizer, "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler else None, "epoch": epoch + 1, "rng": rng,
+        "history": history, "adacomp": residuals, "recipe": run.recipe.name,
+        "settings": run.settings})
+    atomic_write(run.out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+    if epoch + 1 < run.stop:  # the last plot comes after the summary
+        run.plot(history)
+
+
+def _summarize(run: _Run, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary: every rank prints its model's hashes; rank 0 writes it and the plot."""
     summary = {
-        "recipe": recipe.name, "test_accuracy": acc, "epochs": len(history),
-        "batch_size": batch, "imagenet_equivalent_batch": nominal,
-        "world_size": world, "precision": precision, "peak_lr": lr,
-        "schedule": shape.schedule_text, "published_top1": recipe.published_top1,
-        "params_sha256": params_sha256(whole if fsdp else model),
-        "buffers_sha256": buffers_sha256(whole if fsdp else model),
+        "recipe": run.recipe.name,
+        "test_accuracy": history[-1]["test_accuracy"] if history else float("nan"),
+        "epochs": len(history), "batch_size": run.batch, "imagenet_equivalent_batch": run.nominal,
+        "world_size": run.world, "precision": run.settings["precision"],
+        "peak_lr": run.settings["lr"], "schedule": run.shape.schedule_text,
+        "published_top1": run.recipe.published_top1,
+        "params_sha256": params_sha256(run.evaluated),
+        "buffers_sha256": buffers_sha256(run.evaluated),
         "images_per_second": statistics.mean(h["images_per_second"] for h in history)
         if history else None,
     }
-    print(f"rank {rank}/{world}: params sha256 {summary['params_sha256']}", flush=True)
-    print(f"rank {rank}/{world}: buffers sha256 {summary['buffers_sha256']}", flush=True)
-    if rank == 0:
-        atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-        plot(history)
+    print(f"rank {run.rank}/{run.world}: params sha256 {summary['params_sha256']}", flush=True)
+    print(f"rank {run.rank}/{run.world}: buffers sha256 {summary['buffers_sha256']}", flush=True)
+    if run.rank == 0:
+        atomic_write(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        run.plot(history)
     return summary
 
 
