@@ -42,8 +42,8 @@ def compiled_calls(monkeypatch):
     calls = []
     real = _paths.compiled_body
 
-    def counting(body):
-        compiled = real(body)
+    def counting(body, *flags):
+        compiled = real(body, *flags)
 
         def call(*args, **kwargs):
             calls.append(body.__name__)
@@ -134,3 +134,21 @@ def test_a_second_process_with_other_hyperparameters_gets_its_own_numbers(tmp_pa
         assert run.returncode == 0, run.stderr[-3000:]
         errors = json.loads(run.stdout.splitlines()[-1])
         assert max(errors) < 1e-5, (kwargs, errors)
+
+
+@pytest.mark.slow  # ten compilations
+def test_more_sets_of_flags_than_dynamos_recompile_limit_in_one_process(compiled_calls):
+    """Dynamo keeps 8 graphs per code object and raises beyond (the bodies are compiled
+    with fullgraph=True): each set of flags has a code object of its own, so ten sets,
+    each with an fp32 and an fp16-master group, run in one process."""
+    import itertools
+
+    sets = list(itertools.product([False, True], repeat=4))[:10]
+    for nesterov, trust_clip, lr_in_momentum, zero_norm_skip in sets:
+        full, half = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8).half())
+        opt = LARS([{"params": [full]}, {"params": [half]}], lr=0.1, weight_decay=1e-2,
+                   nesterov=nesterov, trust_clip=trust_clip, lr_in_momentum=lr_in_momentum,
+                   zero_norm_skip=zero_norm_skip, master_weights=True, compiled=True)
+        full.grad, half.grad = torch.full((8,), 0.5), torch.full((8,), 0.5).half()
+        opt.step()
+    assert len(compiled_calls) == 2 * len(sets)

@@ -138,7 +138,7 @@ def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_ste
     flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
                  grad_averaging=hyper["grad_averaging"])
     numbers = (lr, *betas, eps, wd)
-    body = _paths.compiled_body(_lamb_one) if compiled else None
+    body = _paths.compiled_body(_lamb_one, tuple(sorted(flags.items()))) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
     lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
     for i, (p, grad, m, v, master, step) in enumerate(lists):

@@ -117,7 +117,7 @@ def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *
     flags = {k: hyper[k] for k in FLAGS}
     numbers = (hyper["lr"], hyper["momentum"], hyper["weight_decay"],
                hyper["trust_coefficient"], hyper["eps"])
-    body = _paths.compiled_body(_lars_one) if compiled else None
+    body = _paths.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
     compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
     lists = zip(params, grads, momentum_buffers, masters, state_steps)
     for i, (p, grad, buf, master, step) in enumerate(lists):

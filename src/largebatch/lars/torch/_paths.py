@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from collections.abc import Callable
 from typing import Any, TypedDict, TypeVar, cast
 
@@ -145,17 +146,28 @@ def compiled_path(single_tensor: Callable[..., None], foreach: Callable[..., Non
 
 
 @functools.cache
-def compiled_body(body: Callable[..., Any]) -> Callable[..., Any]:
+def compiled_body(body: Callable[..., Any],
+                  flags: tuple[tuple[str, bool], ...] = ()) -> Callable[..., Any]:
     """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
     (norms, then the fused elementwise update) serves every tensor of a given dtype and
     set of flags, whatever its size.
+
+    One compiled function per set of ``flags`` (the body's bool keywords, as sorted
+    pairs), each on its own copy of the body's code: Dynamo keeps at most
+    ``recompile_limit`` (8) graphs per code object, and each set of flags takes one per
+    dtype and master combination, so many sets on one code object (several param groups
+    with different options, or several optimizers in one process) would exhaust it.
 
     Every number the body uses (lr, the hyperparameters, bias corrections) reaches it as
     a 0-dim tensor, an input of the compiled graph, never as a Python float: Inductor's
     on-disk cache may serve a float baked in as a constant by another process with other
     values. Flags stay Python bools; they choose the graph's code and so its cache key.
     """
-    return torch.compile(body, dynamic=True, fullgraph=True)
+    copy = types.FunctionType(body.__code__.replace(), body.__globals__, body.__name__,
+                              body.__defaults__, body.__closure__)
+    copy.__kwdefaults__ = body.__kwdefaults__
+    copy.__qualname__, copy.__module__ = body.__qualname__, body.__module__
+    return torch.compile(copy, dynamic=True, fullgraph=True)
 
 
 def compiled_norm(tensor: Tensor) -> Tensor:
