@@ -215,7 +215,7 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     (["--workers", "0"], "Invalid workers: 0"),
     (["--compression", "adacomp"], "Invalid compression: adacomp needs --workers 2 or more"),
     (["--workers", "2", "--compression", "adacomp", "--compression-warmup", "-1"],
-     "Invalid compression warmup: -1"),
+     "Invalid compression_warmup: -1"),
 ])
 def test_bad_flags_fail_before_any_run(tmp_path, args, message):
     proc = subprocess.run(
