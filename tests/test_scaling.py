@@ -12,6 +12,7 @@ import pytest
 
 from helpers import user_error
 
+from largebatch.comm import published
 from largebatch.comm import scaling as sc
 from largebatch.recipes.cli import main as cli
 
@@ -283,14 +284,14 @@ def test_numpy_numbers_are_accepted():
 
 
 def test_published_points_are_complete():
-    rows = sc.published_table()
+    rows = published.published_table()
     assert {r["name"] for r in rows} == {"ddl-256", "goyal-256", "jia-1024", "jia-2048"}
     for r in rows:
         assert "arXiv" in r["paper"] and r["assumptions"]
         assert all(0 < v <= 1 for v in r["model"].values())
     jia = [r for r in rows if r["name"].startswith("jia")]
     assert all(r["efficiency"] is None for r in jia)  # none is reported: none is invented
-    goyal = next(p for p in sc.PUBLISHED if p.name == "goyal-256")
+    goyal = next(p for p in published.PUBLISHED if p.name == "goyal-256")
     assert goyal.baseline == 8 and goyal.efficiency == 0.90
     # relative to 8 GPUs, as the paper's number is
     pred = goyal.prediction().forms["ring"].efficiency

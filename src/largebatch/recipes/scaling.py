@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from largebatch.comm import published
 from largebatch.comm import scaling as model
 from largebatch.recipes.outputs import CommandError, atomic_write, figure, require, writable_folder
 
@@ -221,7 +222,7 @@ def _table(s: dict[str, Any], predictions: list[model.Prediction]) -> str:
 def _published_text() -> str:
     lines = [f"{'point':<10} {'GPUs':>5} {'reported':>9} {'baseline':>9} {'compute ms':>10}  "
              + "  ".join(f"{_LABELS[f]:>12}" for f in model.FORMS)]
-    for r in model.published_table():
+    for r in published.published_table():
         rep = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
         base = r["baseline"] or "1*"
         lines.append(f"{r['name']:<10} {r['gpus']:>5} {rep:>9} {base!s:>9} "
@@ -229,7 +230,7 @@ def _published_text() -> str:
                      + "  ".join(f"{100 * r['model'][f]:>11.1f}%" for f in model.FORMS))
     lines += ["", "reported: the paper's scaling efficiency (- where it reports none); the model's "
               "columns are relative to the baseline GPU count (* none stated: one worker)", ""]
-    for r in model.published_table():
+    for r in published.published_table():
         lines += [f"{r['name']}: {r['paper']}", f"  reported: {r['reported']}",
                   f"  assumed: {r['assumptions']}"]
     return "\n".join(lines)
@@ -245,7 +246,7 @@ def _draw(path: Path, s: dict[str, Any], predictions: list[model.Prediction]) ->
             ax.plot(ns, [100 * p.forms[form].efficiency for p in predictions],
                     linestyle=styles[form], marker=".", label=label)
         markers = iter("osD^v")
-        for r in model.published_table():
+        for r in published.published_table():
             m = next(markers)
             if r["efficiency"] is not None:
                 ax.plot([r["gpus"]], [100 * r["efficiency"]], marker=m, color="black",
