@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 import sys
 
 import numpy as np
@@ -20,7 +21,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from largebatch.comm import reference as ref
-from largebatch.comm.torch import AdaCompState, SimulatedWorkers, adacomp_hook, simulate_step
+from largebatch.comm.torch import (
+    AdaCompState, LocalClipState, SimulatedWorkers, adacomp_hook, local_clip_hook, simulate_step,
+)
 from largebatch.recipes.distributed import exit_process
 
 SHAPES = {"conv": (6, 3, 3, 3), "conv_bias": (6,), "fc": (10, 131), "fc_bias": (10,),
@@ -272,6 +275,30 @@ def channels_last_is_logical(form: str, steps: int = 3) -> dict:
     }
 
 
+def local_clip_sums_clipped_gradients(steps: int = 2) -> dict:
+    """The local-clip hook over several buckets: each rank's gradients clipped to a global
+    norm that binds on some ranks and not on others, then summed; against the same in
+    float64 from every rank's known gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = DDP(Linear(torch.float32), bucket_cap_mb=0.001)  # several buckets
+    state = LocalClipState(1.0)
+    model.register_comm_hook(state, local_clip_hook)
+    worst, bound = 0.0, True
+    for step in range(steps):
+        every = [coefs_for(r, step, torch.float64, False) for r in range(world)]
+        norms = [math.sqrt(sum(float(c.pow(2).sum()) for c in g.values())) for g in every]
+        low, high = sorted(norms)[world // 2 - 1: world // 2 + 1]
+        state.max_norm = (low + high) / 2  # binds on the upper half of the ranks only
+        bound &= any(n > state.max_norm for n in norms) and any(n <= state.max_norm for n in norms)
+        model.zero_grad(set_to_none=True)
+        model(coefs_for(rank, step, torch.float32, False)).backward()
+        for k, p in model.module.named_parameters():
+            want = sum(g[k] * (state.max_norm / max(n, state.max_norm)) for g, n in zip(every, norms))
+            scale = float(want.abs().max()) or 1.0
+            worst = max(worst, float((p.grad.double() - want).abs().max()) / scale)
+    return {"worst": worst, "bound": bound}
+
+
 def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
 
@@ -352,6 +379,8 @@ def main() -> None:
             record(f"overflow/{form}", **overflow_keeps_residuals(form))
             record(f"channels_last/{form}", **channels_last_is_logical(form))
             record(f"resume/{form}", **resume_is_exact(form))
+    if full:
+        record("local_clip", **local_clip_sums_clipped_gradients())
 
 
 if __name__ == "__main__":

@@ -330,6 +330,17 @@ def test_lamb_recipe_runs_the_authors_step_flags():
     assert (schedule.total_steps, schedule.warmup_steps) == (3519, 782)
 
 
+def test_the_lamb_recipe_clips_each_process_as_the_authors_tpu_cores():
+    """One process: the optimizer's clip is the process's clip. Several: the optimizer
+    does not clip; comm.torch.local_clip_hook clips each process before the sum."""
+    recipe = get_recipe("resnet50-lamb-32k")
+    assert recipe.clip_per_process == 1.0
+    net = nn.Sequential(nn.Linear(4, 3))
+    assert build.build_optimizer(recipe, net, 0.04).max_grad_norm == 1.0
+    assert build.build_optimizer(recipe, net, 0.04, world=2).max_grad_norm is None
+    assert get_recipe("fmnist-lamb-1536").clip_per_process is None
+
+
 def test_floor_epochs_are_this_packages_own():
     recipe = get_recipe("fmnist-lars-1536")
     assert recipe.epoch_steps == "floor"

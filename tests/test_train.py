@@ -260,6 +260,15 @@ def test_compression_needs_torchrun_without_fsdp(monkeypatch, tmp_path, capsys):
              "--out", str(tmp_path)])
 
 
+def test_a_recipe_that_clips_per_process_refuses_another_hook(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lamb = ["train", "--recipe", "resnet50-lamb-32k", "--data", str(tmp_path), "--out",
+            str(tmp_path / "out")]
+    for flag in (["--fsdp"], ["--compression", "adacomp"]):
+        with pytest.raises(SystemExit, match="has each process clip its gradients before DDP"):
+            cli([*lamb, *flag])
+
+
 def test_recipes_table_lists_every_recipe(capsys):
     assert cli(["recipes"]) == 0
     out = capsys.readouterr().out

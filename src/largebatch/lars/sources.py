@@ -96,9 +96,10 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
         "and create_optimizer (clip_by_global_norm 1.0)",
         "every param but batch-norm's decayed and adapted, biases included (largebatch "
         "recipes: decay_exclude='bn')",
-        "each TPU core clips its own gradients (global norm 1.0) before the cross-replica "
-        "sum, which adds the cores' clipped gradients; here one clip of the averaged "
-        "gradient"),
+        "each TPU core clips its own gradients (global norm 1.0) and the cross-replica sum "
+        "adds them: the optimizer's keywords clip the averaged gradient once, and the DDP "
+        "hook comm.torch.local_clip_hook does what the cores did (largebatch recipes: "
+        "clip_per_process); the source's core count is not in its files"),
     Source(
         "apex-fusedlamb", "lamb",
         {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": True, "max_grad_norm": 1.0,

@@ -39,12 +39,18 @@ def build_model(name: str, num_classes: int) -> nn.Module:
 
 
 def build_optimizer(
-    recipe: Recipe, model: nn.Module, lr: float, precision: str = "fp32"
+    recipe: Recipe, model: nn.Module, lr: float, precision: str = "fp32", world: int = 1
 ) -> torch.optim.Optimizer:
     """The recipe's optimizer, its params in :func:`decay_groups`: weight decay (and, for
     LARS/LAMB, the trust ratio) on all but what the recipe's ``decay_exclude`` names. LARS
-    and LAMB keep fp32 masters for half params; SGD and Nesterov refuse half params."""
+    and LAMB keep fp32 masters for half params; SGD and Nesterov refuse half params.
+
+    With a recipe's ``clip_per_process`` on ``world`` > 1 processes the optimizer does
+    not clip: each process clips before the all-reduce (``comm.torch.local_clip_hook``).
+    On one process the two are the same clip, and the optimizer's ``max_grad_norm`` does it."""
     kw, half = dict(recipe.optimizer_kwargs), precision != "fp32"
+    if recipe.clip_per_process is not None:
+        kw["max_grad_norm"] = None if world > 1 else recipe.clip_per_process
     groups = decay_groups(model, recipe.weight_decay, recipe.decay_exclude)
     if recipe.optimizer in ("lars", "lamb"):
         cls = LARS if recipe.optimizer == "lars" else LAMB

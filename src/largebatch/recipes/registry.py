@@ -84,6 +84,10 @@ class Recipe:
     end_lr: float = 0.0  # the rate poly or cosine decay ends at
     schedule_offset: int = 0  # the schedule's counter at the first step (MXNet's: 1)
     epoch_steps: str = "floor"  # the source's step arithmetic: EPOCH_STEPS
+    # Each process clips its own gradients to this global norm before the all-reduce,
+    # which then sums them (the LAMB authors' TPU cores): ``largebatch train`` registers
+    # comm.torch.local_clip_hook under torchrun, in place of the optimizer's clipping.
+    clip_per_process: float | None = None
     paper: str = ""
     source: str = ""  # where each value comes from: arXiv id + table/section, or repo + file
     unstated: str = ""  # what the source leaves open, and the value used here
@@ -244,6 +248,7 @@ _IMAGENET = [
                     "with weight decay 5e-4 over 100 epochs"),
     Recipe("resnet50-lamb-32k", "resnet50", "imagenet", "lamb", 32768, 90, lr=0.04,
            optimizer_kwargs=source_keywords("lamb-authors"), epoch_steps="exact",
+           clip_per_process=1.0,
            schedule="poly", power=1.0, warmup_epochs=20, weight_decay=1.5,
            decay_exclude="bn", label_smoothing=0.1, precision="bf16", paper=LAMB_CODE,
            published_top1=76.34,
@@ -254,9 +259,11 @@ _IMAGENET = [
                   "norm 1.0, no bias correction: largebatch.lars.sources 'lamb-authors'), "
                   "resnet_main.py (betas 0.9/0.999, eps 1e-6, bfloat16), log.out "
                   "(top_1_accuracy = 0.7633667 at step 3519)",
-           unstated="each TPU core clips its own gradients before "
-                    "the cross-replica sum (here one clip); the paper's own ResNet-50 tables "
-                    "are not what this row restates",
+           unstated="the number of processes: each clips its own gradients and the "
+                    "all-reduce sums them, as the source's TPU cores did (clip_per_process), "
+                    "but the source's files do not state its core count, which sets the size "
+                    "of the sum; the paper's own ResNet-50 tables are not what this row "
+                    "restates",
            note="LAMB's decoupled weight decay; the trust ratio only on decayed params"),
     Recipe("resnet50-mlperf-lars-34k", "resnet50", "imagenet", "lars", 34560, 59, lr=21.6,
            optimizer_kwargs={"momentum": 0.94, **source_keywords("nvidia-mxnet")},

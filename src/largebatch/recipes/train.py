@@ -173,6 +173,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if compression != "none" and (world < 2 or args.fsdp):
         raise _fail(f"--compression {compression} compresses DDP's all-reduce: run it under "
                     "torchrun with 2 or more processes, without --fsdp")
+    if recipe.clip_per_process is not None and world > 1 and (args.fsdp or compression != "none"):
+        raise _fail(f"recipe {recipe.name!r} has each process clip its gradients before DDP's "
+                    "all-reduce (a communication hook of its own): run it without --fsdp and "
+                    "--compression")
     device_name = check_device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
     settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
@@ -263,7 +267,7 @@ def _build(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], o
     dtype = DTYPES[precision]
     model, whole = _build_model(recipe, data.num_classes, device, precision, fsdp, state)
     try:
-        optimizer = build_optimizer(recipe, model, lr, precision)
+        optimizer = build_optimizer(recipe, model, lr, precision, world)
     except ValueError as err:
         raise _fail(str(err)) from None
     shape = recipe.with_epochs(epochs)
@@ -319,10 +323,16 @@ def _restore(run: _Run, state: dict[str, Any]) -> tuple[int, list[dict[str, Any]
 
 
 def _distribute(run: _Run, state: dict[str, Any] | None) -> None:
-    """Wraps the model in DDP (several processes, no FSDP) and registers the AdaComp hook
-    (``--compression adacomp``), its residuals restored from the checkpoint ``state``."""
+    """Wraps the model in DDP (several processes, no FSDP) and registers its hook: the
+    recipe's per-process clip (``clip_per_process``), or AdaComp (``--compression
+    adacomp``), its residuals restored from the checkpoint ``state``."""
     run.ddp = (nn.parallel.DistributedDataParallel(run.model) if run.world > 1 and not run.fsdp
                else run.model)
+    if run.recipe.clip_per_process is not None and run.world > 1:
+        from largebatch.comm.torch import LocalClipState, local_clip_hook
+
+        clip = LocalClipState(run.recipe.clip_per_process, scaler=run.scaler)
+        cast(nn.parallel.DistributedDataParallel, run.ddp).register_comm_hook(clip, local_clip_hook)
     if run.settings["compression"] != "adacomp":
         return
     from largebatch.comm.torch import AdaCompState, adacomp_hook

@@ -10,7 +10,10 @@ Algorithm 1), on float32 (or float64) tensors::
     ...
     torch.save({"model": ..., "adacomp": state.state_dict()}, f"ckpt-rank{rank}.pt")
 
-What the hook does with each gradient bucket DDP hands it (``bucket.parameters()`` gives
+:func:`local_clip_hook` (:class:`LocalClipState`) is the other hook here: each process
+clips its own gradients, and the all-reduce sums them, as the LAMB authors' TPU code does.
+
+What the AdaComp hook does with each gradient bucket DDP hands it (``bucket.parameters()`` gives
 the layers; the tensor fusion is DDP's own buckets, ``bucket_cap_mb``):
 
 - **Warm-up.** The first ``warmup_steps`` iterations are DDP's default all-reduce, and
@@ -51,6 +54,7 @@ what lets the batch-size study measure AdaComp's accuracy on one machine.
 """
 
 from largebatch.comm.reference import FORMS
+from largebatch.comm.torch._clip import LocalClipState, local_clip_hook
 from largebatch.comm.torch._compress import Compressed, compress
 from largebatch.comm.torch._hook import AdaCompState, adacomp_hook
 from largebatch.comm.torch._simulation import SimulatedWorkers, simulate_step
@@ -66,5 +70,5 @@ from largebatch.comm.scaling import DEFAULT_LINK as DEFAULT_LINK, choose_form as
 from largebatch.comm.torch._codec import KINDS as KINDS
 from largebatch.comm.torch._hook import DEFAULT_NETWORK as DEFAULT_NETWORK, _choose_form as _choose_form
 
-__all__ = ["FORMS", "AdaCompState", "Compressed", "SimulatedWorkers", "adacomp_hook", "compress",
-           "simulate_step"]
+__all__ = ["FORMS", "AdaCompState", "Compressed", "LocalClipState", "SimulatedWorkers",
+           "adacomp_hook", "compress", "local_clip_hook", "simulate_step"]
