@@ -98,6 +98,9 @@ CASES = [
     # difference from the clipped fallback ratio min(1 / lr, 1) show).
     Case("lars-larc", "lars", {"lr_in_momentum": False, "trust_clip": True, "zero_norm_skip": True,
                                "trust_coefficient": 0.5, "eps": 1e-8, "weight_decay": 1e-3}, EXCLUDED),
+    # optax's denominator ||g + wd * w|| (its zero-norm rule too: the zero grad's tensor is
+    # adapted by tc / wd), beside a group with the default one (in one fused plan).
+    Case("lars-decayed-norm", "lars", {"decayed_norm": True, "weight_decay": 1e-2}, {"decayed_norm": False}),
     Case("lamb-defaults", "lamb", {}),
     Case("lamb-wd-excluded", "lamb", {"weight_decay": 0.01}, EXCLUDED),
     Case("lamb-no-bias-correction", "lamb", {"bias_correction": False, "weight_decay": 0.01},

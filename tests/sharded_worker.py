@@ -94,12 +94,13 @@ def compare(model: nn.Module, ref: nn.Module, opt, ref_opt) -> float:
 
 
 def train_fsdp2(name: str, path: str, *, dtype=torch.float32, mp_policy=None, master=False,
-                layers: tuple[str, ...] = ("fc1", "fc2", "head"), root: bool = True):
+                layers: tuple[str, ...] = ("fc1", "fc2", "head"), root: bool = True,
+                **options):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(dtype)
     ref = copy.deepcopy(model)
-    extra = {"master_weights": True} if master else {}
+    extra = {"master_weights": True, **options} if master else dict(options)
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in layers:
         fully_shard(getattr(model, layer), **policy)
@@ -333,6 +334,9 @@ def main() -> None:
     for name in ("lars", "lamb"):
         for path in PATHS:
             record(f"fsdp2/{name}/{path}", err=train_fsdp2(name, path))
+            if name == "lars":  # optax's denominator: the norm of g + wd * w, over the shards
+                record(f"fsdp2-decayed-norm/lars/{path}",
+                       err=train_fsdp2(name, path, decayed_norm=True))
         with per_shard_norms():
             record(f"fsdp2-per-shard-norms/{name}/foreach", err=train_fsdp2(name, "foreach"))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

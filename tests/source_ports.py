@@ -127,6 +127,30 @@ def timm_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, 
     return ws
 
 
+def optax_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
+               wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0,
+               nesterov: bool = False) -> Arrays:
+    """google-deepmind/optax, optax/_src/alias.py, lars: a chain of four transformations
+    on each leaf. add_decayed_weights (where the weight-decay mask holds) makes the
+    update ``u = g + wd * w``; scale_by_trust_ratio (optax/_src/transform.py, where the
+    trust-ratio mask holds) multiplies it by ``eta * ||w|| / (||u|| + eps)``, or by 1
+    when ``||w||`` or ``||u||`` is 0; scale_by_learning_rate multiplies by ``-lr``; trace
+    keeps ``t = u + m * t`` and passes on ``t`` (nesterov: ``u + m * t`` with the new
+    ``t``), which is added to the params."""
+    ws, traces = [p.copy() for p in params], [np.zeros_like(p) for p in params]
+    for lr, gs in zip(lrs, grads):
+        for i, g in enumerate(gs):
+            w = ws[i]
+            u = g + wd * w if decay[i] else g.copy()
+            if adapt[i]:
+                wn, un = _norm(w), _norm(u)
+                u = u * (eta * wn / (un + eps) if wn != 0 and un != 0 else 1.0)
+            u = -lr * u
+            traces[i] = u + momentum * traces[i]
+            ws[i] = w + (u + momentum * traces[i] if nesterov else traces[i])
+    return ws
+
+
 def _lamb_ratio(w: np.ndarray, u: np.ndarray) -> float:
     wn, un = _norm(w), _norm(u)
     return wn / un if wn > 0 and un > 0 else 1.0

@@ -376,6 +376,21 @@ def test_wrong_types_and_nesterov_without_momentum_raise(build, error, value):
         build()
 
 
+def test_decayed_norm_with_zero_norm_skip_is_refused():
+    """optax's denominator with apex LARC's zero-norm rule is no one source's update: the
+    factory and the transformation refuse it, naming both (as largebatch.torch.LARS)."""
+    import re
+
+    from largebatch.jax import scale_by_lars_trust_ratio
+
+    message = ("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
+               "(zero_norm_skip) and optax's denominator")
+    for build in (lambda: lars(0.1, weight_decay=0.1, decayed_norm=True, zero_norm_skip=True),
+                  lambda: scale_by_lars_trust_ratio(0.1, decayed_norm=True, zero_norm_skip=True)):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build()
+
+
 def test_numpy_and_jax_scalars_are_numbers_and_flags():
     opts = [
         lars(np.float32(0.1), momentum=jnp.float32(0.9), nesterov=np.bool_(True), eps=np.int64(0)),

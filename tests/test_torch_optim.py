@@ -204,6 +204,22 @@ def test_bad_arguments_raise_naming_the_value(cls, kwargs, message):
         cls([torch.nn.Parameter(torch.randn(2))], **kwargs)
 
 
+DECAYED_AND_SKIP = ("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
+                    "(zero_norm_skip) and optax's denominator")
+
+
+def test_decayed_norm_with_zero_norm_skip_is_refused():
+    """optax's denominator (decayed_norm) with apex LARC's zero-norm rule is no one source's
+    update: the constructor and a new group refuse it, naming both."""
+    w = torch.nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match=re.escape(DECAYED_AND_SKIP)):
+        LARS([w], decayed_norm=True, zero_norm_skip=True)
+    opt = LARS([w], lr=0.1, decayed_norm=True)
+    with pytest.raises(ValueError, match=re.escape(DECAYED_AND_SKIP)):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "zero_norm_skip": True})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("cls", [LARS, LAMB])
 def test_bad_group_value_raises_before_the_group_is_added(cls):
     opt = cls([torch.nn.Parameter(torch.randn(2))], lr=0.1)

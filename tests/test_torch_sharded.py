@@ -36,6 +36,7 @@ EQUAL = (
     + [f"fsdp2-mp-policy/{o}/foreach" for o in OPTIMIZERS]
     + [f"fsdp2-bf16-masters/{o}/{p}" for o in OPTIMIZERS for p in ("foreach", "fused")]
     + [f"fsdp2-some-layers/{o}/{p}" for o in OPTIMIZERS for p in ("single_tensor", "foreach")]
+    + [f"fsdp2-decayed-norm/lars/{p}" for p in ("single_tensor", "foreach", "fused")]
 )
 ZERO = [f"zero/{o}/{p}" for o in OPTIMIZERS for p in ("foreach", "fused")] + [
     f"zero-bucket-view/{o}/foreach" for o in OPTIMIZERS

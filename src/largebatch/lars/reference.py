@@ -17,6 +17,9 @@ form of the MLPerf ResNet-50 TF reference)::
     v = momentum * v + ratio * d ;  w = w - lr * v      nesterov: w - lr * (momentum * v + ratio * d)
     zero_norm_skip=True (apex LARC): where ||w|| == 0 or ||g|| == 0, d = g and ratio = 1
     (no clip, no weight decay)
+    decayed_norm=True (optax, optax/_src/alias.py lars: add_decayed_weights, then
+    scale_by_trust_ratio of optax/_src/transform.py): the norm of the direction itself,
+    ratio = tc * ||w|| / (||g + wd * w|| + eps)     (1 if ||w|| == 0 or ||g + wd * w|| == 0)
 
 LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = identity)::
 
@@ -80,8 +83,15 @@ def lars_step(
     trust_ratio: bool = True,
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``."""
+    """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``.
+
+    ``decayed_norm=True`` is optax's denominator (google-deepmind/optax,
+    optax/_src/alias.py ``lars``, whose ``scale_by_trust_ratio`` in
+    optax/_src/transform.py takes the norm of the already decayed update):
+    ``||g + wd * w|| + eps``, and ratio 1 where ``||w||`` or ``||g + wd * w||`` is 0.
+    """
     new_params, new_bufs = [], []
     for w, g, v in zip(_f64(params), _f64(grads), _f64(momentum_buffers)):
         wd = weight_decay
@@ -92,9 +102,12 @@ def lars_step(
             if zero_norm_skip and (w_norm == 0.0 or g_norm == 0.0):
                 wd = 0.0
             else:
-                ratio = safe_ratio(
-                    trust_coefficient * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm
-                )
+                if decayed_norm:  # optax: the norm of the decayed direction
+                    other = float(np.linalg.norm(g + wd * w))
+                    denominator = other + eps
+                else:
+                    other, denominator = g_norm, g_norm + wd * w_norm + eps
+                ratio = safe_ratio(trust_coefficient * w_norm, denominator, w_norm, other)
                 if trust_clip:
                     ratio = min(ratio / lr, 1.0)
         d = g + wd * w

@@ -83,12 +83,12 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
         "trust_ratio=True and weight_decay=0 here"),
     Source(
         "optax", "lars",
-        {"trust_coefficient": 0.001, "eps": 0.0, "lr_in_momentum": True},
-        "google-deepmind/optax, optax/_src/alias.py, lars (scale_by_trust_ratio, then "
-        "scale_by_learning_rate, then trace)",
+        {"trust_coefficient": 0.001, "eps": 0.0, "lr_in_momentum": True, "decayed_norm": True},
+        "google-deepmind/optax, optax/_src/alias.py, lars (add_decayed_weights, then "
+        "scale_by_trust_ratio of optax/_src/transform.py, then scale_by_learning_rate, then "
+        "trace)",
         "its two masks, independently (pass weight_decay_mask)",
-        "the trust-ratio denominator ||g + wd * w|| + eps (here ||g|| + wd * ||w|| + eps): "
-        "the same at weight_decay=0"),
+        ""),
     Source(
         "lamb-authors", "lamb",
         {"betas": (0.9, 0.999), "eps": 1e-6, "bias_correction": False, "max_grad_norm": 1.0},

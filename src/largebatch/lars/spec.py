@@ -183,6 +183,10 @@ class OptimizerSpec:
 def _lars_rules(values: Mapping[str, Any]) -> None:
     if values.get("nesterov") is True and values.get("momentum", 1.0) == 0.0:
         raise ValueError(f"Invalid nesterov=True with momentum={values['momentum']!r} (needs momentum > 0)")
+    if values.get("decayed_norm") is True and values.get("zero_norm_skip") is True:
+        raise ValueError("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm "
+                         "rule (zero_norm_skip) and optax's denominator ||g + wd * w|| "
+                         "(decayed_norm) are no one source's; pass at most one of them")
 
 
 
@@ -216,6 +220,9 @@ LARS_SPEC = OptimizerSpec(
               "timm)", kind="flag"),
         Hyper("zero_norm_skip", False, "where ||w|| or ||g|| is 0, d = g: ratio 1, no clip, no "
               "weight decay (apex LARC); False: ratio 1, then clip and weight decay", kind="flag"),
+        Hyper("decayed_norm", False, "ratio = tc * ||w|| / (||g + wd * w|| + eps), 1 where ||w|| or "
+              "||g + wd * w|| is 0 (optax, optax/_src/alias.py lars); False: the denominator "
+              "||g|| + wd * ||w|| + eps", kind="flag"),
     ),
     options=(),
     state=("momentum_buffer",),

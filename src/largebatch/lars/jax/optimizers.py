@@ -53,6 +53,7 @@ def lars(
     axis_name: AxisName = None,
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
 ) -> optax.GradientTransformation:
     r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
 
@@ -78,11 +79,15 @@ def lars(
     as torch's SGD under apex LARC, NVIDIA's MLPerf MXNet LARS and timm do.
     ``zero_norm_skip=True`` is apex LARC's zero-norm rule: where ``||w|| == 0`` or
     ``||g|| == 0`` the gradient passes unchanged (ratio 1, no clip, no weight decay).
+    ``decayed_norm=True`` is ``optax.lars``'s denominator ``||g + wd * w|| + eps`` (ratio 1
+    where ``||w||`` or ``||g + wd * w||`` is 0); it does not combine with ``zero_norm_skip``.
 
     The chain: ``scale_by_lars_trust_ratio`` (masked) -> ``optax.scale_by_learning_rate``
     -> ``optax.trace``. Differences from ``optax.lars``: optax divides by
-    ``||g + wd * w|| + eps``, decays leaves whose trust ratio is masked out, and has no
-    trust clip. At ``weight_decay=0`` the two give the same numbers. timm's ``Lars`` keeps
+    ``||g + wd * w|| + eps`` (``decayed_norm=True``), decays leaves whose trust ratio is
+    masked out (pass ``weight_decay_mask``), and has no trust clip. With
+    ``decayed_norm=True`` and both masks, or at ``weight_decay=0``, the two give the same
+    numbers. timm's ``Lars`` keeps
     the rate outside its buffer (``w -= lr_t * v``) and adapts only with weight decay or
     ``always_adapt=True``; where it adapts, it gives the same numbers at a constant rate.
 
@@ -104,6 +109,7 @@ def lars(
         over which the params are sharded; see "Sharded params" below.
       lr_in_momentum: ``True``: the rate inside the buffer; ``False``: outside it.
       zero_norm_skip: apex LARC's zero-norm rule (above).
+      decayed_norm: optax's trust-ratio denominator ``||g + wd * w|| + eps`` (above).
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -124,8 +130,9 @@ def lars(
     Raises:
       ValueError: naming the value, for a negative rate or weight decay, momentum
         outside [0, 1), ``trust_coefficient <= 0``, ``eps < 0``, a non-finite number,
-        or ``nesterov=True`` with ``momentum=0``; for an empty ``axis_name`` or one
-        with an empty or repeated name.
+        ``nesterov=True`` with ``momentum=0``, or ``decayed_norm=True`` with
+        ``zero_norm_skip=True``; for an empty ``axis_name`` or one with an empty or
+        repeated name.
       TypeError: naming the value, for a non-number (a bool, a string, None) where a
         number belongs, anything but ``True``/``False`` for a flag, or an
         ``axis_name`` that is not None, a str or a tuple of strs.
@@ -161,17 +168,20 @@ def lars(
             "trust_clip": trust_clip,
             "lr_in_momentum": lr_in_momentum,
             "zero_norm_skip": zero_norm_skip,
+            "decayed_norm": decayed_norm,
         },
         names={"lr": "learning_rate"},
     )
     nesterov, trust_clip = checked["nesterov"], checked["trust_clip"]
     lr_in_momentum, zero_norm_skip = checked["lr_in_momentum"], checked["zero_norm_skip"]
+    decayed_norm = checked["decayed_norm"]
     axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
     def adapt(wd):
-        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip)
+        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip,
+                                         decayed_norm)
 
     # The structure of the chain depends on the masks only, never on a value.
     if weight_decay_mask is None:

@@ -88,6 +88,7 @@ def scale_by_lars_trust_ratio(
     clip_learning_rate: ScalarOrSchedule | None = None,
     axis_name: AxisName = None,
     zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
 ) -> optax.GradientTransformation:
     """Scale each leaf by the LARS trust ratio, with weight decay folded in.
 
@@ -97,6 +98,11 @@ def scale_by_lars_trust_ratio(
         ratio = min(ratio / lr_t, 1)                      (only with clip_learning_rate)
         update = ratio * (g + wd * w)
         update = g                     (zero_norm_skip, where ||w|| == 0 or ||g|| == 0: LARC)
+
+    ``decayed_norm=True`` takes optax's denominator (optax/_src/alias.py ``lars``, whose
+    ``scale_by_trust_ratio`` sees the already decayed update): ``ratio = tc * ||w|| /
+    (||g + wd * w|| + eps)``, 1 where ``||w||`` or ``||g + wd * w||`` is 0; it does not
+    combine with ``zero_norm_skip``.
 
     The denominator holds ``||g||`` and ``wd * ||w||`` apart (MLPerf's LARS), so weight
     decay is part of this transformation rather than an ``add_decayed_weights`` before
@@ -119,7 +125,8 @@ def scale_by_lars_trust_ratio(
                         ("eps", eps)]:
         LARS_SPEC.hyper(name).check(_known(value), name)
     axis_name = _check_axis_name(axis_name)
-    zero_norm_skip = LARS_SPEC.hyper("zero_norm_skip").check(zero_norm_skip)
+    flags = LARS_SPEC.check({"zero_norm_skip": zero_norm_skip, "decayed_norm": decayed_norm})
+    zero_norm_skip, decayed_norm = flags["zero_norm_skip"], flags["decayed_norm"]
     wd, tc = weight_decay, trust_coefficient
 
     def init_fn(params):
@@ -131,20 +138,23 @@ def scale_by_lars_trust_ratio(
             raise ValueError(_NO_PARAMS)
         lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
         gs, ws, treedef = _computed_leaves(updates, params)
-        norms = _norms(ws + gs, axis_name)
+        ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
+        norms = _norms(ws + (ds if decayed_norm else gs), axis_name)
 
-        def leaf(g, g32, w32, w_norm, g_norm):
-            ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
+        def leaf(g, g32, d, w_norm, g_norm):
+            if decayed_norm:  # g_norm is ||g + wd * w|| (optax)
+                ratio = _safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
+            else:
+                ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
             if lr is not None:
                 ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
-            d = g32 if _is_zero(wd) else g32 + wd * w32
             if zero_norm_skip:
                 skip = jnp.logical_or(w_norm == 0.0, g_norm == 0.0)
                 return jnp.where(skip, g32, ratio * d).astype(g.dtype)
             return (ratio * d).astype(g.dtype)
 
         n = len(gs)
-        new = map(leaf, treedef.flatten_up_to(updates), gs, ws, norms[:n], norms[n:])
+        new = map(leaf, treedef.flatten_up_to(updates), gs, ds, norms[:n], norms[n:])
         updates = jax.tree.unflatten(treedef, list(new))
         return updates, LarsTrustRatioState(count=optax.safe_increment(state.count))
 

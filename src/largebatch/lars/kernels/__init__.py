@@ -69,7 +69,8 @@ kernel the fp64 adds cost no time. Full chunks run without effective masks and, 
 every address of the bucket is 16-byte aligned, with 16-byte loads and stores; only each
 tensor's last chunk is masked.
 
-    LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor
+    LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor (_lars_norms_kernel when
+                                      a group has decayed_norm: ||g + wd * w||^2 for its tensors)
           pass 2 _lars_apply_kernel   trust ratio, momentum, w (and param from master)
     LAMB (pass 0 _grad_check_kernel   ||g||^2 of all groups: only with max_grad_norm)
           pass 1 _lamb_moments_kernel new m, v; ||w||^2, ||u||^2 per tensor

@@ -78,16 +78,20 @@ def _one_minus_pow(b, e):
 
 @triton.jit
 def _check_tiles(
-    w_ptr, g_ptr, start, limit, inv_scale,
-    W_SQ: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    w_ptr, g_ptr, start, limit, inv_scale, wd,
+    W_SQ: tl.constexpr, DECAYED: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Sums of w^2 and of unscaled g^2 over a chunk, squared and added in fp64."""
+    """Sums of w^2 and of unscaled g^2 over a chunk, squared and added in fp64; with
+    DECAYED, of (g + wd * w)^2 in place of g^2 (formed in fp32, as pass 2 forms it)."""
     w_sq = tl.zeros([BLOCK], dtype=tl.float64)
     g_sq = tl.zeros([BLOCK], dtype=tl.float64)
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
-        g = (tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale).to(tl.float64)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
+        if DECAYED:
+            g = g + wd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = g.to(tl.float64)
         g_sq += g * g
         if W_SQ:
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float64)
@@ -114,16 +118,18 @@ def _grad_check_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 1 of LARS, pass 0 of LAMB: sums of squares of the unscaled grads (and weights)."""
+    """Pass 1 of LARS, pass 0 of LAMB: sums of squares of the unscaled grads (and weights).
+    (LARS with a group's decayed_norm takes ``lars._lars_norms_kernel`` as pass 1.)"""
     t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     inv_scale = _unscale(grad_scale, HAS_SCALE)
+    wd = tl.full((), 0.0, tl.float32)  # read only with DECAYED
     end = start + BLOCK * TILES
     if end <= numel:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, W_SQ, BLOCK, TILES)
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, W_SQ, False, BLOCK, TILES)
     else:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, W_SQ, BLOCK, TILES)
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, W_SQ, False, BLOCK, TILES)
     if W_SQ:
         tl.atomic_add(acc + 2 * t, w_sq)
     if G_SQ:

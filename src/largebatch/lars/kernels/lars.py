@@ -1,5 +1,7 @@
-"""The LARS kernel: pass 2 (trust ratio, momentum, weights), after ``_grad_check_kernel``
-(``common.py``) formed each tensor's ||w||^2 and ||g||^2."""
+"""The LARS kernels: pass 2 (trust ratio, momentum, weights), after pass 1 formed each
+tensor's ||w||^2 and ||g||^2: ``_grad_check_kernel`` (``common.py``), or, when some group
+has decayed_norm, ``_lars_norms_kernel``, which forms ||g + wd * w||^2 in place of
+||g||^2 for that group's tensors."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from largebatch.lars.kernels.common import (
     _P,
     _S0,
     _W,
+    _check_tiles,
     _chunk,
     _tensor_ptr,
     _unscale,
@@ -28,7 +31,42 @@ _TRUST_CLIP = tl.constexpr(LARS_SPEC.columns.index("trust_clip"))
 _TRUST_RATIO = tl.constexpr(LARS_SPEC.columns.index("trust_ratio"))
 _LR_IN_MOMENTUM = tl.constexpr(LARS_SPEC.columns.index("lr_in_momentum"))
 _ZERO_NORM_SKIP = tl.constexpr(LARS_SPEC.columns.index("zero_norm_skip"))
+_DECAYED_NORM = tl.constexpr(LARS_SPEC.columns.index("decayed_norm"))
 _LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
+
+
+@triton.jit
+def _lars_norms_kernel(
+    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    acc,  # fp64 [n_tensors, 2]: this bucket's sums of squares, atomically added
+    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
+    grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
+    found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
+    P_DTYPE: tl.constexpr,
+    W_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    """Pass 1 of LARS when some group has decayed_norm: ||w||^2 into acc[:, 0], and into
+    acc[:, 1] ||g + wd * w||^2 (optax's lars) for a tensor of such a group, ||g||^2 for
+    the others (their decay read as wd times the flag's 0)."""
+    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
+    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
+    inv_scale = _unscale(grad_scale, HAS_SCALE)
+    h = hyper + tl.load(row + _GROUP) * _LARS_COLS
+    wd = (tl.load(h + _WEIGHT_DECAY) * tl.load(h + _DECAYED_NORM)).to(tl.float32)
+    end = start + BLOCK * TILES
+    if end <= numel:
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, True, True, BLOCK, TILES)
+    else:
+        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, True, True, BLOCK, TILES)
+    tl.atomic_add(acc + 2 * t, w_sq)
+    tl.atomic_add(acc + 2 * t + 1, g_sq)
 
 
 @triton.jit
@@ -59,7 +97,7 @@ def _lars_tiles(
 def _lars_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 from pass 1
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 (decayed_norm: ||g + wd * w||^2) from pass 1
     hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
@@ -91,14 +129,16 @@ def _lars_apply_kernel(
     trust_ratio = tl.load(h + _TRUST_RATIO) != 0
     lr_in_momentum = tl.load(h + _LR_IN_MOMENTUM) != 0
     zero_norm_skip = tl.load(h + _ZERO_NORM_SKIP) != 0
+    decayed_norm = tl.load(h + _DECAYED_NORM) != 0
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
     inv_scale = _unscale(grad_scale, HAS_SCALE)
 
     # The norms come in fp64 (no overflow for any finite weights); the ratio goes to fp32.
     w_norm = tl.sqrt(tl.load(acc + 2 * t))
-    g_norm = tl.sqrt(tl.load(acc + 2 * t + 1))
+    g_norm = tl.sqrt(tl.load(acc + 2 * t + 1))  # with decayed_norm: ||g + wd * w|| (optax)
     nonzero = (w_norm > 0) & (g_norm > 0)
-    ratio = tl.where(nonzero, tc * w_norm / tl.where(nonzero, g_norm + wd * w_norm + eps, 1.0), 1.0)
+    denominator = tl.where(decayed_norm, g_norm + eps, g_norm + wd * w_norm + eps)
+    ratio = tl.where(nonzero, tc * w_norm / tl.where(nonzero, denominator, 1.0), 1.0)
     ratio = ratio.to(tl.float32)
     ratio = tl.where(trust_clip, tl.minimum(ratio / lr, 1.0), ratio)
     # apex LARC's zero norms: the gradient as it is (ratio 1, no clip, no weight decay).

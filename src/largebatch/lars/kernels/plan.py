@@ -22,7 +22,7 @@ from largebatch.lars.kernels.common import (
     _grad_check_kernel,
 )
 from largebatch.lars.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel
-from largebatch.lars.kernels.lars import _lars_apply_kernel
+from largebatch.lars.kernels.lars import _lars_apply_kernel, _lars_norms_kernel
 from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, OptimizerSpec
 
 BLOCK = 1024  # elements a program handles at once (at most)
@@ -64,6 +64,7 @@ class _Plan:
     hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
     ws: torch.Tensor  # fp64 workspace: global sum of squares, per-tensor sums
     steps: torch.Tensor  # int64 [n_steps]: distinct step addresses (tensors', then counter)
+    decayed: bool = False  # some LARS group has decayed_norm: pass 1 is _lars_norms_kernel
     gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
     lrs: tuple = ()  # the lr addresses gaddr holds
 
@@ -225,9 +226,11 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
     steps = [x.data_ptr() for g in groups for x in g.steps]
     steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
+    decayed = "decayed_norm" in spec.columns and any(
+        row[spec.columns.index("decayed_norm")] for row in hyper)
     return _Plan(
         buckets, torch.tensor(hyper, dtype=torch.float64, device=device), ws,
-        steps=torch.tensor(steps, dtype=torch.int64, device=device),
+        steps=torch.tensor(steps, dtype=torch.int64, device=device), decayed=decayed,
     )
 
 
@@ -300,6 +303,11 @@ def fused_lars_step_(
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     plan.ws.zero_()
     for b in plan.buckets:
+        if plan.decayed:  # some group's decayed_norm: ||g + wd * w||^2 for its tensors
+            _lars_norms_kernel[b.grid](
+                b.chunks, b.meta, b.acc, plan.hyper, scale, inf, **has, **b.consts,
+            )  # fmt: skip
+            continue
         _grad_check_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=True, G_SQ=True, GLOBAL_SQ=False,
             **has, **b.consts,

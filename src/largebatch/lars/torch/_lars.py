@@ -44,6 +44,7 @@ def lars(
     trust_ratio: bool,
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
 ) -> None:
     """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
 
@@ -55,16 +56,20 @@ def lars(
     hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                  trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
-                 zero_norm_skip=zero_norm_skip)
+                 zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
     lists = (params, grads, momentum_buffers, masters, state_steps)
     _paths.dispatch(LARS_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
 
 
 def lars_ratio(w_norm: Tensor, g_norm: Tensor, *, lr: Any, weight_decay: Any, trust_coefficient: Any,
-               eps: Any, trust_clip: bool, zero_norm_skip: bool = False) -> Tensor:
-    """The LARS trust ratio from ``||w||`` and the unscaled ``||g||`` (tensors of norms)."""
-    ratio = safe_ratio(trust_coefficient * w_norm, g_norm + weight_decay * w_norm + eps, w_norm, g_norm)
+               eps: Any, trust_clip: bool, zero_norm_skip: bool = False,
+               decayed_norm: bool = False) -> Tensor:
+    """The LARS trust ratio from ``||w||`` and the unscaled ``||g||`` (tensors of norms);
+    with ``decayed_norm``, ``g_norm`` is ``||g + wd * w||`` and the denominator
+    ``||g + wd * w|| + eps`` (optax's ``lars``)."""
+    denominator = g_norm + eps if decayed_norm else g_norm + weight_decay * w_norm + eps
+    ratio = safe_ratio(trust_coefficient * w_norm, denominator, w_norm, g_norm)
     if trust_clip:
         clipped = torch.clamp(ratio / lr, max=1.0)
         ratio = torch.where(nonzero(w_norm, g_norm), clipped, 1.0) if zero_norm_skip else clipped
@@ -83,24 +88,33 @@ def _decay(weight_decay: Any, w_norm: Tensor, g_norm: Tensor, zero_norm_skip: bo
     return weight_decay * nonzero(w_norm, g_norm).to(w_norm.dtype)  # exact: times 0 or 1
 
 
+def _direction(g: Tensor, w: Tensor, weight_decay: Any) -> Tensor:
+    """``d = g + wd * w`` (``g`` itself at a static zero decay; a 0-dim tensor decay is
+    never static)."""
+    return g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
+
+
 def _lars_one(
     p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
     nesterov, trust_clip, trust_ratio, lr_in_momentum=True, zero_norm_skip=False,  # noqa: ANN001
-    norm=norm, plain_norm=norm,  # noqa: ANN001
+    decayed_norm=False, norm=norm, plain_norm=norm,  # noqa: ANN001
 ) -> None:
     """LARS on one tensor (``weight_decay`` already the applied one). The numbers are
     floats, or 0-dim tensors when this body runs compiled."""
     del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
-    ratio = None
+    ratio = d = None
     if trust_ratio:
-        w_norm, g_norm = norm(w), norm(g)
+        if decayed_norm:  # the norm of the direction itself (optax)
+            d = _direction(g, w, weight_decay)
+        w_norm, g_norm = norm(w), norm(g if d is None else d)
         ratio = lars_ratio(w_norm, g_norm, lr=lr, weight_decay=weight_decay,
                            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
-                           zero_norm_skip=zero_norm_skip)
+                           zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
         weight_decay = _decay(weight_decay, w_norm, g_norm, zero_norm_skip)
-    d = g + weight_decay * w if isinstance(weight_decay, Tensor) or weight_decay != 0 else g
+    if d is None:
+        d = _direction(g, w, weight_decay)
     if lr_in_momentum:
         scaled = d * (lr * ratio) if ratio is not None else d * lr
     else:
@@ -135,7 +149,7 @@ def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *
 def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
                   grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
                   nesterov, trust_clip, trust_ratio, lr_in_momentum=True,  # noqa: ANN001
-                  zero_norm_skip=False, reduce=None) -> None:  # noqa: ANN001
+                  zero_norm_skip=False, decayed_norm=False, reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     wd = weight_decay
@@ -144,18 +158,23 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
     ratios = None
+    ds: list[Tensor] | tuple[Tensor, ...] | None = None
+    if trust_ratio and decayed_norm and wd != 0:  # optax: the norm of d = g + wd * w
+        ds = torch._foreach_add(gs, ws, alpha=wd)
     if trust_ratio:
         norms = stacked_norms if reduce is None else reduce.norms
-        w_norms, g_norms = norms(ws), norms(gs)
+        w_norms, g_norms = norms(ws), norms(gs if ds is None else ds)
         ratios = lars_ratio(w_norms, g_norms, lr=lr, weight_decay=wd,
                             trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
-                            zero_norm_skip=zero_norm_skip)
-    if wd == 0:
-        ds = gs
-    elif ratios is not None and zero_norm_skip:  # no decay where a norm is zero
-        ds = torch._foreach_add(gs, torch._foreach_mul(ws, _decay(wd, w_norms, g_norms, True).unbind()))
-    else:
-        ds = torch._foreach_add(gs, ws, alpha=wd)
+                            zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
+    if ds is None:  # (with decayed_norm, formed above for its norm)
+        if wd == 0:
+            ds = gs
+        elif ratios is not None and zero_norm_skip:  # no decay where a norm is zero
+            decays = _decay(wd, w_norms, g_norms, True).unbind()
+            ds = torch._foreach_add(gs, torch._foreach_mul(ws, decays))
+        else:
+            ds = torch._foreach_add(gs, ws, alpha=wd)
     inner = lr if lr_in_momentum else 1.0
     if ratios is not None:
         scaled = torch._foreach_mul(ds, (ratios * inner).unbind())
@@ -176,7 +195,7 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
 _compiled_lars = _paths.compiled_path(_single_tensor_lars, _foreach_lars)
 
 
-FLAGS = ("nesterov", "trust_clip", "trust_ratio", "lr_in_momentum", "zero_norm_skip")
+FLAGS = ("nesterov", "trust_clip", "trust_ratio", "lr_in_momentum", "zero_norm_skip", "decayed_norm")
 _PATHS = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars, "compiled": _compiled_lars}
 
 
@@ -201,7 +220,8 @@ class LARS(LayerwiseOptimizer):
       MXNet LARS (Goyal et al.'s momentum correction) and timm's ``Lars`` do; the two
       agree at constant lr.
     - **Denominator** ``||g|| + wd * ||w|| + eps``, as in the paper and timm; ``optax.lars``
-      uses ``||g + wd * w||`` (equal when ``wd = 0``).
+      uses ``||g + wd * w|| + eps`` (equal when ``wd = 0``): ``decayed_norm=True``, whose
+      zero-norm rule then reads ``||g + wd * w||`` in place of ``||g||``.
     - **Zero-norm rule**: ratio 1 when either norm is zero (fresh zero-initialized
       layers), then the clip and weight decay as elsewhere. ``zero_norm_skip=True`` is
       apex ``LARC``'s rule instead: the gradient passes unchanged (ratio 1, no clip, no
@@ -230,6 +250,8 @@ class LARS(LayerwiseOptimizer):
             ``False``: ``v = momentum * v + ratio * d; w -= lr * v``.
         zero_norm_skip: where ``||w||`` or ``||g||`` is 0, leave the gradient as it is
             (apex ``LARC``); ``False``: ratio 1, then the clip and weight decay.
+        decayed_norm: ``ratio = tc * ||w|| / (||g + wd * w|| + eps)``, 1 where ``||w||`` or
+            ``||g + wd * w||`` is 0 (``optax.lars``); not with ``zero_norm_skip``.
         master_weights: keep fp32 master copies of fp16/bf16 params in the state.
         foreach: ``None`` or ``True``: ``torch._foreach_*`` ops; ``False``: a per-tensor loop.
         fused: ``None``: the Triton kernels when every param is on CUDA and triton imports
@@ -268,6 +290,7 @@ class LARS(LayerwiseOptimizer):
         trust_ratio: bool = True,
         lr_in_momentum: bool = True,
         zero_norm_skip: bool = False,
+        decayed_norm: bool = False,
         master_weights: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -277,7 +300,7 @@ class LARS(LayerwiseOptimizer):
             params, lr=lr, momentum=momentum, weight_decay=weight_decay,
             trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
             trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
-            zero_norm_skip=zero_norm_skip, master_weights=master_weights,
+            zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm, master_weights=master_weights,
             foreach=foreach, fused=fused, compiled=compiled,
         )
 
@@ -297,10 +320,13 @@ class LARS(LayerwiseOptimizer):
                 (w, grad), _ = _sharded.local(([w], [p.grad]))  # a sharded param's local block
                 w, grad = w[0], grad[0]
                 g = unscaled(grad, w, None if grad_scale is None else torch.as_tensor(grad_scale))
+                if hyper["decayed_norm"]:
+                    g = _direction(g, w, hyper["weight_decay"])
                 w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
                 ratio = lars_ratio(w_norm, g_norm, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
                                    trust_coefficient=hyper["trust_coefficient"], eps=hyper["eps"],
                                    trust_clip=hyper["trust_clip"],
-                                   zero_norm_skip=hyper["zero_norm_skip"])
+                                   zero_norm_skip=hyper["zero_norm_skip"],
+                                   decayed_norm=hyper["decayed_norm"])
                 out.append(float(ratio))
         return out
