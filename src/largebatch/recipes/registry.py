@@ -156,11 +156,10 @@ class Recipe:
         """The number of steps run when ``epoch`` epochs of ``n_train`` images at ``batch``
         are done: ``epoch`` whole epochs, or for ``exact`` ``round(epoch * N / B)``,
         computed in integers."""
+        length = self.epoch_length(n_train, batch)  # checks n_train and batch
         if self.epoch_steps == "exact":
-            checks.integer("n_train", n_train, 1)
-            checks.integer("batch", batch, 1)
             return (2 * epoch * n_train + batch) // (2 * batch)  # halves round up
-        return epoch * int(self.epoch_length(n_train, batch))
+        return epoch * int(length)
 
     def steps_at(self, n_train: int, batch: int, epochs: int | None = None) -> tuple[int, int]:
         """(warmup, total) steps of a run of ``epochs`` (default: the recipe's) epochs of

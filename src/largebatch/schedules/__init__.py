@@ -47,11 +47,6 @@ __all__ = ["SCHEDULES", "Schedule", "linear_scaling", "make_schedule"]
 SCHEDULES = ("constant", "poly", "cosine", "step")
 
 
-def _is_real(value: Any) -> bool:
-    """A real number, and not a bool (``True`` is an ``int`` to Python, not a rate)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
 def _is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 

@@ -62,6 +62,12 @@ class _Layout:
         return tuple(layer for layer in self.layers if layer.bin_len is None)
 
     @property
+    def strided(self) -> tuple[tuple[_Layer, torch.Size, tuple[int, ...]], ...]:
+        """The layers DDP holds in a memory order other than the logical one, each with
+        its shape and strides."""
+        return tuple((layer, *layer.strided) for layer in self.layers if layer.strided is not None)
+
+    @property
     def width(self) -> int:
         """Bytes per index: enough for twice the largest compressed layer (a sign bit)."""
         largest = max((layer.numel for layer in self.compressed), default=1)
@@ -102,11 +108,11 @@ def _bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
 
 def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """The bucket ``flat`` with every strided layer in logical (row-major) order."""
-    strided = [(layer, layer.strided) for layer in layout.layers if layer.strided is not None]
+    strided = layout.strided
     if not strided:
         return flat
     out = flat.clone()
-    for layer, (shape, stride) in strided:
+    for layer, shape, stride in strided:
         seg = flat.narrow(0, layer.offset, layer.numel)
         out.narrow(0, layer.offset, layer.numel).copy_(seg.as_strided(shape, stride).reshape(-1))
     return out
@@ -114,11 +120,11 @@ def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
 
 def _to_memory(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """The inverse of :func:`_to_logical`: each strided layer back in DDP's memory order."""
-    strided = [(layer, layer.strided) for layer in layout.layers if layer.strided is not None]
+    strided = layout.strided
     if not strided:
         return flat
     out = flat.clone()
-    for layer, (shape, stride) in strided:
+    for layer, shape, stride in strided:
         out.narrow(0, layer.offset, layer.numel).as_strided(shape, stride).copy_(
             flat.narrow(0, layer.offset, layer.numel).view(shape))
     return out
