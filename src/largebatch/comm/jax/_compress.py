@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from largebatch import checks
-from largebatch.comm.reference import _check_modes, bin_length, fit_bin
+from largebatch.comm.reference import _check, bin_length, fit_bin
 
 DEFAULT_BIN_CAPACITY = 8  # message entries per bin of L_T elements
 
@@ -38,10 +38,6 @@ class AdaCompMessage(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _check_bin(bin_len: Any) -> int:
-    return checks.integer("bin length L_T", bin_len, 1)
 
 
 def _compute_dtype(x: Any) -> jnp.dtype:
@@ -238,8 +234,7 @@ def compress(residual: Any, grad: Any, bin_len: int, *, capacity: int | None = N
         ``values``, or a residual of another size.
       TypeError: for a gradient that is not real floating.
     """
-    _check_bin(bin_len)
-    _check_modes(select, values)
+    _check(bin_len, select, values)
     r, g, dtype = _flat_pair(residual, grad)
     numel = g.shape[0]
     shape = jnp.shape(grad)

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from largebatch.comm.jax._compress import (
-    AdaCompMessage, _capacity, _check_bin, _compress_rows, _divide, _flat_pair, _Parts,
+    AdaCompMessage, _capacity, _compress_rows, _divide, _flat_pair, _Parts,
     chunk_length, compress,
 )
-from largebatch.comm.reference import _check_modes
+from largebatch.comm.reference import _check
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 _MAX_SPAN = 2**30 - 1  # index * 2 + sign bit must fit an int32 (with the fill value)
@@ -156,8 +156,7 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
       the whole leaf).
     """
     axis_name = _check_axis_name(axis_name)
-    _check_bin(bin_len)
-    _check_modes(select, values)
+    _check(bin_len, select, values)
     r, g, dtype = _flat_pair(residual, grad)
     shape, numel = jnp.shape(grad), g.shape[0]
     n = _axis_size(axis_name)
