@@ -19,6 +19,7 @@ from largebatch.comm.jax._compress import (
 )
 from largebatch.comm.jax._exchange import _axis_size, allgather_mean, two_phase_mean
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
+from largebatch.mixed_precision.jax.finite import select_tree
 from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 
@@ -199,10 +200,7 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             # skipped step too: its residuals are not committed, so nothing is lost. The
             # average is the same on every device, and so is this choice.
             keep = ~_all_finite(result[0])
-            result = (result[0], *(
-                [jax.tree.map(lambda old, new: jnp.where(keep, old, new), o, n)
-                 for o, n in zip(before, after)]
-                for before, after in zip(operands[1:], result[1:])))
+            result = (result[0], *select_tree(keep, tuple(operands[1:]), tuple(result[1:])))
             for k, i in enumerate(packed):
                 out[i], residuals[i], chunks[i], selected[i] = (x[k] for x in result)
         new_state = AdaCompState(
