@@ -36,6 +36,30 @@ def test_params_without_grad_are_skipped(cls, path):
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_the_path_is_resolved_once_per_group_not_at_each_step(cls, monkeypatch):
+    """As torch's optimizers fix ``foreach``/``fused`` per group: a group's ``None`` is
+    resolved when the group is added, and a step only reads the result."""
+    from largebatch.lars.torch import _paths
+
+    a, b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    opt = cls([{"params": [a]}, {"params": [b], "compiled": None, "foreach": False}], lr=0.1)
+    for group in opt.param_groups:
+        assert {type(group[k]) for k in ("fused", "compiled")} == {bool}, group
+    expected = cls([{"params": [p.detach().clone().requires_grad_()]} for p in (a, b)], lr=0.1,
+                   foreach=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the path was resolved again during a step")
+
+    monkeypatch.setattr(_paths, "resolve", refuse)
+    for opt_, (x, y) in ((opt, (a, b)), (expected, [p for g in expected.param_groups for p in g["params"]])):
+        x.grad, y.grad = torch.ones(3, 3), torch.ones(3)
+        opt_.step()
+    assert torch.equal(a, expected.param_groups[0]["params"][0])
+    assert torch.equal(b, expected.param_groups[1]["params"][0])
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
 def test_closure_is_called_and_its_loss_returned(cls):
     w = torch.nn.Parameter(torch.ones(3))
     opt = cls([w], lr=0.1)

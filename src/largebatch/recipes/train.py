@@ -32,7 +32,8 @@ study``), the data from :mod:`largebatch.recipes.train_data`, the plot from
 :mod:`largebatch.recipes.plots`, reading and writing the checkpoint from
 :mod:`largebatch.recipes.checkpoint`; this module adds the processes, the checkpoints'
 contents, the per-epoch metrics and the trust-ratio telemetry. ``_fit`` runs a run as steps:
-build its objects (``_Run``), restore the checkpoint, wrap the model in DDP, print the header,
+build its objects (``largebatch.recipes.train_run``: ``Run``), restore the checkpoint, wrap
+the model in DDP, print the header,
 then per epoch train, evaluate, record and checkpoint, and last the summary.
 """
 
@@ -40,45 +41,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import dataclasses
 import json
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from largebatch.recipes import plots
-from largebatch.recipes.build import DTYPES, build_loss, build_model, build_optimizer, build_schedule
+from largebatch.recipes.build import build_model, build_optimizer
 from largebatch.recipes.checkpoint import (
-    gather_residuals, gather_rng, read_checkpoint, to_device, write_checkpoint,
+    gather_residuals, gather_rng, read_checkpoint, write_checkpoint,
 )
 from largebatch.recipes.distributed import (
-    buffers_sha256, check_device, full_optimizer_state, full_state, join, params_sha256,
-    shard_model, sync_buffers,
+    buffers_sha256, check_device, full_optimizer_state, full_state, params_sha256,
+    sync_buffers,
 )
 from largebatch.recipes.loop import evaluate, train_epoch
 from largebatch.recipes.outputs import (
-    CommandError, atomic_write, lock_folder, remove_stale_temporaries, require,
+    atomic_write, lock_folder, remove_stale_temporaries, require,
 )
 from largebatch.recipes.registry import (
-    DEFAULT_RECIPE, PRECISIONS, RECIPES, TRAIN_IMAGES, Recipe, get_recipe, imagenet_equivalent,
+    DEFAULT_RECIPE, PRECISIONS, RECIPES, Recipe, get_recipe,
 )
 from largebatch.recipes.study.plan import COMPRESSIONS
-from largebatch.recipes.train_data import TrainData, batches, epoch_sampler, eval_chunks, load_data
-from largebatch.torch import ScheduleLR, to_half, trust_ratios
+from largebatch.recipes.train_data import batches, epoch_sampler, eval_chunks
+from largebatch.recipes.train_run import Run, build_run, distribute, fail, restore
+from largebatch.torch import trust_ratios
 
 __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_arguments", "main"]
-
-
-def _fail(message: str) -> CommandError:
-    return CommandError("train", message)
 
 
 # --------------------------------------------------------------------------- telemetry
@@ -147,7 +142,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     try:
         recipe = get_recipe(args.recipe)
     except ValueError as err:
-        raise _fail(str(err)) from None
+        raise fail(str(err)) from None
     if recipe.data == "imagenet" or recipe.model in ("resnet50", "alexnet_bn"):
         require("train", ("torchvision",))
     batch = args.batch_size or recipe.batch_size
@@ -157,24 +152,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if batch % world:
-        raise _fail(f"batch size {batch} is not divisible by the world size {world}")
+        raise fail(f"batch size {batch} is not divisible by the world size {world}")
     local_batch = batch // world
     micro = args.micro_batch or local_batch
     if micro > local_batch or local_batch % micro:
-        raise _fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
+        raise fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
                     f"(batch {batch} / world size {world})")
     if args.fsdp and world < 2:
-        raise _fail("--fsdp shards the model over processes: run it under torchrun with 2 or "
+        raise fail("--fsdp shards the model over processes: run it under torchrun with 2 or "
                     "more (torchrun --nproc_per_node=2 -m largebatch train --fsdp ...)")
     if args.fsdp and precision == "fp16":
-        raise _fail("--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
+        raise fail("--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
                     "loss scaler over sharded grads: use --precision bf16")
     compression = args.compression
     if compression != "none" and (world < 2 or args.fsdp):
-        raise _fail(f"--compression {compression} compresses DDP's all-reduce: run it under "
+        raise fail(f"--compression {compression} compresses DDP's all-reduce: run it under "
                     "torchrun with 2 or more processes, without --fsdp")
     if recipe.clip_per_process is not None and world > 1 and (args.fsdp or compression != "none"):
-        raise _fail(f"recipe {recipe.name!r} has each process clip its gradients before DDP's "
+        raise fail(f"recipe {recipe.name!r} has each process clip its gradients before DDP's "
                     "all-reduce (a communication hook of its own): run it without --fsdp and "
                     "--compression")
     device_name = check_device(args.device)
@@ -203,9 +198,9 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
          state: dict[str, Any] | None, device_name: str, micro: int) -> dict[str, Any]:
     """Trains from the checkpoint ``state`` (None: from the start) up to ``--stop-after``,
     checkpointing every epoch, then summarizes the run."""
-    run = _build(args, recipe, settings, out, state, device_name, micro)
-    start_epoch, history = _restore(run, state) if state is not None else (0, [])
-    _distribute(run, state)
+    run = build_run(args, recipe, settings, out, state, device_name, micro)
+    start_epoch, history = restore(run, state) if state is not None else (0, [])
+    distribute(run, state)
     _print_header(run, start_epoch)
     for epoch in range(start_epoch, run.stop):
         loss_sum, telemetry, seconds = _train(run, epoch)
@@ -215,140 +210,7 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     return _summarize(run, history)
 
 
-@dataclasses.dataclass
-class _Run:
-    """One run's objects, built by :func:`_build` and read by every step of :func:`_fit`."""
-
-    args: argparse.Namespace
-    recipe: Recipe
-    settings: dict[str, Any]
-    out: Path
-    rank: int
-    world: int
-    device: torch.device
-    batch: int
-    local_batch: int
-    micro: int
-    epochs: int
-    stop: int  # the epoch this invocation stops after (--stop-after)
-    fsdp: bool
-    dtype: torch.dtype
-    data: TrainData
-    ends: list[int]  # the step count at the end of each epoch, by the recipe's source's arithmetic
-    model: nn.Module  # sharded under FSDP
-    whole: nn.Module | None  # under FSDP, the whole model, gathered from the shards
-    optimizer: torch.optim.Optimizer
-    scheduler: ScheduleLR
-    scaler: torch.amp.GradScaler | None
-    loss_fn: nn.Module
-    shape: Recipe  # the recipe's schedule, its warmup and milestones scaled to --epochs
-    nominal: int  # the ImageNet-equivalent batch
-    plot: plots.Plotter
-    ddp: nn.Module = dataclasses.field(init=False)  # what trains: DDP's wrapper, or the model
-    comm: Any = None  # the AdaComp hook's state
-
-    @property
-    def evaluated(self) -> nn.Module:
-        """The one whole model: evaluated, checkpointed and summarized."""
-        return self.model if self.whole is None else self.whole
-
-
-def _build(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
-           state: dict[str, Any] | None, device_name: str, micro: int) -> _Run:
-    """Joins the processes; the run's data, model, optimizer, schedule, scaler, loss and plot."""
-    batch, epochs, lr = settings["batch_size"], settings["epochs"], settings["lr"]
-    precision, fsdp = settings["precision"], settings["fsdp"]
-    rank, world, device = join(device_name)
-    data = load_data(recipe, args.data, args.subset)
-    if data.n_train < batch:
-        raise _fail(f"{data.n_train} training images hold no full batch of {batch}")
-    ends = [recipe.epoch_end(e, data.n_train, batch) for e in range(epochs + 1)]
-    torch.manual_seed(args.seed)
-    dtype = DTYPES[precision]
-    model, whole = _build_model(recipe, data.num_classes, device, precision, fsdp, state)
-    try:
-        optimizer = build_optimizer(recipe, model, lr, precision, world)
-    except ValueError as err:
-        raise _fail(str(err)) from None
-    shape = recipe.with_epochs(epochs)
-    schedule = build_schedule(recipe, peak_lr=lr, epochs=epochs, n_train=data.n_train, batch=batch)
-    scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
-    title = f"{recipe.name} (batch {batch:,})"
-    return _Run(
-        args=args, recipe=recipe, settings=settings, out=out, rank=rank, world=world,
-        device=device, batch=batch, local_batch=batch // world, micro=micro, epochs=epochs,
-        stop=min(epochs, args.stop_after or epochs), fsdp=fsdp, dtype=dtype, data=data,
-        ends=ends, model=model, whole=whole, optimizer=optimizer, scheduler=scheduler,
-        scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
-        loss_fn=build_loss(recipe), shape=shape,
-        nominal=imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data]),
-        plot=plots.Plotter("train", out / "plot.png",
-                           lambda h, path: plots.plot_history(h, path, title),
-                           "; the metrics, checkpoint and summary are unaffected"))
-
-
-def _build_model(recipe: Recipe, num_classes: int, device: torch.device, precision: str,
-                 fsdp: bool, state: dict[str, Any] | None) -> tuple[nn.Module, nn.Module | None]:
-    """The recipe's model on ``device``, and under FSDP its whole copy (None otherwise)."""
-    model = build_model(recipe.model, num_classes)
-    # FSDP2 shards contiguous params only: channels-last weights are not.
-    model = model.to(device) if fsdp else model.to(  # type: ignore[call-overload]  # torch's stubs
-        device, memory_format=torch.channels_last)
-    dtype = DTYPES[precision]
-    whole = None
-    if fsdp:  # sharded: fp32 params, FSDP2's policy computes in dtype; evaluated whole
-        if state is not None:  # restored before sharding
-            model.load_state_dict(state["model"])
-        whole = copy.deepcopy(model)
-        shard_model(model, dtype)
-    elif precision != "fp32":
-        to_half(model, dtype)
-    return model, whole
-
-
-def _restore(run: _Run, state: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
-    """Loads the checkpoint ``state`` into the run (under FSDP the model is already loaded) and
-    this process's RNG states; the epochs done and their metrics."""
-    if not run.fsdp:
-        run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    if run.scaler is not None:
-        run.scaler.load_state_dict(state["scaler"])
-    cpu_rng, cuda_rng = state["rng"][run.rank if len(state["rng"]) > run.rank else 0]
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None and run.device.type == "cuda":
-        torch.cuda.set_rng_state(cuda_rng, run.device)
-    return state["epoch"], state["history"]
-
-
-def _distribute(run: _Run, state: dict[str, Any] | None) -> None:
-    """Wraps the model in DDP (several processes, no FSDP) and registers its hook: the
-    recipe's per-process clip (``clip_per_process``), or AdaComp (``--compression
-    adacomp``), its residuals restored from the checkpoint ``state``."""
-    run.ddp = (nn.parallel.DistributedDataParallel(run.model) if run.world > 1 and not run.fsdp
-               else run.model)
-    if run.recipe.clip_per_process is not None and run.world > 1:
-        from largebatch.comm.torch import LocalClipState, local_clip_hook
-
-        clip = LocalClipState(run.recipe.clip_per_process, scaler=run.scaler)
-        cast(nn.parallel.DistributedDataParallel, run.ddp).register_comm_hook(clip, local_clip_hook)
-    if run.settings["compression"] != "adacomp":
-        return
-    from largebatch.comm.torch import AdaCompState, adacomp_hook
-
-    warmup = run.ends[min(run.settings["compression_warmup"], run.epochs)]
-    run.comm = AdaCompState(run.ddp, warmup_steps=warmup, scaler=run.scaler)
-    if state is not None:
-        try:
-            run.comm.load_state_dict(to_device(state["adacomp"][run.rank], run.device))
-        except ValueError as err:  # another version or setting: every rank alike
-            raise _fail(f"--resume: {run.out / 'checkpoint.pt'}: {err}") from None
-    # compression runs under DDP only (checked with the settings)
-    cast(nn.parallel.DistributedDataParallel, run.ddp).register_comm_hook(run.comm, adacomp_hook)
-
-
-def _print_header(run: _Run, start_epoch: int) -> None:
+def _print_header(run: Run, start_epoch: int) -> None:
     """Rank 0 prints what the run is and which epochs this invocation runs."""
     if run.rank != 0:
         return
@@ -364,7 +226,7 @@ def _print_header(run: _Run, start_epoch: int) -> None:
           f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}", flush=True)
 
 
-def _train(run: _Run, epoch: int) -> tuple[torch.Tensor, _EpochTelemetry, float]:
+def _train(run: Run, epoch: int) -> tuple[torch.Tensor, _EpochTelemetry, float]:
     """Trains epoch ``epoch`` (from 0): its loss summed over its steps (averaged over the
     processes), its telemetry and its seconds."""
     steps = run.ends[epoch + 1] - run.ends[epoch]
@@ -384,7 +246,7 @@ def _train(run: _Run, epoch: int) -> tuple[torch.Tensor, _EpochTelemetry, float]
     return loss_sum, telemetry, seconds
 
 
-def _evaluate(run: _Run) -> float:
+def _evaluate(run: Run) -> float:
     """The test accuracy of the one model: the processes first average its batch-norm statistics;
     under FSDP it is gathered whole (every rank) and evaluated in fp32 without collectives."""
     sync_buffers(run.model, run.world)  # one model: evaluated, checkpointed and summarized
@@ -395,7 +257,7 @@ def _evaluate(run: _Run) -> float:
                     world=run.world).accuracy
 
 
-def _record(run: _Run, epoch: int, loss_sum: torch.Tensor, accuracy: float,
+def _record(run: Run, epoch: int, loss_sum: torch.Tensor, accuracy: float,
             telemetry: _EpochTelemetry, seconds: float) -> dict[str, Any]:
     """Epoch ``epoch``'s (from 0) line of ``metrics.jsonl``."""
     row = {
@@ -408,7 +270,7 @@ def _record(run: _Run, epoch: int, loss_sum: torch.Tensor, accuracy: float,
     return row
 
 
-def _checkpoint(run: _Run, epoch: int, history: list[dict[str, Any]]) -> None:
+def _checkpoint(run: Run, epoch: int, history: list[dict[str, Any]]) -> None:
     """Gathers the run's state (collectives, every rank); rank 0 then prints epoch ``epoch``'s
     (from 0) line and rewrites the checkpoint, the metrics and, before the last epoch, the plot."""
     rng = gather_rng(run.device, run.world)
@@ -432,7 +294,7 @@ def _checkpoint(run: _Run, epoch: int, history: list[dict[str, Any]]) -> None:
         run.plot(history)
 
 
-def _summarize(run: _Run, history: list[dict[str, Any]]) -> dict[str, Any]:
+def _summarize(run: Run, history: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's summary: every rank prints its model's hashes; rank 0 writes it and the plot."""
     summary = {
         "recipe": run.recipe.name,
@@ -492,13 +354,13 @@ def main(args: argparse.Namespace) -> int:
     for flag in ("batch_size", "micro_batch", "epochs", "subset", "stop_after"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise _fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
+            raise fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
     if args.workers < 0:
-        raise _fail(f"invalid --workers {args.workers} (must be >= 0)")
+        raise fail(f"invalid --workers {args.workers} (must be >= 0)")
     if args.compression_warmup < 0:
-        raise _fail(f"invalid --compression-warmup {args.compression_warmup} (must be >= 0)")
+        raise fail(f"invalid --compression-warmup {args.compression_warmup} (must be >= 0)")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
-        raise _fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
+        raise fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
     require("train", ("tqdm", "matplotlib"))
     try:
         train(args)

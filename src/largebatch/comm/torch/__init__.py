@@ -66,7 +66,7 @@ from largebatch.comm.reference import (
     CONV_BIN as CONV_BIN, FC_BIN as FC_BIN, bin_length as bin_length,
     check_options as check_options, chunk_bounds as chunk_bounds, fit_bin as fit_bin,
 )
-from largebatch.comm.scaling import DEFAULT_LINK as DEFAULT_LINK, choose_form as choose_form
+from largebatch.comm.costs import DEFAULT_LINK as DEFAULT_LINK, choose_form as choose_form
 from largebatch.comm.torch._codec import KINDS as KINDS
 from largebatch.comm.torch._hook import DEFAULT_NETWORK as DEFAULT_NETWORK, _choose_form as _choose_form
 

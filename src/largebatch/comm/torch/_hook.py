@@ -11,7 +11,7 @@ import torch.distributed as dist
 from largebatch.comm.reference import (
     CONV_BIN, FC_BIN, FORMS, bin_length, check_options, chunk_bounds,
 )
-from largebatch.comm.scaling import DEFAULT_LINK, choose_form
+from largebatch.comm.costs import DEFAULT_LINK, choose_form
 from largebatch.comm.torch._codec import (
     KINDS, _bucket_strides, _copy_stats, _Exchange, _layout, _Layout, _new_stats, _to_logical,
     _to_memory, _Worker,

@@ -2,9 +2,10 @@
 
 Layout, as in ``torch.optim``: the classes validate and hold groups and state; the
 functionals :func:`lars` and :func:`lamb` take one group's tensor lists and
-hyperparameters, pick the path (``_single_tensor``, ``_foreach``, ``_compiled`` or
-``_fused``; the rule is ``_paths.resolve``) and run it. The optimizers call them group by
-group, except on the fused path, where one call of the Triton kernels takes every group.
+hyperparameters. Both resolve the path once (``_paths.resolve``: ``single_tensor``,
+``foreach``, ``compiled`` or ``fused``; the optimizers per group, as it is added) and run
+the step through one dispatch point, ``_paths.run``, which calls each group's body by
+keyword, or takes every group in one call of the Triton kernels on the fused path.
 
 Files: ``_common`` (param groups, checks, norms), ``_paths`` (the path choice and the
 compiled path), ``_base`` (what the two optimizers share: state dicts, master weights,

@@ -37,13 +37,14 @@ def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
 
 
 class LayerwiseOptimizer(Optimizer):
-    """The base of :class:`LARS` and :class:`LAMB`. A subclass names its ``spec`` and its
-    functional (which takes one group's tensor lists and hyperparameters and picks the
-    path); the fused path takes every group in one call of ``_fused.fused_step``."""
+    """The base of :class:`LARS` and :class:`LAMB`. A subclass names its ``spec`` and the
+    bodies of its unfused paths; the path of each group is resolved in the constructor
+    (``_paths.resolve``) and a step hands every group to ``_paths.run``, the dispatch
+    point that the functionals share."""
 
     _step_supports_amp_scaling = True
     spec: OptimizerSpec
-    functional: Callable[..., None]
+    bodies: dict[str, Callable[..., None]]  # the unfused paths' bodies, by path
     _extra_state: tuple[str, ...] = ("_applied",)  # pickled with the optimizer
 
     def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
@@ -61,6 +62,9 @@ class LayerwiseOptimizer(Optimizer):
         param_group = {**param_group, "params": group_params(param_group["params"])}
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._validate(merged)
+        # The group's path, resolved once: the step reads it back with _paths.pick.
+        param_group.update(_paths.resolve(merged["foreach"], merged["fused"], merged["compiled"],
+                                          tensors_of([param_group])))
         for p in param_group["params"]:
             if isinstance(p, Tensor) and p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
@@ -212,9 +216,11 @@ class LayerwiseOptimizer(Optimizer):
     # ------------------------------------------------------------------ the step
 
     def _gather(self, group: dict[str, Any]) -> dict[str, list]:
-        """The params of ``group`` that have grads, their state (created lazily), checked."""
-        out: dict[str, list] = {"params": [], "grads": [], "masters": [], "steps": []}
-        out.update({key: [] for key in self.spec.state})
+        """The params of ``group`` that have grads and their state (created lazily), as the
+        lists ``_paths.list_names`` names."""
+        names = _paths.list_names(self.spec)
+        out: dict[str, list] = {name: [] for name in names}
+        state_lists = [out[name] for name in names[2:-2]]
         use_masters = group["master_weights"]
         for p in group["params"]:
             if p.grad is None:
@@ -232,9 +238,9 @@ class LayerwiseOptimizer(Optimizer):
             out["params"].append(p)
             out["grads"].append(p.grad)
             out["masters"].append(master)
-            out["steps"].append(state["step"])
-            for key in self.spec.state:
-                out[key].append(state[key])
+            out["state_steps"].append(state["step"])
+            for key, values in zip(self.spec.state, state_lists):
+                values.append(state[key])
         return out
 
     def _amp_inputs(self) -> tuple[Tensor | None, Tensor | None]:
@@ -257,25 +263,30 @@ class LayerwiseOptimizer(Optimizer):
                 loss = closure()
         self._check_grads()
         grad_scale, found_inf = self._amp_inputs()
-        fused = {group["fused"] for group in self.param_groups}
-        if len(fused) > 1:
+        paths = [_paths.pick(g["foreach"], g["fused"], g["compiled"]) for g in self.param_groups]
+        fused = "fused" in paths
+        if fused and set(paths) != {"fused"}:
             raise ValueError("fused must be the same in every param group")
         reducer = _sharded.reducer_for(self._params_with_grads())
         if reducer is not None:  # sharded grads: every rank checked only its own shard
             found_inf = reducer.found_inf(found_inf)
-        if fused.pop():
-            # The fused kernels decide the skip on the device, from found_inf.
+        if fused:  # the kernels decide the skip on the device, from found_inf
             for i, group in enumerate(self.param_groups):
                 _fused.check_group(self.spec, i, self._hyper(group))
-            gathered = [self._gather(g) for g in self.param_groups]
-            self._fused_step(gathered, reducer, grad_scale=grad_scale, found_inf=found_inf)
-        elif not skipped(found_inf):  # decided before any state is created or changed
-            gathered = [self._gather(g) for g in self.param_groups]
-            scales = self._grad_scales(gathered, grad_scale)
-            for group, tensors, scale in zip(self.param_groups, gathered, scales):
-                self.functional(*self._lists(tensors), **self._hyper(group), grad_scale=scale,
-                                foreach=group["foreach"], fused=False, compiled=group["compiled"])
-            self._applied += 1
+        elif skipped(found_inf):  # decided before any state is created or changed
+            return loss
+        work = [_paths.Work(self._gather(g), self._hyper(g), path, key=id(g))
+                for g, path in zip(self.param_groups, paths)]
+        if fused:
+            self._applied = _paths.run(
+                self.spec, self.bodies, work, grad_scale=grad_scale, found_inf=found_inf,
+                counter=self._applied, fused_options=self._fused_options(work, reducer),
+                lr_buffers=self.__dict__.setdefault("_fused_lr", {}),
+            )
+        else:  # found_inf was read above
+            grads = [g for w in work for g in w.tensors["grads"]]
+            _paths.run(self.spec, self.bodies, work, grad_scale=self._grad_scale(grads, grad_scale),
+                       found_inf=None, counter=self._applied)
         return loss
 
     def _device(self) -> torch.device:
@@ -285,40 +296,24 @@ class LayerwiseOptimizer(Optimizer):
     def _params_with_grads(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
 
-    def _lists(self, tensors: dict[str, list]) -> tuple[list, ...]:
-        """A gathered group as the functional's positional lists."""
-        return (tensors["params"], tensors["grads"], *(tensors[k] for k in self.spec.state),
-                tensors["masters"], tensors["steps"])
-
-    def _grad_scales(self, gathered: list[dict[str, list]], grad_scale: Tensor | None) -> list:
-        """What divides each group's grads (LAMB adds its clipping divisor)."""
-        return [grad_scale] * len(gathered)
-
-    def _fused_step(self, gathered: list[dict[str, list]], reducer: _sharded.Reducer | None,
-                    **kwargs: Any) -> None:
-        """The kernels on every group; ``reducer``: that of the params with grads (sharded)."""
-        buffers = self.__dict__.setdefault("_fused_lr", {})
-        names = ("params", "grads", *self.spec.state, "masters", "steps")
-        groups = []
-        for group, tensors in zip(self.param_groups, gathered):
-            if not tensors["params"]:
-                continue
-            lists, _ = _sharded.local(tuple(tensors[k] for k in names))  # sharded: local blocks
-            tensors = dict(zip(names, lists))
-            lr = _fused.device_lr(group["lr"], tensors["params"][0].device, buffers, id(group))
-            groups.append(_fused.fused_group(self.spec, tensors, lr, group))
-        options = {o.name: getattr(self, o.name) for o in self.spec.options}
-        reductions = self._fused_reductions(reducer)
-        clips = options.get("max_grad_norm") is not None
-        if not groups and clips and "reduce_global" in reductions:
-            # No grads here, but the other ranks' global norm waits for this rank's share.
-            reductions["reduce_global"](torch.zeros(1, dtype=torch.float64, device=self._device()))
-        self._applied = _fused.fused_step(self.spec, groups, counter=self._applied, **options,
-                                          **reductions, **kwargs)
+    def _grad_scale(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
+        """What divides every grad on the unfused paths (LAMB adds its clipping divisor)."""
+        return grad_scale
 
     def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:
         """The kernels' reduction hooks (none unless params are sharded)."""
         return {} if reducer is None else reducer.fused_kwargs(self.spec)
+
+    def _fused_options(self, work: list[_paths.Work], reducer: _sharded.Reducer | None) -> dict[str, Any]:
+        """The kernels' keywords beyond the groups: this optimizer's options and, for
+        sharded params, the reductions of their norms."""
+        options = {o.name: getattr(self, o.name) for o in self.spec.options}
+        reductions = self._fused_reductions(reducer)
+        has_grads = any(w.tensors["params"] for w in work)
+        if not has_grads and options.get("max_grad_norm") is not None and "reduce_global" in reductions:
+            # No grads here, but the other ranks' global norm waits for this rank's share.
+            reductions["reduce_global"](torch.zeros(1, dtype=torch.float64, device=self._device()))
+        return {**options, **reductions}
 
     def _check_grads(self) -> None:
         for group in self.param_groups:

@@ -14,17 +14,20 @@ import torch
 from torch import Tensor
 
 from largebatch.lars.spec import OptimizerSpec
+from largebatch.lars.torch._paths import list_names
 
 
-def fused_group(spec: OptimizerSpec, tensors: dict[str, list], lr: Tensor, hyper: dict[str, Any]) -> Any:
-    """One ``FusedGroup`` from a group's lists (keys params, grads, masters, steps and the
-    spec's state names) and hyperparameters (the spec's names, lr apart)."""
+def fused_group(spec: OptimizerSpec, tensors: dict[str, list], hyper: dict[str, Any], lr: Tensor) -> Any:
+    """One ``FusedGroup`` from a group's lists (keyed by ``_paths.list_names``), its
+    hyperparameters (the spec's names) and its lr on the device. Built here only, for
+    ``_paths.run``."""
     from largebatch.lars.kernels import FusedGroup
 
+    _params, _grads, *state, _masters, _steps = list_names(spec)
     return FusedGroup(
         params=tensors["params"], grads=tensors["grads"], masters=tensors["masters"],
-        state={k: tensors[k] for k in spec.state}, steps=tensors["steps"], lr=lr,
-        hyper={k: hyper[k] for k in spec.group_keys[1:]},
+        state={key: tensors[name] for key, name in zip(spec.state, state)},
+        steps=tensors["state_steps"], lr=lr, hyper={k: hyper[k] for k in spec.group_keys[1:]},
     )
 
 

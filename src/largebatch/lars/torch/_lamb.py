@@ -55,8 +55,9 @@ def lamb(
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                  bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
                  grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay)
-    lists = (params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
-    _paths.dispatch(LAMB_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
+    tensors: dict[str, list] = dict(params=params, grads=grads, exp_avgs=exp_avgs,
+                                    exp_avg_sqs=exp_avg_sqs, masters=masters, state_steps=state_steps)
+    _paths.dispatch(LAMB_SPEC, BODIES, tensors, foreach=foreach, fused=fused, compiled=compiled,
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
 
 
@@ -88,7 +89,7 @@ def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN
 
 
 def _lamb_one(
-    p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2, *,  # noqa: ANN001
+    *, p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2,  # noqa: ANN001
     trust_ratio, adam_w_mode=True, grad_averaging=True, norm=norm, plain_norm=norm,  # noqa: ANN001
 ) -> Tensor | None:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
@@ -130,37 +131,37 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
         p.copy_(master)
 
 
-def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     betas: tuple[float, float] = hyper["betas"]
     trust_ratio = adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"])
-    lr, eps, wd = hyper["lr"], hyper["eps"], hyper["weight_decay"]
     flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
                  grad_averaging=hyper["grad_averaging"])
-    numbers = (lr, *betas, eps, wd)
+    numbers = dict(lr=hyper["lr"], b1=betas[0], b2=betas[1], eps=hyper["eps"],
+                   weight_decay=hyper["weight_decay"])
     body = _paths.compiled_body(_lamb_one, tuple(sorted(flags.items()))) if compiled else None
-    compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
+    compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
     lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
     for i, (p, grad, m, v, master, step) in enumerate(lists):
         step.add_(1)
-        bcs = bias_corrections(step, betas, hyper["bias_correction"])
-        chosen, tensors = _paths.pick_body(_lamb_one, body, (p, grad, m, v, master))
+        bc1, bc2 = bias_corrections(step, betas, hyper["bias_correction"])
+        chosen, tensors = _paths.pick_body(_lamb_one, body, dict(p=p, grad=grad, m=m, v=v, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
-            _lamb_one(*tensors, grad_scale, *numbers, *bcs, **flags,
+            _lamb_one(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags,
                       norm=sharded_norm, plain_norm=sharded_norm)
         elif chosen is _lamb_one:
-            chosen(*tensors, grad_scale, *numbers, *bcs, **flags)
+            chosen(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags)
         else:
-            assert compiled_numbers is not None  # the compiled body is picked only when compiled
-            u_norm = chosen(*tensors, grad_scale, *compiled_numbers, *_paths.as_tensors(*bcs),
+            bc1_t, bc2_t = _paths.as_tensors(bc1, bc2)
+            u_norm = chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, bc1=bc1_t, bc2=bc2_t,
                             **flags, **_paths.COMPILED_NORMS)
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
-                u_decay = wd if hyper["adam_w_mode"] else 0.0
-                _lamb_after_overflow(p, m, v, master, lr, eps, u_decay, *bcs)
+                u_decay = numbers["weight_decay"] if hyper["adam_w_mode"] else 0.0
+                _lamb_after_overflow(p, m, v, master, numbers["lr"], numbers["eps"], u_decay, bc1, bc2)
 
 
-def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,  # noqa: ANN001
+def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,  # noqa: ANN001
                   grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio,  # noqa: ANN001
                   adam_w_mode=True, grad_averaging=True, adapt_without_decay=True,  # noqa: ANN001
                   reduce=None) -> None:  # noqa: ANN001
@@ -199,10 +200,9 @@ def _foreach_lamb(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps, *,
     write_back(params, masters)
 
 
-_compiled_lamb = _paths.compiled_path(_single_tensor_lamb, _foreach_lamb)
-
-
-_PATHS = {"single_tensor": _single_tensor_lamb, "foreach": _foreach_lamb, "compiled": _compiled_lamb}
+# The unfused paths, for _paths.run (the fused one is the kernels).
+BODIES = {"single_tensor": _single_tensor_lamb, "foreach": _foreach_lamb,
+          "compiled": _paths.compiled_path(LAMB_SPEC, _single_tensor_lamb, _foreach_lamb)}
 
 
 class LAMB(LayerwiseOptimizer):
@@ -262,7 +262,7 @@ class LAMB(LayerwiseOptimizer):
     """
 
     spec = LAMB_SPEC
-    functional = staticmethod(lamb)
+    bodies = BODIES
     _extra_state = ("_applied", "max_grad_norm", "partitioned")
 
     def __init__(
@@ -323,11 +323,11 @@ class LAMB(LayerwiseOptimizer):
             return {"reduce_global": _sharded.sum_over((None,))}  # None: the default group
         return super()._fused_reductions(reducer)
 
-    def _grad_scales(self, gathered: list[dict[str, list]], grad_scale: Tensor | None) -> list:
-        divisor = self._clip_divisor([g for entry in gathered for g in entry["grads"]], grad_scale)
+    def _grad_scale(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
+        divisor = self._clip_divisor(grads, grad_scale)
         if grad_scale is not None:
             divisor = grad_scale if divisor is None else divisor * grad_scale
-        return [divisor] * len(gathered)
+        return divisor
 
     @torch.no_grad()
     def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
@@ -335,8 +335,7 @@ class LAMB(LayerwiseOptimizer):
         in group order, from the moments that step would form (nothing is changed).
         ``grad_scale``: what the grads carry, e.g. the GradScaler scale."""
         scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32)
-        gathered = [{"grads": [p.grad for p in g["params"] if p.grad is not None]} for g in self.param_groups]
-        divisor = self._grad_scales(gathered, scale)[0]
+        divisor = self._grad_scale([p.grad for p in self._params_with_grads() if p.grad is not None], scale)
         out: list[float] = []
         for group in self.param_groups:
             hyper = self._hyper(group)

@@ -57,8 +57,9 @@ def lars(
                  trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
                  trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
                  zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
-    lists = (params, grads, momentum_buffers, masters, state_steps)
-    _paths.dispatch(LARS_SPEC, _PATHS, lists, foreach=foreach, fused=fused, compiled=compiled,
+    tensors: dict[str, list] = dict(params=params, grads=grads, momentum_buffers=momentum_buffers,
+                                    masters=masters, state_steps=state_steps)
+    _paths.dispatch(LARS_SPEC, BODIES, tensors, foreach=foreach, fused=fused, compiled=compiled,
                     grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
 
 
@@ -95,7 +96,7 @@ def _direction(g: Tensor, w: Tensor, weight_decay: Any) -> Tensor:
 
 
 def _lars_one(
-    p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps, *,  # noqa: ANN001
+    *, p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
     nesterov, trust_clip, trust_ratio, lr_in_momentum=True, zero_norm_skip=False,  # noqa: ANN001
     decayed_norm=False, norm=norm, plain_norm=norm,  # noqa: ANN001
 ) -> None:
@@ -126,27 +127,25 @@ def _lars_one(
         p.copy_(master)
 
 
-def _single_tensor_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+def _single_tensor_lars(*, params, grads, momentum_buffers, masters, state_steps,  # noqa: ANN001
                         grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
     flags = {k: hyper[k] for k in FLAGS}
-    numbers = (hyper["lr"], hyper["momentum"], hyper["weight_decay"],
-               hyper["trust_coefficient"], hyper["eps"])
+    numbers = {k: hyper[k] for k in ("lr", "momentum", "weight_decay", "trust_coefficient", "eps")}
     body = _paths.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
-    compiled_numbers = _paths.as_tensors(*numbers) if compiled else None
+    compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
     lists = zip(params, grads, momentum_buffers, masters, state_steps)
     for i, (p, grad, buf, master, step) in enumerate(lists):
-        chosen, tensors = _paths.pick_body(_lars_one, body, (p, grad, buf, master))
+        chosen, tensors = _paths.pick_body(_lars_one, body, dict(p=p, grad=grad, buf=buf, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
-            _lars_one(*tensors, grad_scale, *numbers, **flags, norm=reduce.norm_of(i))
+            _lars_one(**tensors, grad_scale=grad_scale, **numbers, **flags, norm=reduce.norm_of(i))
         elif chosen is _lars_one:
-            chosen(*tensors, grad_scale, *numbers, **flags)
+            chosen(**tensors, grad_scale=grad_scale, **numbers, **flags)
         else:
-            assert compiled_numbers is not None  # the compiled body is picked only when compiled
-            chosen(*tensors, grad_scale, *compiled_numbers, **flags, **_paths.COMPILED_NORMS)
+            chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, **flags, **_paths.COMPILED_NORMS)
         step.add_(1)
 
 
-def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # noqa: ANN001
+def _foreach_lars(*, params, grads, momentum_buffers, masters, state_steps,  # noqa: ANN001
                   grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
                   nesterov, trust_clip, trust_ratio, lr_in_momentum=True,  # noqa: ANN001
                   zero_norm_skip=False, decayed_norm=False, reduce=None) -> None:  # noqa: ANN001
@@ -192,11 +191,10 @@ def _foreach_lars(params, grads, momentum_buffers, masters, state_steps, *,  # n
     torch._foreach_add_(state_steps, 1)
 
 
-_compiled_lars = _paths.compiled_path(_single_tensor_lars, _foreach_lars)
-
-
 FLAGS = ("nesterov", "trust_clip", "trust_ratio", "lr_in_momentum", "zero_norm_skip", "decayed_norm")
-_PATHS = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars, "compiled": _compiled_lars}
+# The unfused paths, for _paths.run (the fused one is the kernels).
+BODIES = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars,
+          "compiled": _paths.compiled_path(LARS_SPEC, _single_tensor_lars, _foreach_lars)}
 
 
 class LARS(LayerwiseOptimizer):
@@ -274,7 +272,7 @@ class LARS(LayerwiseOptimizer):
     """
 
     spec = LARS_SPEC
-    functional = staticmethod(lars)
+    bodies = BODIES
 
     def __init__(
         self,

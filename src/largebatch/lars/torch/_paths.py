@@ -9,8 +9,11 @@ Four paths compute the same update (``largebatch.lars.reference``):
 - ``fused``: the multi-tensor Triton kernels of ``largebatch.lars.kernels`` (CUDA).
 
 :func:`resolve` turns the user's ``foreach``/``fused``/``compiled`` (each True, False or
-None) into settings, once: the optimizers call it in their constructor, the functionals
-on every call. The size thresholds that choose are named here and nowhere else.
+None) into settings, once: the optimizers call it for each param group as it is added,
+the functionals on every call. The size thresholds that choose are named here and
+nowhere else. :func:`run` is the one dispatch point: the optimizers' ``step`` and the
+functionals both hand it their groups (:class:`Work`); it builds the fused path's groups
+(``_fused.fused_group``) and calls the other paths' bodies by keyword.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import functools
 import os
 import types
 from collections.abc import Callable
-from typing import Any, TypedDict, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from torch import Tensor
@@ -38,8 +42,7 @@ COMPILE_MIN_TENSOR = 1 << 16
 
 PATHS = ("single_tensor", "foreach", "compiled", "fused")
 
-_Tensors = TypeVar("_Tensors", bound=tuple)
-
+_Counter = TypeVar("_Counter", Tensor, None)  # an optimizer's count of applied steps, or None
 
 class PathSettings(TypedDict):
     """What :func:`resolve` returns."""
@@ -105,39 +108,88 @@ def pick(foreach: bool | None, fused: bool, compiled: bool) -> str:
     return "single_tensor" if foreach is False else "foreach"
 
 
-def dispatch(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], lists: tuple[list, ...], *,
-             foreach: Any, fused: Any, compiled: Any, grad_scale: Tensor | None,
-             found_inf: Tensor | None, hyper: dict[str, Any]) -> None:
-    """What a functional does: pick the path for ``lists`` (params first, then grads, the
-    spec's state lists, masters, step counts) and run it with ``hyper``."""
-    path = pick(**resolve(foreach, fused, compiled, lists[0]))
-    lists, reducer = _sharded.local(lists)
-    if reducer is not None:
-        found_inf = reducer.found_inf(found_inf)
-    if path == "fused":
+def list_names(spec: OptimizerSpec) -> tuple[str, ...]:
+    """The names of a group's tensor lists, as the functionals and the bodies take them:
+    ``params``, ``grads``, one list per state key (``momentum_buffers``; ``exp_avgs``,
+    ``exp_avg_sqs``), ``masters`` (None where a param has none), ``state_steps``."""
+    return ("params", "grads", *(f"{key}s" for key in spec.state), "masters", "state_steps")
+
+
+@dataclass(frozen=True)
+class Work:
+    """One group's share of a step: its lists (keys :func:`list_names`), its
+    hyperparameters (the spec's names; ``lr`` a float or a one-element Tensor), its
+    resolved path, and the key of its lr buffer on the fused path."""
+
+    tensors: dict[str, list]
+    hyper: dict[str, Any]
+    path: str
+    key: Any = None
+
+
+def run(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], work: list[Work], *,
+        grad_scale: Tensor | None, found_inf: Tensor | None, counter: _Counter,
+        fused_options: dict[str, Any] | None = None, lr_buffers: dict | None = None) -> _Counter:
+    """The one place where a step's path runs, for the optimizers and the functionals.
+
+    Sharded (DTensor) lists become their local blocks and a reducer that sums norms over
+    the shards. The fused path takes every group in one call of the kernels (which decide
+    the skip on the device, and take ``fused_options``: the optimizer's options and the
+    sharded reductions); the other paths skip on ``found_inf`` (read on the host), then
+    call each group's body by keyword. Returns ``counter`` (the count of applied steps,
+    or None), advanced unless the step was skipped.
+    """
+    names = list_names(spec)
+    local = []
+    for w in work:
+        if w.tensors["params"]:
+            lists, reducer = _sharded.local(tuple(w.tensors[k] for k in names))
+            local.append((w, dict(zip(names, lists)), reducer))
+    if work and work[0].path == "fused":  # then every group's (the optimizer checks)
         from largebatch.lars.torch import _fused
 
-        names = ("params", "grads", *spec.state, "masters", "steps")
-        tensors = dict(zip(names, lists))
-        groups = [_fused.fused_group(spec, tensors, _fused.device_lr(hyper["lr"], lists[0][0].device), hyper)
-                  ] if lists[0] else []
-        reductions = {} if reducer is None else reducer.fused_kwargs(spec)
-        _fused.fused_step(spec, groups, counter=None, grad_scale=grad_scale, found_inf=found_inf,
-                          **reductions)
-    elif not skipped(found_inf):
-        bodies[path](*lists, grad_scale=grad_scale, reduce=reducer, **hyper)
+        groups = [
+            _fused.fused_group(spec, tensors, w.hyper, _fused.device_lr(
+                w.hyper["lr"], tensors["params"][0].device, lr_buffers, w.key))
+            for w, tensors, _ in local
+        ]
+        return _fused.fused_step(spec, groups, counter=counter, grad_scale=grad_scale,
+                                 found_inf=found_inf, **(fused_options or {}))
+    if skipped(found_inf):
+        return counter
+    for w, tensors, reducer in local:
+        bodies[w.path](**tensors, **w.hyper, grad_scale=grad_scale, reduce=reducer)
+    if counter is not None:
+        counter += 1
+    return counter
 
 
-def compiled_path(single_tensor: Callable[..., None], foreach: Callable[..., None]) -> Callable[..., None]:
+def dispatch(spec: OptimizerSpec, bodies: dict[str, Callable[..., None]], tensors: dict[str, list], *,
+             foreach: Any, fused: Any, compiled: Any, grad_scale: Tensor | None,
+             found_inf: Tensor | None, hyper: dict[str, Any]) -> None:
+    """What a functional does: resolve the path for its group (``tensors``, keyed by
+    :func:`list_names`) and :func:`run` it with ``hyper``."""
+    path = pick(**resolve(foreach, fused, compiled, tensors["params"]))
+    reducer = _sharded.reducer_for(tensors["params"])
+    if reducer is not None:  # every rank checked only its own shards
+        found_inf = reducer.found_inf(found_inf)
+    options = reducer.fused_kwargs(spec) if reducer is not None and path == "fused" else None
+    run(spec, bodies, [Work(tensors, hyper, path)], grad_scale=grad_scale, found_inf=found_inf,
+        counter=None, fused_options=options)
+
+
+def compiled_path(spec: OptimizerSpec, single_tensor: Callable[..., None],
+                  foreach: Callable[..., None]) -> Callable[..., None]:
     """The compiled path from an optimizer's two bodies: its large contiguous tensors
     through ``single_tensor(..., compiled=True)``, the rest through ``foreach``."""
+    names = list_names(spec)
 
-    def run(*lists: list, reduce: Any = None, **kwargs: Any) -> None:
+    def run(*, reduce: Any = None, **kwargs: Any) -> None:
         if reduce is not None:  # resolve() keeps sharded params off this path
             raise RuntimeError("the compiled path does not take sharded params")
-        large, small = split_for_compile(lists)
-        single_tensor(*large, compiled=True, **kwargs)
-        foreach(*small, **kwargs)
+        large, small = split_for_compile(tuple(kwargs.pop(k) for k in names))
+        single_tensor(**dict(zip(names, large)), compiled=True, **kwargs)
+        foreach(**dict(zip(names, small)), **kwargs)
 
     return run
 
@@ -204,10 +256,12 @@ def split_for_compile(lists: tuple[list, ...]) -> tuple[tuple[list, ...], tuple[
     return tuple([xs[i] for i in large] for xs in lists), tuple([xs[i] for i in small] for xs in lists)
 
 
-def pick_body(body: Callable, compiled: Callable | None, tensors: _Tensors) -> tuple[Callable, _Tensors]:
+def pick_body(body: Callable, compiled: Callable | None,
+              tensors: dict[str, Tensor | None]) -> tuple[Callable, dict[str, Tensor | None]]:
     """The compiled body on flat views of contiguous tensors of 2+ elements, else the
-    eager one (sizes 0 and 1 would each cost a compile of their own)."""
-    present = [t for t in tensors if t is not None]
+    eager one (sizes 0 and 1 would each cost a compile of their own); ``tensors`` are
+    the body's tensor keywords (None where a param has no master)."""
+    present = [t for t in tensors.values() if t is not None]
     if compiled is None or present[0].numel() < 2 or not all(t.is_contiguous() for t in present):
         return body, tensors
-    return compiled, cast(_Tensors, tuple(None if t is None else t.view(-1) for t in tensors))
+    return compiled, {k: None if t is None else t.view(-1) for k, t in tensors.items()}
