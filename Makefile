@@ -34,9 +34,10 @@ data:
 test: $(STAMP) data
 	$(PY) -m pytest -q tests
 
-# The inner loop: every test but those marked slow (torchrun, process pools, subprocesses).
+# The inner loop: each test function once (its first case), without those marked slow
+# (torchrun, process pools, subprocesses); make test runs every case of every test.
 test-fast: $(STAMP) data
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --first-cases tests
 
 # The gate CI runs before the tests: ruff (style, errors, annotations), mypy (types).
 lint: $(STAMP)
