@@ -11,8 +11,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from largebatch.schedules import SCHEDULES, linear_scaling, make_schedule
+from largebatch.schedules import SCHEDULES, linear_scaling, make_schedule, sqrt_scaling
 from largebatch.torch import LARS, ScheduleLR
+
+RULES = [linear_scaling, sqrt_scaling]
 
 
 def formula(name, t, *, peak, total, warmup, init=0.0, end=0.0, power=2.0, milestones=(), gamma=0.1):
@@ -109,10 +111,17 @@ def test_bad_schedule_raises_naming_the_value(kwargs, message):
         make_schedule(name, **args)
 
 
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("args", [(-0.1, 256), (0.1, 0), (0.1, 256, 0), (0.1, 2.5)])
-def test_linear_scaling_errors(args):
+def test_scaling_rules_errors(rule, args):
     with pytest.raises(ValueError):
-        linear_scaling(*args)
+        rule(*args)
+
+
+def test_sqrt_scaling_is_the_square_root_rule():
+    assert sqrt_scaling(0.064, 3072, 1536) == pytest.approx(0.064 * math.sqrt(2), rel=1e-15)
+    assert sqrt_scaling(1e-3, 256) == 1e-3
+    assert sqrt_scaling(0.01, 4 * 256) == pytest.approx(0.02, rel=1e-15)
 
 
 def test_negative_step_raises():
@@ -146,9 +155,10 @@ BOOLS = [
         ((0.1, 256, True), "Invalid base_batch_size: True"),
     ],
 )
-def test_linear_scaling_refuses_bools_naming_the_argument(args, message):
+@pytest.mark.parametrize("rule", RULES)
+def test_scaling_rules_refuse_bools_naming_the_argument(rule, args, message):
     with _raises_naming(message):
-        linear_scaling(*args)
+        rule(*args)
 
 
 @pytest.mark.parametrize(
@@ -161,12 +171,13 @@ def test_linear_scaling_refuses_bools_naming_the_argument(args, message):
         (("0.1", 256), "Invalid base_lr: '0.1'"),
         ((0.1, None), "Invalid batch_size: None"),
         ((0.1, 256, None), "Invalid base_batch_size: None"),
-        ((1e308, 4096), "linear_scaling(1e+308, 4096, 256) = inf"),
+        ((1e308, 4096), "{rule}(1e+308, 4096, 256) = inf"),
     ],
 )
-def test_linear_scaling_refuses_non_finite_and_none(args, message):
-    with _raises_naming(message):
-        linear_scaling(*args)
+@pytest.mark.parametrize("rule", RULES)
+def test_scaling_rules_refuse_non_finite_and_none(rule, args, message):
+    with _raises_naming(message.format(rule=rule.__name__)):
+        rule(*args)
 
 
 NON_NUMBERS = [

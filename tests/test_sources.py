@@ -250,6 +250,24 @@ def test_apex_fused_lamb_options(data, runner, monkeypatch):
     assert_close(got, port("apex-fusedlamb", params, grads), params, dtype)
 
 
+@pytest.mark.parametrize("runner", ["spec", "foreach"])
+def test_apex_larc_options(data, runner, monkeypatch):
+    """LARC(clip=False) around SGD(nesterov=True): trust_clip=False, nesterov=True
+    (docs/migrating.md's mapping of LARC's arguments)."""
+    params, grads = data
+    options = {"trust_clip": False, "nesterov": True}
+    monkeypatch.setitem(PORTS, "apex-larc", lambda *a, **k: ports.apex_larc_sgd(
+        *a, **k, momentum=MOMENTUM, clip=False, nesterov=True))
+    keywords = source_keywords
+    monkeypatch.setattr("test_sources.source_keywords",
+                        lambda name, framework="torch": {**keywords(name, framework), **options})
+    if runner == "spec":
+        got = run_spec("lars", params, grads, hypers("apex-larc"), LRS, None).params
+    else:
+        got = run_torch("apex-larc", params, grads, **TORCH_PATHS[runner])
+    assert_close(got, port("apex-larc", params, grads), params)
+
+
 def test_the_sgd_recipes_take_goyal_et_als_corrected_momentum(data):
     """The SGD recipes (resnet50-goyal-8k, fmnist-sgd-*) step with torch.optim.SGD, whose
     buffer keeps the rate outside (Goyal et al.'s eq. (9)): the same steps as eq. (10)

@@ -228,6 +228,51 @@ def test_bad_arguments_raise_naming_the_value(cls, kwargs, message):
         cls([torch.nn.Parameter(torch.randn(2))], **kwargs)
 
 
+# A bad default with groups that all override it: (class, key, the groups' value, the bad
+# default, the error, its message).
+DEFAULT_CASES = [
+    (LARS, "weight_decay", 1e-4, -1, ValueError, "Invalid weight_decay: -1 (must be >= 0)"),
+    (LARS, "lr", 0.1, -0.1, ValueError, "Invalid lr: -0.1 (must be >= 0)"),
+    (LARS, "lr", 0.1, torch.ones(2), ValueError, "Invalid lr: Tensor lr must be 1-element"),
+    (LARS, "momentum", 0.9, 1.0, ValueError, "Invalid momentum: 1.0 (must be in [0, 1))"),
+    (LARS, "trust_coefficient", 1e-3, 0.0, ValueError,
+     "Invalid trust_coefficient: 0.0 (must be > 0)"),
+    (LARS, "nesterov", False, "yes", TypeError, "Invalid nesterov: 'yes' (must be True or False)"),
+    (LARS, "master_weights", False, 1, TypeError, "Invalid master_weights: 1 (must be True or False)"),
+    (LAMB, "weight_decay", 0.01, -0.01, ValueError, "Invalid weight_decay: -0.01 (must be >= 0)"),
+    (LAMB, "betas", (0.9, 0.999), (1.0, 0.999), ValueError, "Invalid betas[0]: 1.0 (must be in [0, 1))"),
+    (LAMB, "eps", 1e-6, float("nan"), ValueError, "Invalid eps: nan (must be >= 0)"),
+    (LAMB, "bias_correction", True, 1, TypeError,
+     "Invalid bias_correction: 1 (must be True or False)"),
+    (LAMB, "master_weights", True, "no", TypeError,
+     "Invalid master_weights: 'no' (must be True or False)"),
+]
+
+
+@pytest.mark.parametrize(
+    "cls,key,good,bad,error,message", DEFAULT_CASES,
+    ids=[f"{c.__name__}-{k}-{b!r}" for c, k, _, b, *_ in DEFAULT_CASES],
+)
+def test_every_default_is_checked_even_where_every_group_overrides_it(cls, key, good, bad, error,
+                                                                      message):
+    """As torch's optimizers check their defaults: the constructor refuses a bad keyword
+    whatever the groups hold, before any group is added."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    groups = [{**group, key: good} for group in param_groups(model, 1e-4)]
+    cls(groups)  # the groups are valid
+    with pytest.raises(error, match=re.escape(message)):
+        cls(groups, **{key: bad})
+
+
+def test_the_defaults_are_checked_before_the_groups():
+    """The first error named is the constructor's, as in torch: here the default's, not
+    the first group's."""
+    groups = [{"params": [torch.nn.Parameter(torch.randn(2))], "momentum": 2.0},
+              {"params": [torch.nn.Parameter(torch.randn(2))]}]
+    with pytest.raises(ValueError, match=re.escape("Invalid weight_decay: -1.0 (must be >= 0)")):
+        LARS(groups, weight_decay=-1.0)
+
+
 DECAYED_AND_SKIP = ("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
                     "(zero_norm_skip) and optax's denominator")
 

@@ -39,7 +39,13 @@ from largebatch.mixed_precision.jax import (
     skip_if_nonfinite,
 )
 from largebatch.schedules import SCHEDULES, Schedule
-from largebatch.schedules.jax import OptaxSchedule, as_optax_schedule, linear_scaling, make_schedule
+from largebatch.schedules.jax import (
+    OptaxSchedule,
+    as_optax_schedule,
+    linear_scaling,
+    make_schedule,
+    sqrt_scaling,
+)
 
 __all__ = [
     # optimizers (largebatch.lars.jax)
@@ -59,6 +65,7 @@ __all__ = [
     "as_optax_schedule",
     "linear_scaling",
     "make_schedule",
+    "sqrt_scaling",
     # mixed precision (largebatch.mixed_precision.jax)
     "DynamicLossScale",
     "StaticLossScale",

@@ -5,7 +5,7 @@
 
 from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups, trust_ratios
 from largebatch.mixed_precision.torch import to_half
-from largebatch.schedules import Schedule, linear_scaling, make_schedule
+from largebatch.schedules import Schedule, linear_scaling, make_schedule, sqrt_scaling
 from largebatch.schedules.torch import ScheduleLR
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Schedule",
     "make_schedule",
     "linear_scaling",
+    "sqrt_scaling",
     "ScheduleLR",
     "to_half",
 ]

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from largebatch import schedules as _schedules
-from largebatch.schedules import Schedule, linear_scaling
+from largebatch.schedules import Schedule, linear_scaling, sqrt_scaling
 
-__all__ = ["OptaxSchedule", "as_optax_schedule", "linear_scaling", "make_schedule"]
+__all__ = ["OptaxSchedule", "as_optax_schedule", "linear_scaling", "make_schedule", "sqrt_scaling"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,13 +49,18 @@ class LayerwiseOptimizer(Optimizer):
 
     def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
                  compiled: Any, **hyper: Any) -> None:
+        # Every default is checked here, as torch's optimizers check theirs, whether or not
+        # a group uses it, and before any group is.
+        self._validate({**hyper, "master_weights": master_weights, "foreach": foreach,
+                        "fused": fused, "compiled": compiled})
         params = param_list(params)
         _sharded.check_not_flat(tensors_of(params))
         paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
         self._applied = torch.zeros((), dtype=torch.float32)
         super().__init__(params, {**hyper, "master_weights": master_weights, **paths})
 
-    # Validation runs on every group, including those added later, before it is stored.
+    # Validation runs on every group, including those added later, before it is stored
+    # (the defaults were checked by the constructor).
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
