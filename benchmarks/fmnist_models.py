@@ -54,7 +54,7 @@ def seconds_per_epoch(factory, batch: int, steps: int) -> float:
 
 
 def validation_accuracy(factory, epochs: int) -> float:
-    from largebatch.recipes.study.run import _init_worker, _tensors
+    from largebatch.recipes.study.worker import _init_worker, _tensors
 
     _init_worker(1, None, "cpu")
     x, y, x_val, y_val = _tensors("tune", None)

@@ -134,3 +134,36 @@ def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_outputs(tmp_path, cap
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
     assert not (tmp_path / "plot.png").exists()
+
+
+def test_study_report_without_a_study_in_out(tmp_path, capsys):
+    """``--report`` reads the study's settings from OUT; without them, one line saying what
+    is missing, and nothing written."""
+    absent = tmp_path / "absent"
+    line = user_error(["study", "--report", "--out", str(absent)], capsys)
+    assert line == f"largebatch study: --report: {absent} holds no study: no such folder"
+    assert not absent.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = user_error(["study", "--report", "--out", str(empty)], capsys)
+    assert line == (f"largebatch study: --report: {empty} holds no study: neither "
+                    "settings.json nor a finished run in runs.jsonl")
+    (empty / "settings.json").write_text('{"quick": true, "batches": [1000]}')
+    line = user_error(["study", "--report", "--out", str(empty)], capsys)
+    assert line == (f"largebatch study: --report: cannot read the study's settings from "
+                    f"{empty / 'settings.json'}: Invalid batch 1000: the study's recipes cover "
+                    "128, 384, 1536, 3072")
+    assert sorted(p.name for p in empty.iterdir()) == ["settings.json"]
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly(monkeypatch):
+    """``largebatch recipes | head -1``: the reader goes away; the command ends with the
+    status of a process killed by SIGPIPE (141), not a traceback."""
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert cli(["recipes"]) == 141

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from helpers import user_error
 from largebatch.recipes import study
+from largebatch.recipes.cli import main as cli
 from largebatch.recipes.registry import RECIPES, get_recipe, imagenet_equivalent
 from largebatch.recipes.study import RunSpec, StudyConfig, plan, summarize
 
@@ -250,7 +255,7 @@ def test_tiny_study_end_to_end_then_resume_reuses_every_run(tmp_path):
     for row in summary["rows"]:
         # Chance is 10% (+-0.6 points on 2,400 test images); 1 epoch is 6 to 18 steps.
         assert row["seeds"] == 2 and row["accuracy_mean"] > 0.15, row
-    assert f"| 128 | {imagenet_equivalent(128, 2400):,} | sgd | 1 | 18 |" in (
+    assert f"| 128 | {imagenet_equivalent(128, 60_000):,} | sgd | 1 | 18 |" in (
         out / "study.md").read_text()  # the final runs train on all 2,400 images
     assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Tuning (validation accuracy" in proc.stdout
@@ -278,7 +283,7 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
     """The same run in a spawned worker and in this process: identical accuracy curves."""
     import torch
 
-    recipe = get_recipe("fmnist-lars-384")
+    recipe = get_recipe("fmnist-lars-384").with_epochs(1)  # the study's run of 1 epoch
     spec = RunSpec("final", 384, "lars", study._lr(recipe.peak_lr), recipe.warmup_epochs,
                    seed=1, epochs=1, subset=1200, label_smoothing=recipe.label_smoothing,
                    power=recipe.power)
@@ -465,3 +470,190 @@ def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
         tune, finals = study.pair_plan(cfg, results, 1536, optimizer)
         assert not tune and len(finals) == 3
         assert all(spec.key in results for spec in finals), optimizer
+
+
+def test_epochs_scales_every_warmup_as_train_does():
+    """``--epochs N`` means what it means to ``largebatch train``: each run's schedule is its
+    recipe's scaled to N epochs, the warmup included; without it the recipes run as they
+    stand."""
+    from largebatch.recipes.build import build_schedule
+
+    quick = plan(study.config(_args("--quick", "--epochs", "3")), {})
+    assert {(s.batch, s.optimizer): s.warmup_epochs for s in quick} == pytest.approx(
+        {(128, "sgd"): 0.0, (1536, "lars"): 0.2, (1536, "lamb"): 0.5})
+    for spec in quick:
+        recipe = get_recipe(f"fmnist-{spec.optimizer}-{spec.batch}")
+        assert spec.warmup_epochs == recipe.with_epochs(3).warmup_epochs
+        trains = build_schedule(recipe, peak_lr=spec.lr, epochs=3, n_train=60_000,
+                                batch=spec.batch)
+        studies = build_schedule(recipe, peak_lr=spec.lr, epochs=3, n_train=60_000,
+                                 batch=spec.batch, warmup_epochs=spec.warmup_epochs)
+        steps = range(recipe.epoch_end(3, 60_000, spec.batch) + 1)
+        assert [studies(t) for t in steps] == [trains(t) for t in steps], spec
+    # The grid's warmups are epochs of a recipe's 30, scaled the same way.
+    grid = plan(study.config(_args("--batches", "128,1536", "--optimizers", "sgd",
+                                   "--epochs", "15")), {})
+    assert {(s.batch, s.warmup_epochs) for s in grid} == {
+        (128, 0.0), (128, 1.0), (1536, 1.0), (1536, 2.5)}
+    # The recipes' own epochs: the plan of ``make demo`` (the README's table).
+    for spec in plan(study.config(_args("--quick")), {}):
+        recipe = get_recipe(f"fmnist-{spec.optimizer}-{spec.batch}")
+        assert (spec.epochs, spec.warmup_epochs) == (30, recipe.warmup_epochs)
+
+
+def test_a_subset_keeps_the_imagenet_equivalent_batch_of_the_full_training_set():
+    """The batch's ImageNet equivalent is named by the full 60,000 images, as in ``largebatch
+    train`` (``Recipe.imagenet_batch``), whatever subset the runs trained on."""
+    cfg = StudyConfig(quick=True, batches=(128, 3072), optimizers=("sgd",), seeds=1,
+                      epochs=1, subset=4000)
+    rows = summarize(cfg, _finish(plan(cfg, {}), lambda s: 0.8))["rows"]
+    assert [r["imagenet_batch"] for r in rows] == [
+        get_recipe("fmnist-sgd-128").imagenet_batch, get_recipe("fmnist-sgd-3072").imagenet_batch
+    ] == [2_733, 65_596]
+    assert "| 3,072 | 65,596 | sgd |" in study.study_markdown(summarize(cfg, _finish(
+        plan(cfg, {}), lambda s: 0.8)))
+
+
+def test_subset_is_checked_against_the_runs_the_study_makes(tmp_path, capsys):
+    # --quick tunes nothing: its runs (at most B=1536) train on all of the subset.
+    study._check(study.config(_args("--quick", "--subset", "3072")))
+    with pytest.raises(ValueError, match=r"^Invalid subset: 1000 \(the runs train on it: it "
+                                         r"must hold one batch of 1536\)$"):
+        study._check(study.config(_args("--quick", "--subset", "1000")))
+    with pytest.raises(ValueError, match=r"^Invalid subset: 3072 \(its tuning split, five "
+                                         r"sixths, must hold one batch of 3072\)$"):
+        study._check(study.config(_args("--subset", "3072")))
+    line = user_error(["study", "--quick", "--subset", "1000", "--out", str(tmp_path / "out")],
+                      capsys)
+    assert line == ("largebatch study: Invalid subset: 1000 (the runs train on it: it must "
+                    "hold one batch of 1536)")
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_runs(monkeypatch):
+    """Runs that train nothing (their accuracy follows the spec), and no plot."""
+    monkeypatch.setattr(study.run, "run_one", lambda spec: _result(
+        spec, 0.6 + 0.1 * (spec.batch == 128) + spec.lr / 1000 + spec.seed / 100))
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--quick", "--batches", "128,3072", "--optimizers", "sgd,lars", "--epochs", "3",
+     "--seeds", "2", "--subset", "4000", "--target", "0.6"],
+    ["--batches", "3072", "--optimizers", "lars", "--epochs", "2", "--extend", "1",
+     "--no-ablate", "--seeds", "2", "--large-warmups", "1,3"],
+], ids=["quick", "tuned"])
+def test_report_reads_the_study_settings_from_its_folder(tmp_path, monkeypatch, capsys, flags):
+    """``--report --out DIR`` alone, on a copy of a study's folder: the study's tables."""
+    import torch
+
+    _fake_runs(monkeypatch)
+    threads = ["--jobs", "1", "--threads", str(torch.get_num_threads())]
+    assert cli(["study", *flags, *threads, "--out", str(tmp_path / "study")]) == 0
+    table = (tmp_path / "study" / "study.md").read_text()
+    assert "(2) |" in table, table  # the final rows, two seeds each
+    shutil.copytree(tmp_path / "study", tmp_path / "copy")
+    for name in ("study.md", "study.json"):
+        (tmp_path / "copy" / name).unlink()
+    capsys.readouterr()
+    assert cli(["study", "--report", "--out", str(tmp_path / "copy")]) == 0
+    assert "0 runs are planned next" in capsys.readouterr().out
+    assert (tmp_path / "copy" / "study.md").read_text() == table
+    assert json.loads((tmp_path / "copy" / "study.json").read_text()) == json.loads(
+        (tmp_path / "study" / "study.json").read_text())
+    # A flag given with --report replaces the recorded setting.
+    assert cli(["study", "--report", "--target", "0.9", "--out", str(tmp_path / "copy")]) == 0
+    assert json.loads((tmp_path / "copy" / "study.json").read_text())["target"] == 0.9
+
+
+_RECORDED = ["headline", "epochs-15", "adacomp-8", "adacomp-8-sgd", "adacomp-8-warm5",
+             "workers-8", "workers-8-sgd"]
+
+
+@pytest.mark.parametrize("folder", _RECORDED)
+def test_a_recorded_study_without_settings_reports_from_its_runs(tmp_path, monkeypatch, folder):
+    """docs/study's folders hold runs.jsonl and no settings.json: ``--report --out`` on a
+    copy of the runs alone writes the committed tables."""
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+    recorded = Path(__file__).parents[1] / "docs" / "study" / folder
+    shutil.copy(recorded / "runs.jsonl", tmp_path / "runs.jsonl")
+    assert cli(["study", "--report", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "study.md").read_text() == (recorded / "study.md").read_text()
+    assert json.loads((tmp_path / "study.json").read_text()) == json.loads(
+        (recorded / "study.json").read_text())
+    assert not (tmp_path / study.SETTINGS).exists()
+
+
+class _Stream(io.StringIO):
+    """A text stream that keeps apart what was flushed; ``tty``: whether it is a terminal."""
+
+    def __init__(self, tty: bool = False) -> None:
+        super().__init__()
+        self.tty, self.flushed = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def flush(self) -> None:
+        self.flushed = self.getvalue()
+
+
+class _Started(Exception):
+    pass
+
+
+def test_the_first_line_says_what_runs_and_is_out_before_any_training(tmp_path, monkeypatch):
+    """``make demo`` pipes: the first line is flushed before the first run starts."""
+    import torch
+
+    out = _Stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    at_start = []
+
+    def first_run(spec):
+        at_start.append(out.flushed)
+        raise _Started
+
+    monkeypatch.setattr(study.run, "run_one", first_run)
+    cfg = StudyConfig(quick=True, batches=(128, 1536), optimizers=("sgd", "lars"), seeds=1,
+                      jobs=1, threads=torch.get_num_threads(), out=str(tmp_path))
+    with pytest.raises(_Started):
+        study.run_study(cfg)
+    (line,) = at_start[0].splitlines()
+    steps = 30 * (60_000 // 128 + 2 * (60_000 // 1536))
+    assert line.startswith("largebatch study (quick study: the recipes' tuned settings, no "
+                           "tuning): B=128 sgd, B=1536 sgd, B=1536 lars; 30 epochs, 1 seed; "
+                           f"3 runs, {steps:,} steps to go; 1 job(s)"), line
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "terminal"])
+def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatch, tty):
+    import torch
+
+    out, err = _Stream(), _Stream(tty)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+    cfg = StudyConfig(quick=True, batches=(384,), optimizers=("lars",), seeds=1, epochs=1,
+                      subset=1200, jobs=1, threads=torch.get_num_threads(), out=str(tmp_path))
+    try:
+        study.run_study(cfg)
+    finally:
+        study._WORKER.clear()
+    if tty:  # 3 steps of 384 images, with the time left; the run line above it
+        assert "\rstudy:" in err.getvalue() and "1.15k/1.15k [" in err.getvalue()
+        assert "runs 1/1, loss " in err.getvalue()
+        assert "[  1 " in out.getvalue()
+    else:
+        assert "\r" not in err.getvalue() + out.getvalue()
+        assert err.getvalue() == ""
+
+
+def test_vs_baseline_is_the_difference_of_the_means_as_shown():
+    """A reader who subtracts the table's means gets the table's difference: 92.47 and
+    92.75 shown give -0.28, though the unrounded means (92.474 and 92.746) differ by 0.272."""
+    cfg = StudyConfig(quick=True, batches=(128, 1536), optimizers=("sgd",), seeds=1, epochs=1)
+    scores = {128: 0.92746, 1536: 0.92474}
+    summary = summarize(cfg, _finish(plan(cfg, {}), lambda s: scores[s.batch]))
+    assert [round(100 * r["delta_vs_baseline"], 6) for r in summary["rows"]] == [0.0, -0.28]
+    assert "| 92.47 (1) | -0.28 |" in study.study_markdown(summary)

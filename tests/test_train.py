@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 import subprocess
@@ -629,3 +630,31 @@ def test_a_stream_epoch_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert cli([*args, "--out", str(split), "--resume"]) == 0
     a, b = _params(straight), _params(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Stream(io.StringIO):
+    """A text stream that says whether it is a terminal (``tty``)."""
+
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "terminal"])
+def test_a_bar_shows_the_runs_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys, tty):
+    """One bar for the whole run (16 steps over 2 epochs): the epoch, the steps, the time
+    left, the epoch's mean training loss; no bar when stderr is not a terminal."""
+    err = _Stream(tty)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli(["train", "--recipe", "fmnist-sgd-128", "--subset", "1024", "--epochs", "2",
+                "--out", str(tmp_path)]) == 0
+    out, bar = capsys.readouterr().out, err.getvalue()
+    if tty:
+        assert "\repoch 2/2:" in bar and "16/16 [" in bar and "loss=" in bar, bar
+        assert re.search(r"\[\d\d:\d\d<\d\d:\d\d", bar), bar  # elapsed<left
+        assert "epoch   2/2  train loss" in out
+    else:
+        assert bar == "" and "\r" not in out

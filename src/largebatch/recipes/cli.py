@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -55,8 +56,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err.message, file=sys.stderr, flush=True)
         _exit_if_joined(err.code)
         raise
+    except BrokenPipeError:  # the reader went away (``largebatch recipes | head -1``)
+        _silence_stdout()
+        status = BROKEN_PIPE
     _exit_if_joined(status)
     return status
+
+
+# A command whose output pipe closed ends as a shell reports a process killed by SIGPIPE.
+BROKEN_PIPE = 128 + 13
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises nothing more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _exit_if_joined(status: object) -> None:

@@ -17,6 +17,10 @@ settings other than the run's own, and gives the same parameters as an uninterru
 ``--epochs`` other than the recipe's scales the recipe's warmup and milestones with it
 (``Recipe.with_epochs``).
 
+On a terminal, rank 0 shows a progress bar on stderr over the steps of the run: the
+epoch's mean training loss so far, images/s, and the time left for the run (to
+``--stop-after``), evaluations included. Off a terminal there is no bar.
+
 ``--compression adacomp`` (under ``torchrun``, DDP) registers the AdaComp communication hook
 (:mod:`largebatch.comm.torch`) after ``--compression-warmup`` epochs of plain all-reduce:
 every rank's residuals go into the checkpoint, and each metrics line records the
@@ -79,20 +83,45 @@ __all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_argum
 # --------------------------------------------------------------------------- telemetry
 
 
+def _run_bar(run: Run, start_epoch: int) -> Any:
+    """The run's progress bar (tqdm on stderr; rank 0, on a terminal only) over the steps
+    of the epochs this invocation trains. Its rate is the average since the start,
+    evaluations and checkpoints included, so its estimate of the time left is the run's."""
+    from tqdm import tqdm
+
+    return tqdm(total=run.ends[run.stop] - run.ends[start_epoch], unit="step", leave=False,
+                desc=f"epoch {start_epoch + 1}/{run.epochs}", disable=run.rank != 0 or None,
+                smoothing=0, dynamic_ncols=True)
+
+
 class _EpochTelemetry:
-    """The training loop's callbacks for one epoch: the progress bar (rank 0), and the
+    """The training loop's callbacks for one epoch: the run's progress bar (its steps, and
+    about once a second the epoch's mean training loss so far and its images/s), and the
     trust ratios at the epoch's last step, read before the optimizer applies the step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, steps: int, batch: int,
-                 desc: str, show: bool) -> None:
-        from tqdm import tqdm
-
+                 bar: Any, desc: str) -> None:
         self.optimizer, self.scaler, self.last, self.batch = optimizer, scaler, steps - 1, batch
         self.ratios: list[float] = []
         self.seen = 0
-        self.bar = tqdm(total=steps, desc=desc, unit="step", disable=not show or None,
-                        leave=False)
-        self.t0 = time.perf_counter()
+        self.bar = bar
+        bar.set_description(desc, refresh=False)
+        self.loss_sum: torch.Tensor | None = None  # summed on the device: no sync per step
+        self.losses = 0
+        self.t0 = self.shown = time.perf_counter()
+
+    def watch(self, loss_fn: Any) -> Any:
+        """``loss_fn``, each loss it returns also summed for the bar (when the bar shows)."""
+        if self.bar.disable:
+            return loss_fn
+
+        def watched(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(logits, target)
+            self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+            self.losses += 1
+            return loss
+
+        return watched
 
     def before_step(self, step: int) -> None:
         if step == self.last:
@@ -102,11 +131,15 @@ class _EpochTelemetry:
     def after_step(self, step: int) -> None:
         self.seen += self.batch
         self.bar.update()
-        self.bar.set_postfix(img_s=f"{self.seen / (time.perf_counter() - self.t0):,.0f}")
+        now = time.perf_counter()
+        if not self.bar.disable and (now - self.shown >= 1.0 or step == self.last):
+            self.shown = now
+            loss = float(self.loss_sum) / self.losses if self.loss_sum is not None else math.nan
+            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{self.seen / (now - self.t0):,.0f}",
+                                 refresh=False)
 
     def close(self) -> float:
-        """Closes the bar; the epoch's seconds."""
-        self.bar.close()
+        """The epoch's seconds."""
         return time.perf_counter() - self.t0
 
     def row(self) -> dict[str, float | None]:
@@ -202,11 +235,15 @@ def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out
     start_epoch, history = restore(run, state) if state is not None else (0, [])
     distribute(run, state)
     _print_header(run, start_epoch)
-    for epoch in range(start_epoch, run.stop):
-        loss_sum, telemetry, seconds = _train(run, epoch)
-        accuracy = _evaluate(run)
-        history.append(_record(run, epoch, loss_sum, accuracy, telemetry, seconds))
-        _checkpoint(run, epoch, history)
+    bar = _run_bar(run, start_epoch)
+    try:
+        for epoch in range(start_epoch, run.stop):
+            loss_sum, telemetry, seconds = _train(run, epoch, bar)
+            accuracy = _evaluate(run)
+            history.append(_record(run, epoch, loss_sum, accuracy, telemetry, seconds))
+            _checkpoint(run, epoch, history)
+    finally:
+        bar.close()
     return _summarize(run, history)
 
 
@@ -226,17 +263,18 @@ def _print_header(run: Run, start_epoch: int) -> None:
           f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}", flush=True)
 
 
-def _train(run: Run, epoch: int) -> tuple[torch.Tensor, _EpochTelemetry, float]:
-    """Trains epoch ``epoch`` (from 0): its loss summed over its steps (averaged over the
-    processes), its telemetry and its seconds."""
+def _train(run: Run, epoch: int, bar: Any) -> tuple[torch.Tensor, _EpochTelemetry, float]:
+    """Trains epoch ``epoch`` (from 0), advancing the run's ``bar``: its loss summed over
+    its steps (averaged over the processes), its telemetry and its seconds."""
     steps = run.ends[epoch + 1] - run.ends[epoch]
     sampler = epoch_sampler(run.recipe, run.data.n_train, run.batch, run.rank, run.world,
                             run.args.seed, epoch)
-    telemetry = _EpochTelemetry(run.optimizer, run.scaler, steps, run.batch,
-                                f"epoch {epoch + 1}/{run.epochs}", show=run.rank == 0)
+    telemetry = _EpochTelemetry(run.optimizer, run.scaler, steps, run.batch, bar,
+                                f"epoch {epoch + 1}/{run.epochs}")
     loss_sum = train_epoch(
         run.ddp, batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
-        run.optimizer, run.scheduler, run.loss_fn, micro_batch=run.micro, scaler=run.scaler,
+        run.optimizer, run.scheduler, telemetry.watch(run.loss_fn), micro_batch=run.micro,
+        scaler=run.scaler,
         no_sync=run.ddp.no_sync if isinstance(run.ddp, nn.parallel.DistributedDataParallel) else None,
         before_step=telemetry.before_step, after_step=telemetry.after_step)
     seconds = telemetry.close()
@@ -280,10 +318,13 @@ def _checkpoint(run: Run, epoch: int, history: list[dict[str, Any]]) -> None:
     saved_optimizer = full_optimizer_state(run.optimizer) if run.fsdp else run.optimizer.state_dict()
     if run.rank != 0:
         return
+    from tqdm import tqdm
+
     row = history[-1]
-    print(f"epoch {epoch + 1:>3}/{run.epochs}  train loss {row['train_loss']:.4f}  "
-          f"test acc {row['test_accuracy']:.2%}  lr {row['lr']:.4g}  "
-          f"{row['images_per_second']:,.0f} img/s", flush=True)
+    with tqdm.external_write_mode():  # above the run's bar
+        print(f"epoch {epoch + 1:>3}/{run.epochs}  train loss {row['train_loss']:.4f}  "
+              f"test acc {row['test_accuracy']:.2%}  lr {row['lr']:.4g}  "
+              f"{row['images_per_second']:,.0f} img/s", flush=True)
     write_checkpoint(run.out / "checkpoint.pt", {
         "model": saved_model, "optimizer": saved_optimizer, "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler else None, "epoch": epoch + 1, "rng": rng,
@@ -338,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop after this epoch (the schedule still spans --epochs); --resume continues")
     add("--seed", type=int, default=0)
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images")
+    add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images "
+        "(the ImageNet-equivalent batch stays that of the full training set)")
     add("--workers", type=int, default=4, help="data-loader workers for ImageFolder data")
     add("--fsdp", action="store_true", help="under torchrun: shard params, grads and optimizer "
         "state with FSDP2 (fully_shard) instead of replicating them with DDP; trust ratios "

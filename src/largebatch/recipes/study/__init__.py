@@ -18,47 +18,63 @@ Full study (the default), for every pair with the same budget:
    switched off (label smoothing 0; poly power 1), and the best of all these is kept.
 2. **Re-run** the kept setting on all 60,000 images with ``--seeds`` seeds (3) and
    report test accuracy as mean ± std, and the steps each run took to reach the target
-   accuracy (default: the baseline's mean minus one point) at the end of an epoch.
+   accuracy (default: the baseline's mean minus one point, rounded down to a tenth of a
+   point) at the end of an epoch.
 
 ``--quick`` skips tuning: one seed of the recipes as they stand (their settings are the
 full study's results) for the pairs in ``QUICK_PAIRS``. ``make demo`` runs it.
 
-Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). Every
+``--epochs N`` means what it means to ``largebatch train``: every run's schedule is its
+recipe's scaled to N epochs, so the warmups (the recipes' and the grid's, given in epochs
+of a recipe's 30) scale by N / 30. ``--subset N`` trains on the first N images; the
+ImageNet-equivalent batch stays that of the full 60,000, as in ``largebatch train``.
+
+The first line says what the study is to run; on a terminal a bar on stderr then shows
+the images trained against those still to train, with an estimate of the time left.
+Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). The
+study's settings go to ``OUT/settings.json``; every
 finished run is appended to ``OUT/runs.jsonl``; running the same command again reuses them,
 so an interrupted study continues where it stopped (a line cut short by the interruption is
 skipped with a warning, and its run is redone). SIGTERM or Ctrl-C stops the workers with
 the study, and a worker whose parent is gone exits by itself. One study at a time holds
 ``OUT`` (a lock on ``OUT/.lock``). The end writes ``OUT/study.md`` (the tables),
 ``OUT/study.json`` and ``OUT/study.png``, each replaced atomically; ``--report`` writes
-them from the finished runs without training any (a study stopped part-way).
+them from the finished runs without training any (a study stopped part-way), with the
+settings recorded in ``OUT`` (``settings.json``; in a folder without one, those its runs
+show), which the flags given with it replace.
 
 The package: :mod:`~largebatch.recipes.study.plan` (what to run: :class:`StudyConfig`,
-:class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.run` (training a
-run, the worker pool, ``runs.jsonl``) and :mod:`~largebatch.recipes.study.report` (the
-tables and the plot); this module is the command line. A run trains as ``largebatch
+:class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.worker` (training
+a run), :mod:`~largebatch.recipes.study.run` (the worker pool, ``runs.jsonl``, the
+progress) and :mod:`~largebatch.recipes.study.report` (the tables and the plot); this
+module is the command line. A run trains as ``largebatch
 train`` does: :mod:`largebatch.recipes.build` and :mod:`largebatch.recipes.loop`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 from pathlib import Path
 
 from largebatch.recipes.outputs import CommandError, require
+from largebatch.recipes.registry import FASHION_EPOCHS, TRAIN_IMAGES
 
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
     BASELINE, COMPRESSIONS, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
     LARGE_BATCHES,
     QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
-    _lr, _recipe, pair_plan, plan,
+    _lr, _recipe, config_from_runs, pair_plan, plan, run_steps, runs_left,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
 from largebatch.recipes.study.run import (  # noqa: F401
-    _EVAL_CHUNK, _SPLIT_SEED, _WORKER, _append, _exit_with_parent, _init_worker, _load_results,
-    _Stopped, _tensors, run_one, run_study,
+    SETTINGS, _append, _load_results, _Stopped, recorded_config, run_one, run_study,
+)
+from largebatch.recipes.study.worker import (  # noqa: F401
+    _EVAL_CHUNK, _SPLIT_SEED, _WORKER, _exit_with_parent, _init_worker, _tensors,
 )
 
 __all__ = ["StudyConfig", "RunSpec", "config", "pair_plan", "plan", "run_one", "run_study",
@@ -73,15 +89,29 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(","))
 
 
+def _default(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+# The flags that say what the study runs: with --report, those given replace the settings
+# recorded in OUT, and the others keep them.
+_SETTING_FLAGS = ("batches", "optimizers", "seeds", "epochs", "small_warmups", "large_warmups",
+                  "label_smoothing", "power", "ablate", "extend", "target", "subset", "workers",
+                  "compression", "compression_warmup")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``largebatch study`` flags."""
     add = parser.add_argument
+    cfg = StudyConfig()
     add("--quick", action="store_true",
         help="no tuning: one seed of the recipes' settings for "
              + ", ".join(f"{o} at {b}" for b, o in QUICK_PAIRS)
              + " unless --batches or --optimizers say otherwise (make demo)")
     add("--report", dest="report_only", action="store_true",
-        help="write the tables and plot of the runs already in OUT/runs.jsonl; train nothing")
+        help="write the tables and plot of the runs already in OUT/runs.jsonl, with the "
+             "settings recorded in OUT (settings.json, else those the runs show; the flags "
+             "given replace them); train nothing")
     add("--out", default=None, metavar="DIR",
         help="output folder (default runs/study, or runs/study-quick)")
     add("--batches", type=_ints, default=None, metavar="B,B",
@@ -91,62 +121,79 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME,NAME", help=f"of {','.join(STUDY_OPTIMIZERS)} (default "
                                   f"{','.join(DEFAULT_OPTIMIZERS)})")
     add("--seeds", type=int, default=None, help="final runs per pair (default 3; quick 1)")
-    add("--epochs", type=int, default=None, help="epochs per run (default: the recipes')")
-    add("--small-warmups", type=_floats, default=StudyConfig.small_warmups, metavar="E,E",
-        help="warmup epochs tuned at the baseline batch (default %(default)s)")
-    add("--large-warmups", type=_floats, default=StudyConfig.large_warmups, metavar="E,E",
-        help="warmup epochs tuned at the large batches (default %(default)s)")
-    add("--label-smoothing", type=float, default=StudyConfig.label_smoothing,
-        help="label smoothing of the tuning runs (default %(default)s)")
-    add("--power", type=float, default=StudyConfig.power,
-        help="poly decay power of the tuning runs (default %(default)s)")
-    add("--no-ablate", dest="ablate", action="store_false",
+    add("--epochs", type=int, default=None,
+        help=f"epochs per run (default: the recipes', {FASHION_EPOCHS}); as for train, another "
+             "number scales each recipe's schedule to it, warmups included")
+    add("--small-warmups", type=_floats, default=None, metavar="E,E",
+        help=f"warmup epochs tuned at the baseline batch, of a recipe's {FASHION_EPOCHS} "
+             f"(scaled with --epochs; default {_default(cfg.small_warmups)})")
+    add("--large-warmups", type=_floats, default=None, metavar="E,E",
+        help=f"warmup epochs tuned at the large batches, of a recipe's {FASHION_EPOCHS} "
+             f"(scaled with --epochs; default {_default(cfg.large_warmups)})")
+    add("--label-smoothing", type=float, default=None,
+        help=f"label smoothing of the tuning runs (default {cfg.label_smoothing:g})")
+    add("--power", type=float, default=None,
+        help=f"poly decay power of the tuning runs (default {cfg.power:g})")
+    add("--no-ablate", dest="ablate", action="store_const", const=False, default=None,
         help="skip the runs that switch label smoothing and the poly power off")
-    add("--extend", type=int, default=StudyConfig.extend,
-        help="times a tuning grid may grow past an edge holding the best lr (default %(default)s)")
+    add("--extend", type=int, default=None,
+        help=f"times a tuning grid may grow past an edge holding the best lr (default "
+             f"{cfg.extend})")
     add("--target", type=float, default=None,
-        help="accuracy for the steps-to-target column (default: baseline mean - 0.01)")
+        help="accuracy for the steps-to-target column (default: baseline mean - 0.01, "
+             "rounded down to 0.001)")
     add("--jobs", type=int, default=None, help="parallel runs (default: one per CPU)")
     add("--threads", type=int, default=None, help="torch threads per run (default CPUs / jobs)")
     add("--device", default="cpu", choices=("cpu", "cuda"))
     add("--data", default=None, metavar="DIR", help="folder with the four Fashion-MNIST files")
-    add("--subset", type=int, default=None, metavar="N", help="first N train and test images")
-    add("--workers", type=int, default=1, metavar="N",
+    add("--subset", type=int, default=None, metavar="N",
+        help="first N train and test images (the ImageNet-equivalent batch stays that of "
+             f"the full {TRAIN_IMAGES['fashion-mnist']:,})")
+    add("--workers", type=int, default=None, metavar="N",
         help="simulate N data-parallel workers in one process: each batch split N ways, "
              "each part with its own batch-norm statistics (default 1: no split)")
-    add("--compression", default="none", choices=COMPRESSIONS,
+    add("--compression", default=None, choices=COMPRESSIONS,
         help="how the simulated workers exchange gradients: the plain average, or AdaComp "
-             "after --compression-warmup epochs uncompressed (default %(default)s)")
-    add("--compression-warmup", type=int, default=StudyConfig.compression_warmup,
-        metavar="EPOCHS", help="epochs of plain exchange before AdaComp (default %(default)s)")
+             "after --compression-warmup epochs uncompressed (default none)")
+    add("--compression-warmup", type=int, default=None, metavar="EPOCHS",
+        help=f"epochs of plain exchange before AdaComp (default {cfg.compression_warmup})")
 
 
-def config(args: argparse.Namespace) -> StudyConfig:
-    """The :class:`StudyConfig` that parsed ``largebatch study`` arguments ask for."""
-    return StudyConfig(
-        quick=args.quick,
-        batches=args.batches or DEFAULT_BATCHES,
-        optimizers=args.optimizers or DEFAULT_OPTIMIZERS, epochs=args.epochs,
-        only=QUICK_PAIRS if args.quick and not (args.batches or args.optimizers) else None,
-        small_warmups=args.small_warmups, large_warmups=args.large_warmups,
-        label_smoothing=args.label_smoothing, power=args.power, ablate=args.ablate,
-        seeds=(1 if args.quick else 3) if args.seeds is None else args.seeds,
-        extend=args.extend, target=args.target, report_only=args.report_only,
-        subset=args.subset, data=args.data, jobs=args.jobs, threads=args.threads,
-        device=args.device, workers=args.workers, compression=args.compression,
-        compression_warmup=args.compression_warmup,
-        out=args.out or ("runs/study-quick" if args.quick else "runs/study"),
-    )
+def _out(args: argparse.Namespace) -> str:
+    return args.out or ("runs/study-quick" if args.quick else "runs/study")
+
+
+def config(args: argparse.Namespace, recorded: StudyConfig | None = None) -> StudyConfig:
+    """The :class:`StudyConfig` that parsed ``largebatch study`` arguments ask for. With
+    ``recorded`` (``--report``: the settings of the study in OUT), the flags given replace
+    its settings and the others keep them; whether it is quick is its own."""
+    given = {name: getattr(args, name) for name in _SETTING_FLAGS
+             if getattr(args, name) is not None}
+    if recorded is None:
+        recorded = StudyConfig(quick=args.quick, seeds=1 if args.quick else 3,
+                               only=QUICK_PAIRS if args.quick else None)
+    only = None if {"batches", "optimizers"} & set(given) else recorded.only
+    return dataclasses.replace(
+        recorded, **given, only=only, report_only=args.report_only, data=args.data,
+        jobs=args.jobs, threads=args.threads, device=args.device, out=_out(args))
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments."""
-    cfg = config(args)
+    recorded = None
+    if args.report_only:
+        try:
+            recorded = recorded_config(_out(args), {name: getattr(args, name) for name in (
+                "epochs", "subset", "workers", "compression", "compression_warmup")
+                if getattr(args, name) is not None})
+        except ValueError as err:
+            raise CommandError("study", f"--report: {err}") from None
+    cfg = config(args, recorded)
     try:
         _check(cfg)
     except ValueError as err:
         raise CommandError("study", str(err)) from None
-    require("study", ("torch", "matplotlib"))
+    require("study", ("torch", "tqdm", "matplotlib"))
     if cfg.data is not None and not Path(cfg.data).is_dir():
         raise CommandError("study", f"data directory not found: {cfg.data}")
     from largebatch.recipes.data import fashion_mnist_dir

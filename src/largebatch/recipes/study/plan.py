@@ -17,11 +17,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from largebatch import checks
-from largebatch.recipes.registry import Recipe, get_recipe
+from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe
 
 __all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES",
            "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
-           "RunSpec", "StudyConfig", "pair_plan", "plan"]
+           "RunSpec", "StudyConfig", "config_from_runs", "held_out", "pair_plan", "plan",
+           "runs_left", "run_steps"]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
@@ -36,6 +37,7 @@ DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 # the 30-epoch study's settings, one seed each: three runs, within 10 minutes on 2 cores.
 QUICK_PAIRS = ((BASELINE[0], BASELINE[1]), (1536, "lars"), (1536, "lamb"))
 VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
+FASHION_IMAGES = TRAIN_IMAGES["fashion-mnist"]
 # How data-parallel workers exchange gradients (here and in ``largebatch train``).
 COMPRESSIONS = ("none", "adacomp")
 
@@ -52,6 +54,10 @@ GRID_CENTRES: dict[tuple[str, int], float] = {
 }
 
 
+# The fields of a StudyConfig that say where and how a study runs, not what it runs.
+ENVIRONMENT = ("report_only", "data", "out", "jobs", "threads", "device")
+
+
 @dataclasses.dataclass(frozen=True)
 class StudyConfig:
     """What to run. The defaults are the full study; ``quick=True`` is ``make demo``'s."""
@@ -59,10 +65,14 @@ class StudyConfig:
     quick: bool = False
     batches: tuple[int, ...] = DEFAULT_BATCHES
     optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
-    epochs: int | None = None  # None: the recipes' epochs
+    # None: the recipes' epochs. Another number N scales every run's schedule to N epochs,
+    # as ``largebatch train --epochs N`` does (:meth:`Recipe.with_epochs`): the recipes'
+    # warmups (``quick``) and the grid's (``small_warmups``, ``large_warmups``, epochs of
+    # a recipe's run) by N / the recipe's epochs.
+    epochs: int | None = None
     seeds: int = 3
     lr_factors: tuple[float, ...] = (0.5, 1.0, 2.0)
-    small_warmups: tuple[float, ...] = (0.0, 2.0)  # epochs, at the baseline batch
+    small_warmups: tuple[float, ...] = (0.0, 2.0)  # epochs of a recipe's run, at the baseline batch
     large_warmups: tuple[float, ...] = (2.0, 5.0)
     # The anchors' techniques: every tuning run uses them; then each is switched off
     # (label smoothing 0, poly power 1) at the pair's best grid point, and the final runs
@@ -86,6 +96,10 @@ class StudyConfig:
     workers: int = 1
     compression: str = "none"
     compression_warmup: int = 1  # epochs of plain exchange before AdaComp starts
+    # False: ``epochs`` leaves the warmups as they are, in epochs of the shorter or longer
+    # run. The runs of a study folder without ``settings.json`` were planned so, and
+    # :func:`config_from_runs` reads them back with it.
+    scale_warmups: bool = True
 
     def pairs(self) -> list[tuple[int, str]]:
         """``(batch, optimizer)`` in the order of the table: the baseline, then by batch."""
@@ -95,6 +109,36 @@ class StudyConfig:
 
     def warmups(self, batch: int) -> tuple[float, ...]:
         return self.small_warmups if batch == BASELINE[0] else self.large_warmups
+
+    def warmup(self, warmup_epochs: float, recipe: Recipe) -> float:
+        """A warmup of ``warmup_epochs`` epochs of ``recipe``'s run, in epochs of this
+        study's run of it: scaled by ``epochs / recipe.epochs`` as
+        :meth:`Recipe.with_epochs` scales the recipe's own."""
+        epochs = self.epochs or recipe.epochs
+        if not self.scale_warmups or epochs == recipe.epochs:
+            return warmup_epochs
+        return warmup_epochs * (epochs / recipe.epochs)
+
+    def settings(self) -> dict[str, Any]:
+        """What the study runs, as JSON values (``OUT/settings.json``): every field but
+        those saying where and how it runs (:data:`ENVIRONMENT`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ENVIRONMENT}
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any], **environment: Any) -> StudyConfig:
+        """The configuration whose :meth:`settings` are ``settings`` (JSON values: lists
+        for tuples), with the ``environment`` fields given. A ValueError names a field
+        that is not a setting."""
+        known = {f.name for f in dataclasses.fields(cls)} - set(ENVIRONMENT)
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"unknown setting {unknown[0]!r}")
+
+        def value(v: Any) -> Any:
+            return tuple(value(x) for x in v) if isinstance(v, list) else v
+
+        return cls(**{k: value(v) for k, v in settings.items()}, **environment)
 
 
 def _check(cfg: StudyConfig) -> None:
@@ -111,9 +155,13 @@ def _check(cfg: StudyConfig) -> None:
     for name, low in (("seeds", 1), ("epochs", 1), ("subset", 1), ("jobs", 1), ("threads", 1)):
         if getattr(cfg, name) is not None:
             checks.integer(name, getattr(cfg, name), low)
-    if cfg.subset is not None and cfg.subset - cfg.subset // 6 < max(cfg.batches):
+    largest = max(b for b, _ in cfg.pairs())
+    if cfg.subset is not None and cfg.quick and min(cfg.subset, FASHION_IMAGES) < largest:
+        raise ValueError(f"Invalid subset: {cfg.subset} (the runs train on it: it must hold "
+                         f"one batch of {largest})")
+    if cfg.subset is not None and not cfg.quick and cfg.subset - cfg.subset // 6 < largest:
         raise ValueError(f"Invalid subset: {cfg.subset} (its tuning split, five sixths, must "
-                         f"hold one batch of {max(cfg.batches)})")
+                         f"hold one batch of {largest})")
     if not 0 <= cfg.label_smoothing < 1:
         raise ValueError(f"Invalid label_smoothing: {cfg.label_smoothing} (must be in [0, 1))")
     checks.number("power", cfg.power, 0.0)
@@ -202,7 +250,8 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     factor of 2 beyond an edge that holds the best lr (``cfg.extend`` times at most). Then,
     with ``cfg.ablate``, the best grid point runs again with each technique switched off;
     the final runs take the best of all these on the validation split. ``--quick`` has
-    no tuning: its finals take the recipe's lr, warmup, label smoothing and power."""
+    no tuning: its finals take the recipe's lr, warmup, label smoothing and power. Every
+    warmup, the grid's and the recipe's, is scaled to ``cfg.epochs`` (:meth:`StudyConfig.warmup`)."""
     recipe = _recipe(batch, optimizer)
     epochs = cfg.epochs or recipe.epochs
 
@@ -211,15 +260,15 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
 
     if cfg.quick:
         return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
-                                  recipe.warmup_epochs, 0, epochs, cfg.subset,
-                                  recipe.label_smoothing, recipe.power, cfg.workers,
+                                  cfg.warmup(recipe.warmup_epochs, recipe), 0, epochs,
+                                  cfg.subset, recipe.label_smoothing, recipe.power, cfg.workers,
                                   cfg.compression, cfg.compression_warmup))
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
-        grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), w, 0, epochs,
-                        cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers, cfg.compression,
-                        cfg.compression_warmup)
+        grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), cfg.warmup(w, recipe),
+                        0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
+                        cfg.compression, cfg.compression_warmup)
                 for k in exponents for w in cfg.warmups(batch)]
         if any(s.key not in results for s in grid):
             return grid, []
@@ -243,3 +292,110 @@ def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
         needed += [s for s in (*tune, *final) if s.key not in results]
     return needed
 
+
+def held_out(n: int, subset: int | None) -> int:
+    """How many of ``n`` training images a tuning run holds out for validation:
+    :data:`VAL_SIZE` of the full set, a sixth of a ``subset``."""
+    return VAL_SIZE if subset is None else n // 6
+
+
+def run_steps(spec: RunSpec) -> int:
+    """The optimizer steps ``spec`` takes: its epochs of ``N // batch`` steps, N the images
+    it trains on (the training set or its first ``subset`` images, less those a tuning run
+    holds out)."""
+    n = FASHION_IMAGES if spec.subset is None else min(spec.subset, FASHION_IMAGES)
+    if spec.phase == "tune":
+        n -= held_out(n, spec.subset)
+    return spec.epochs * (n // spec.batch)
+
+
+def runs_left(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
+    """The runs the study has still to run, at least: those :func:`plan` gives, and for
+    each pair still tuning those it takes once its grid is done (the techniques switched
+    off, the final runs, as if at the grid's first point). A grid that grows past an edge
+    adds to them."""
+    todo = []
+    for batch, optimizer in cfg.pairs():
+        tune, final = pair_plan(cfg, results, batch, optimizer)
+        todo += [s for s in (*tune, *final) if s.key not in results]
+        if not final and tune:
+            if cfg.ablate and all((s.label_smoothing, s.power) == (cfg.label_smoothing, cfg.power)
+                                  for s in tune):
+                todo += _without_techniques(cfg, tune[0])
+            todo += [dataclasses.replace(tune[0], phase="final", seed=seed)
+                     for seed in range(cfg.seeds)]
+    return todo
+
+
+def config_from_runs(results: dict[str, dict[str, Any]],
+                     given: dict[str, Any] | None = None) -> StudyConfig:
+    """The settings of the study whose finished runs are ``results``, read from the runs
+    alone (a study folder without ``settings.json``), with ``scale_warmups`` False: each
+    run's warmup is taken as it is recorded.
+
+    The pairs are those the runs hold, in the table's order. A study with tuning runs
+    takes its label smoothing, poly power and warmups from its grids; ``extend`` and
+    ``ablate`` come from a pair that reached its final runs where there is one (the
+    defaults otherwise); ``seeds`` is the most any pair ran. Epochs, subset and the
+    simulated workers must be the same for every run, unless ``given`` (values of
+    these fields) says which to take. A ValueError says what the runs leave open."""
+    given = given or {}
+    specs = [RunSpec(**row["spec"]) for row in results.values()]
+    if not specs:
+        raise ValueError("no finished run to read the study's settings from")
+
+    def one(name: str) -> Any:
+        if name in given:
+            return given[name]
+        values = sorted({getattr(s, name) for s in specs}, key=repr)
+        if len(values) > 1:
+            raise ValueError(f"its runs differ in {name} ({', '.join(map(str, values))}): "
+                             f"give --{name.replace('_', '-')}")
+        return values[0]
+
+    def order(optimizer: str) -> tuple[int, str]:
+        known = optimizer in STUDY_OPTIMIZERS
+        return (STUDY_OPTIMIZERS.index(optimizer) if known else len(STUDY_OPTIMIZERS), optimizer)
+
+    common = {name: one(name) for name in ("epochs", "subset", "workers", "compression",
+                                           "compression_warmup")}
+    specs = [s for s in specs if all(getattr(s, k) == v for k, v in common.items())]
+    if not specs:
+        raise ValueError("none of its runs has " + ", ".join(
+            f"{name.replace('_', ' ')} {value}" for name, value in given.items()))
+    pairs = sorted({(s.batch, s.optimizer) for s in specs}, key=lambda p: (p[0], order(p[1])))
+    batches = tuple(sorted({b for b, _ in pairs}))
+    optimizers = tuple(sorted({o for _, o in pairs}, key=order))
+    finals = [s for s in specs if s.phase == "final"]
+    tune = [s for s in specs if s.phase == "tune"]
+    seeds = max(s.seed for s in finals) + 1 if finals else 1 if not tune else StudyConfig.seeds
+    base = StudyConfig(quick=not tune, batches=batches, optimizers=optimizers,
+                       only=tuple(pairs), seeds=seeds, scale_warmups=False, **common)
+    if not tune:
+        return base
+    techniques = max({(s.label_smoothing, s.power) for s in tune},
+                     key=lambda t: sum((s.label_smoothing, s.power) == t for s in tune))
+    grid = [s for s in tune if (s.label_smoothing, s.power) == techniques]
+    small = tuple(sorted({s.warmup_epochs for s in grid if s.batch == BASELINE[0]}))
+    large = tuple(sorted({s.warmup_epochs for s in grid if s.batch != BASELINE[0]}))
+    ablate, extend = StudyConfig.ablate, StudyConfig.extend
+    done = [p for p in pairs if any((s.batch, s.optimizer) == p for s in finals)]
+    if done:
+        # A pair with final runs has finished tuning: it ran the techniques' switches if
+        # and only if ``ablate``, and its grid stopped growing inside (extend at least the
+        # times it grew) or on an edge (extend exactly that).
+        ablate = any((s.batch, s.optimizer) == done[0] and s not in grid for s in tune)
+        factors = len({round(math.log2(f)) for f in StudyConfig.lr_factors})
+        grown, on_edge = [0], []
+        for batch, optimizer in done:
+            mine = [results[s.key] for s in grid if (s.batch, s.optimizer) == (batch, optimizer)]
+            if mine:
+                lrs = {r["spec"]["lr"] for r in mine}
+                grown.append(len(lrs) - factors)
+                if _best(mine)["spec"]["lr"] in (min(lrs), max(lrs)):
+                    on_edge.append(grown[-1])
+        extend = on_edge[0] if on_edge else max(extend, *grown)
+    return dataclasses.replace(
+        base, label_smoothing=techniques[0], power=techniques[1], ablate=ablate,
+        extend=extend, small_warmups=small or StudyConfig.small_warmups,
+        large_warmups=large or StudyConfig.large_warmups)

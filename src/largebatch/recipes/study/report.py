@@ -43,7 +43,10 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             continue
         spec, accs = final[0], [r["accuracy"] for r in finals]
         rows.append({
-            "batch": batch, "imagenet_batch": imagenet_equivalent(batch, n_train),
+            # The full training set names the batch, whatever the subset trained on (as in
+            # ``largebatch train``).
+            "batch": batch, "imagenet_batch": imagenet_equivalent(
+                batch, TRAIN_IMAGES["fashion-mnist"]),
             "optimizer": optimizer, "epochs": spec.epochs,
             "steps": spec.epochs * finals[0]["steps_per_epoch"], "lr": spec.lr,
             "warmup_epochs": spec.warmup_epochs, "label_smoothing": spec.label_smoothing,
@@ -59,9 +62,9 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     target = cfg.target
     if target is None and base is not None:
         target = math.floor((base["accuracy_mean"] - 0.01) * 1000) / 1000
-    for row in rows:
-        row["delta_vs_baseline"] = None if base is None else row["accuracy_mean"] - base[
-            "accuracy_mean"]
+    for row in rows:  # the difference of the means as shown (two decimals of a percent)
+        row["delta_vs_baseline"] = None if base is None else (
+            round(100 * row["accuracy_mean"], 2) - round(100 * base["accuracy_mean"], 2)) / 100
         steps = [_steps_to(c, target) for c in row["curves"]] if target is not None else []
         row["steps_to_target"] = steps
     base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None

@@ -1,7 +1,9 @@
-"""Running the study: one training run (:func:`run_one`), and the sweep (:func:`run_study`):
-the planned runs on a pool of worker processes, each finished run appended to
-``OUT/runs.jsonl`` (which an interrupted study resumes from), SIGTERM and a killed parent
-handled, then the report.
+"""Running the study, the sweep (:func:`run_study`; one run is
+``largebatch.recipes.study.worker.run_one``):
+the study's settings written to ``OUT/settings.json``, the planned runs on a pool of worker
+processes, each finished run appended to ``OUT/runs.jsonl`` (which an interrupted study
+resumes from), SIGTERM and a killed parent handled, then the report. :func:`recorded_config`
+reads a study's settings back from its folder (``--report``).
 
 Runs need torch, imported by the worker that trains them; this module imports none.
 """
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
-import math
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -23,163 +26,26 @@ from pathlib import Path
 from typing import Any
 
 from largebatch.recipes.outputs import atomic_write, lock_folder, remove_stale_temporaries
-from largebatch.recipes.study.plan import VAL_SIZE, RunSpec, StudyConfig, _check, _recipe, plan
+from largebatch.recipes.study.plan import (
+    RunSpec, StudyConfig, _check, _recipe, config_from_runs, plan, run_steps,
+    runs_left,
+)
 from largebatch.recipes.study.report import plot, study_markdown, summarize
+from largebatch.recipes.study.worker import _WORKER, _init_worker, run_one
 
-__all__ = ["run_one", "run_study"]
+__all__ = ["SETTINGS", "recorded_config", "run_one", "run_study"]
 
-_SPLIT_SEED = 2017  # the permutation that holds out the tuning split's validation images
-_EVAL_CHUNK = 2000
-
-# --------------------------------------------------------------------------- one run
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(threads: int, data: str | None, device: str, parent: int | None = None) -> None:
-    """Set up a worker (or this process, for ``--jobs 1``). With ``parent`` (the study's
-    process id), a watchdog thread ends the worker as soon as that process is gone, so a
-    killed study never leaves its workers running."""
-    import torch
-
-    torch.set_num_threads(threads)
-    _WORKER.update(threads=threads, data=data, device=device, cache={})
-    if parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
-                         name="largebatch-parent-watch").start()
-
-
-def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
-    while os.getppid() == parent:
-        time.sleep(interval)
-    os._exit(1)
-
-
-def _tensors(phase: str, subset: int | None) -> tuple[Any, Any, Any, Any]:
-    """(x_train, y_train, x_eval, y_eval) for a phase, cached per worker."""
-    cache = _WORKER["cache"]
-    if (phase, subset) not in cache:
-        import torch
-
-        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
-
-        device = torch.device(_WORKER["device"])
-        x, y = fashion_mnist_tensors(*load_fashion_mnist("train", _WORKER["data"]), subset)
-        if phase == "tune":
-            order = torch.randperm(len(y), generator=torch.Generator().manual_seed(_SPLIT_SEED))
-            n_val = VAL_SIZE if subset is None else len(y) // 6
-            train_idx, val_idx = order[:-n_val].sort().values, order[-n_val:].sort().values
-            data = (x[train_idx], y[train_idx], x[val_idx], y[val_idx])
-        else:
-            x_test, y_test = fashion_mnist_tensors(*load_fashion_mnist("test", _WORKER["data"]),
-                                                   subset)
-            data = (x, y, x_test, y_test)
-        cache[(phase, subset)] = tuple(
-            t.to(device, memory_format=torch.channels_last) if t.ndim == 4 else t.to(device)
-            for t in data)
-    return cache[(phase, subset)]
-
-
-def run_one(spec: RunSpec) -> dict[str, Any]:
-    """Train one run; returns its spec, accuracy after each epoch, and wall time.
-
-    The seed fixes the initial weights and the batch order, so every optimizer of a seed
-    starts from the same weights and sees the same batches. A run whose loss turns
-    non-finite stops there and is scored as it stands (``"diverged": true``). Model,
-    optimizer, schedule (the recipe's, with the spec's lr, warmup and poly power), loss
-    (with the spec's label smoothing) and the training loop are ``largebatch train``'s
-    (:mod:`largebatch.recipes.build`, :mod:`largebatch.recipes.loop`)."""
-    import torch
-
-    from largebatch.recipes.build import build_loss, build_model, build_optimizer, build_schedule
-    from largebatch.recipes.loop import evaluate, tensor_chunks, train_epoch
-    from largebatch.torch import ScheduleLR
-
-    if not _WORKER:
-        _init_worker(torch.get_num_threads(), None, "cpu")
-    x_train, y_train, x_eval, y_eval = _tensors(spec.phase, spec.subset)
-    device = x_train.device
-    recipe = dataclasses.replace(_recipe(spec.batch, spec.optimizer),
-                                 label_smoothing=spec.label_smoothing, power=spec.power)
-    steps_per_epoch = len(y_train) // spec.batch
-    torch.manual_seed(spec.seed)
-    model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
-        device, memory_format=torch.channels_last)
-    optimizer = build_optimizer(recipe, model, spec.lr)
-    scheduler = ScheduleLR(optimizer, build_schedule(
-        recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
-        warmup_epochs=spec.warmup_epochs))
-    order = torch.Generator().manual_seed(spec.seed)
-    loss_fn = build_loss(recipe)
-
-    sim = _simulated_workers(spec, model, steps_per_epoch)
-    curve, diverged, start = [], False, time.perf_counter()
-    for epoch in range(1, spec.epochs + 1):
-        perm = torch.randperm(len(y_train), generator=order).to(device)
-        batches = ((x_train[idx], y_train[idx])
-                   for idx in perm[: steps_per_epoch * spec.batch].split(spec.batch))
-        if sim is None:
-            loss_sum = train_epoch(model, batches, optimizer, scheduler, loss_fn)
-        else:
-            loss_sum = _train_epoch_workers(model, batches, optimizer, scheduler, loss_fn, sim)
-        train_loss = float(loss_sum) / steps_per_epoch
-        diverged = not math.isfinite(train_loss)
-        accuracy = evaluate(model, tensor_chunks(x_eval, y_eval, _EVAL_CHUNK),
-                            device=device).accuracy
-        curve.append({"epoch": epoch, "step": epoch * steps_per_epoch, "train_loss": train_loss,
-                      "accuracy": accuracy})
-        if diverged:
-            break
-    row = {"spec": dataclasses.asdict(spec), "accuracy": curve[-1]["accuracy"],
-           "diverged": diverged, "steps_per_epoch": steps_per_epoch, "curve": curve,
-           "seconds": time.perf_counter() - start}
-    if sim is not None and spec.compression != "none":
-        row["compression"] = {"rates": sim.compression_rates(), "stats": sim.stats,
-                              "warmup_steps": sim.warmup_steps}
-    return row
-
-
-def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
-    """The exchange of ``spec.workers`` simulated workers (None for one): plain averages
-    for ``compression="none"``, AdaComp after ``spec.compression_warmup`` epochs of them for
-    ``"adacomp"``."""
-    if spec.workers == 1:
-        return None
-    from largebatch.comm.torch import SimulatedWorkers
-
-    params = list(model.named_parameters())
-    steps = spec.epochs * steps_per_epoch
-    warmup = steps if spec.compression == "none" else spec.compression_warmup * steps_per_epoch
-    return SimulatedWorkers([n for n, _ in params], [p.shape for _, p in params], spec.workers,
-                            warmup_steps=warmup)
-
-
-def _train_epoch_workers(model: Any, batches: Any, optimizer: Any, scheduler: Any, loss_fn: Any,
-                         sim: Any) -> Any:
-    """:func:`largebatch.recipes.loop.train_epoch` for simulated workers: each batch split
-    over ``sim.n`` workers, their gradients exchanged by ``sim``
-    (:func:`largebatch.comm.torch.simulate_step`), then the optimizer and schedule step."""
-    import torch
-
-    from largebatch.comm.torch import simulate_step
-
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for x, y in batches:
-        parts = list(zip(x.chunk(sim.n), y.chunk(sim.n)))
-        loss_sum += sum(simulate_step(model, sim, parts, loss_fn)) / sim.n
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-    return loss_sum
+SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
 
 
 # --------------------------------------------------------------------------- the sweep
 
 
-def _load_results(path: Path) -> dict[str, dict[str, Any]]:
-    """The finished runs in ``path`` by :attr:`RunSpec.key`. A line that holds no complete
-    run (cut short when a study was killed mid-write) is skipped with a warning naming the
-    file and the line; its run is planned again."""
+def _load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
+    """The finished runs in ``path`` by :attr:`RunSpec.key`, each spec with every field (a
+    record that predates a field ran as its default does). A line that holds no complete
+    run (cut short when a study was killed mid-write) is skipped, with a warning naming the
+    file and the line (``warn``); its run is planned again."""
     results = {}
     if path.is_file():
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
@@ -187,13 +53,46 @@ def _load_results(path: Path) -> dict[str, dict[str, Any]]:
                 continue
             try:
                 row = json.loads(line)
-                results[RunSpec(**row["spec"]).key] = row
+                spec = RunSpec(**row["spec"])
             except (ValueError, TypeError, KeyError) as err:
+                if not warn:
+                    continue
                 reason = " ".join(f"{type(err).__name__}: {err}".split())
                 print(f"largebatch study: warning: {path}, line {number}: not a complete run "
                       f"record ({reason}); skipped, its run is planned again",
                       file=sys.stderr, flush=True)
+                continue
+            results[spec.key] = {**row, "spec": dataclasses.asdict(spec)}
     return results
+
+
+def recorded_config(out: str | os.PathLike, given: dict[str, Any] | None = None) -> StudyConfig:
+    """The settings of the study in the folder ``out`` (``--report``): its ``settings.json``,
+    or in a folder without one what its ``runs.jsonl`` holds (:func:`config_from_runs`,
+    ``given`` settling what the runs leave open). A ValueError says what is missing."""
+    folder = Path(out)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} holds no study: no such folder")
+    path = folder / SETTINGS
+    if path.is_file():
+        try:
+            settings = json.loads(path.read_text())
+            if not isinstance(settings, dict):
+                raise ValueError("not a JSON object")
+            cfg = StudyConfig.from_settings(settings)
+            _check(cfg)
+        except (OSError, ValueError, TypeError) as err:
+            reason = " ".join(str(err).split())
+            raise ValueError(f"cannot read the study's settings from {path}: {reason}") from None
+        return cfg
+    results = _load_results(folder / "runs.jsonl", warn=False)
+    if not results:
+        raise ValueError(f"{folder} holds no study: neither {SETTINGS} nor a finished run in "
+                         "runs.jsonl")
+    try:
+        return config_from_runs(results, given)
+    except ValueError as err:
+        raise ValueError(f"{folder} has no {SETTINGS}, and {err}") from None
 
 
 def _append(path: Path, row: dict[str, Any]) -> None:
@@ -232,12 +131,15 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+_say = functools.partial(print, flush=True)
+
+
 def run_study(cfg: StudyConfig = StudyConfig(),
-              print_fn: Callable[[str], None] = print) -> dict[str, Any]:
+              print_fn: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run every planned run (reusing those in ``OUT/runs.jsonl``), then summarize."""
     _check(cfg)
     with lock_folder(cfg.out, "study") as out:
-        remove_stale_temporaries(out, ("study.json", "study.md", "study.png"))
+        remove_stale_temporaries(out, ("study.json", "study.md", "study.png", SETTINGS))
         return _run_study(cfg, print_fn)
 
 
@@ -251,6 +153,7 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
                  f"{len(plan(cfg, results))} runs are planned next (and more once they "
                  "finish)")
     else:
+        atomic_write(out / SETTINGS, json.dumps(cfg.settings(), indent=2) + "\n")
         _train_planned(cfg, results, log, print_fn)
 
     summary = summarize(cfg, results)
@@ -266,25 +169,112 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     return summary
 
 
+def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log: Path,
+            reused: int) -> str:
+    """The study's first line: what it runs, and where."""
+    what = ("quick study: the recipes' tuned settings, no tuning" if cfg.quick else
+            "full study: tune lr and warmup on a validation split, then re-run the best")
+    pairs = cfg.pairs()
+    own = sorted({_recipe(b, o).epochs for b, o in pairs})
+    epochs = (f"{cfg.epochs} epochs (the recipes' schedules scaled from "
+              f"{'/'.join(map(str, own))})" if cfg.epochs and own != [cfg.epochs] else
+              f"{'/'.join(map(str, own))} epochs")
+    return (f"largebatch study ({what}): {', '.join(f'B={b} {o}' for b, o in pairs)}; "
+            f"{epochs}, {cfg.seeds} seed{'s' * (cfg.seeds != 1)}; "
+            f"{'' if cfg.quick else 'at least '}{len(todo)} run{'s' * (len(todo) != 1)}, "
+            f"{sum(map(run_steps, todo)):,} steps to go; {jobs} job(s) x {threads} thread(s) on "
+            f"{cfg.device}; runs in {log}" + (f", {reused} reused" if reused else ""))
+
+
+class _StudyBar:
+    """The study's progress bar (tqdm on stderr, shown on a terminal only): the images
+    trained by the runs of this invocation, against those its runs still to run take
+    (:func:`runs_left`), hence tqdm's estimate of the time left; the runs done and the last
+    epoch's training loss a run reported."""
+
+    def __init__(self, cfg: StudyConfig, todo: list[RunSpec]) -> None:
+        from tqdm import tqdm
+
+        self.cfg = cfg
+        self.running: dict[str, int] = {}  # key -> steps done, of the runs in flight
+        self.batch: dict[str, int] = {}
+        self.done, self.done_images, self.left = 0, 0, len(todo)
+        self.loss: float | None = None
+        self.bar = tqdm(total=sum(_images(s) for s in todo), desc="study", unit="img",
+                        unit_scale=True, leave=False, disable=None, smoothing=0.1)
+
+    def start(self, spec: RunSpec) -> None:
+        self.running[spec.key], self.batch[spec.key] = 0, spec.batch
+
+    def progress(self, message: tuple[str, int, float | None]) -> None:
+        """A run's ``(key, steps done, last epoch's loss)`` (:class:`_Progress`); a
+        message of a run already finished is dropped."""
+        key, steps, loss = message
+        if key not in self.running:
+            return
+        self.bar.update((steps - self.running[key]) * self.batch[key])
+        self.running[key] = steps
+        if loss is not None:
+            self.loss = loss
+            self._postfix()
+
+    def finish(self, spec: RunSpec, results: dict[str, dict[str, Any]]) -> None:
+        """Counts ``spec`` (now in ``results``) as done, and the study's total anew."""
+        self.bar.update((run_steps(spec) - self.running.pop(spec.key, 0)) * spec.batch)
+        self.done += 1
+        self.done_images += _images(spec)
+        todo = runs_left(self.cfg, results)
+        self.left = len(todo)
+        self.bar.total = self.done_images + sum(_images(s) for s in todo)
+        self._postfix()
+
+    def write(self, print_fn: Callable[[str], None], line: str) -> None:
+        """``print_fn(line)`` above the bar."""
+        self.bar.clear()
+        print_fn(line)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _postfix(self) -> None:
+        self.bar.set_postfix_str(f"runs {self.done}/{self.done + self.left}" + (
+            "" if self.loss is None else f", loss {self.loss:.3f}"))
+
+
+def _images(spec: RunSpec) -> int:
+    return run_steps(spec) * spec.batch
+
+
+def _drain(source: Any, handle: Callable[[Any], None]) -> None:
+    """``handle`` every message waiting in the queue ``source`` (None: none)."""
+    while source is not None:
+        try:
+            handle(source.get_nowait())
+        except queue.Empty:
+            return
+
+
 def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path,
                    print_fn: Callable[[str], None]) -> None:
     """Train every planned run on the pool (``jobs`` at a time, in the plan's order),
     re-planning as runs finish; each finished run goes into ``results`` and is appended
-    to ``log``."""
+    to ``log``. The first line says what is to run; a bar shows the progress."""
     jobs = cfg.jobs or (1 if cfg.device == "cuda" else _cpus())
     threads = cfg.threads or max(1, _cpus() // jobs)
-    reused = len(results)
-    what = ("quick study: the recipes' tuned settings, no tuning" if cfg.quick else
-            "full study: tune lr and warmup on a validation split, then re-run the best")
-    print_fn(f"largebatch study ({what}); {jobs} job(s) x {threads} thread(s) on "
-             f"{cfg.device}; runs in {log}" + (f", {reused} reused" if reused else ""))
+    todo = runs_left(cfg, results)
+    print_fn(_header(cfg, todo, jobs, threads, log, len(results)))
 
     start, done = time.perf_counter(), 0
+    bar = _StudyBar(cfg, todo)
+    spawn = multiprocessing.get_context("spawn")
+    progress = spawn.Queue() if jobs > 1 else None
     pool = (concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-        initargs=(threads, cfg.data, cfg.device, os.getpid())) if jobs > 1 else None)
+        jobs, mp_context=spawn, initializer=_init_worker,
+        initargs=(threads, cfg.data, cfg.device, os.getpid(), progress)) if jobs > 1 else None)
     if pool is None:
         _init_worker(threads, cfg.data, cfg.device)
+        _WORKER["progress"] = bar.progress
     submit = pool.submit if pool is not None else _run_inline
     previous = (signal.signal(signal.SIGTERM, _raise_stopped)
                 if threading.current_thread() is threading.main_thread() else None)
@@ -300,22 +290,31 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
                 if len(in_flight) >= jobs:
                     break
                 if spec.key not in busy:
+                    bar.start(spec)
                     in_flight[submit(run_one, spec)] = spec
             if not in_flight:
                 break
-            finished, _ = concurrent.futures.wait(in_flight, return_when="FIRST_COMPLETED")
+            finished: set[concurrent.futures.Future] = set()
+            while not finished:
+                finished, _ = concurrent.futures.wait(in_flight, timeout=0.5,
+                                                      return_when="FIRST_COMPLETED")
+                _drain(progress, bar.progress)
             for future in finished:
                 spec = in_flight.pop(future)
                 row = future.result()
                 results[spec.key] = row
                 _append(log, row)
                 done += 1
-                print_fn(f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
-                         f"{'val' if spec.phase == 'tune' else 'test'} "
-                         f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
-                         f"({row['seconds']:.0f}s)")
+                bar.finish(spec, results)
+                bar.write(print_fn, (
+                    f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
+                    f"{'val' if spec.phase == 'tune' else 'test'} "
+                    f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
+                    f"({row['seconds']:.0f}s)"))
         finished_cleanly = True
     finally:
+        bar.close()
+        _WORKER.pop("progress", None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if pool is not None:
@@ -323,6 +322,8 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
                 pool.shutdown(cancel_futures=True)
             else:  # SIGTERM, Ctrl-C or a failed run: the workers go now, not after their runs
                 _stop_workers(pool)
+        if progress is not None:
+            progress.close()
 
 
 def _run_inline(fn: Callable[[RunSpec], dict[str, Any]],
