@@ -167,3 +167,14 @@ def test_a_closed_output_pipe_ends_the_command_quietly(monkeypatch):
 
     monkeypatch.setattr(sys, "stdout", Closed())
     assert cli(["recipes"]) == 141
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_study_on_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["study", "--quick", "--device", "cuda", "--out", str(tmp_path / "s")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("largebatch study: --device cuda: no CUDA GPU is available here "
+                   "(torch.cuda.is_available() is False); use --device cpu\n")
+    assert not (tmp_path / "s").exists()

@@ -35,21 +35,21 @@ class _ShardOptions(TypedDict, total=False):
     mp_policy: MixedPrecisionPolicy
 
 
-def check_device(device_arg: str | None) -> str:
+def check_device(device_arg: str | None, command: str = "train") -> str:
     """The ``--device`` value checked against this machine: ``cpu``, ``cuda`` or ``cuda:N``
-    (default: ``cuda`` when available); a ``largebatch train`` error otherwise."""
+    (default: ``cuda`` when available); an error of ``largebatch COMMAND`` otherwise."""
     if device_arg is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device_arg == "cpu":
         return device_arg
     match = re.fullmatch(r"cuda(?::(\d+))?", device_arg)
     if match is None:
-        raise CommandError("train", f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
+        raise CommandError(command, f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
     if not torch.cuda.is_available():
-        raise CommandError("train", f"--device {device_arg}: no CUDA GPU is available here "
+        raise CommandError(command, f"--device {device_arg}: no CUDA GPU is available here "
                            "(torch.cuda.is_available() is False); use --device cpu")
     if match[1] is not None and int(match[1]) >= torch.cuda.device_count():
-        raise CommandError("train", f"--device {device_arg}: this machine has "
+        raise CommandError(command, f"--device {device_arg}: this machine has "
                            f"{torch.cuda.device_count()} CUDA GPU(s)")
     return device_arg
 

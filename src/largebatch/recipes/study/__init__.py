@@ -194,6 +194,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CommandError("study", str(err)) from None
     require("study", ("torch", "tqdm", "matplotlib"))
+    if not cfg.report_only:
+        from largebatch.recipes.distributed import check_device
+
+        check_device(cfg.device, "study")
     if cfg.data is not None and not Path(cfg.data).is_dir():
         raise CommandError("study", f"data directory not found: {cfg.data}")
     from largebatch.recipes.data import fashion_mnist_dir
