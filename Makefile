@@ -1,5 +1,6 @@
-# make demo | make test | make bench | make docs | make lint | make test-fast -- each sets
-# up .venv first (Python 3.10+).
+# make demo | make test | make bench | make docs | make lint | make test-fast |
+# make check-kernels -- each sets up .venv first (Python 3.10+). make gpu-check runs the
+# CUDA checks with the machine's own python3 (docs/gpu.md).
 # make docs builds the documentation site (mkdocs, --strict: a warning fails) into site/.
 PYTHON ?= python3
 VENV   := .venv
@@ -55,3 +56,20 @@ docs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build site *.egg-info src/*.egg-info
+
+# On a CUDA machine: every check of docs/gpu.md (tests in the CUDA mode, CUDA graphs,
+# the step's bandwidth against the copy and its peers, the AdaComp hook on NCCL, FSDP2,
+# the demo), from the source tree with the machine's own python3 (GPU_PYTHON), not
+# .venv. One report: $$OUT or runs/gpu-check (GPU_REPORT)/report.md. Without a GPU it
+# says so and exits 0.
+.PHONY: gpu-check
+gpu-check:
+	@bash benchmarks/gpu_check.sh
+
+# The fused kernels compiled for sm_80 and sm_90, no GPU needed: every launch the fused
+# path makes (recorded on the CPU), failing on a spill, more than 128 registers a thread
+# or an fp64 instruction per element (src/largebatch/lars/kernels/compile_check.py;
+# make test runs a sample). About 8 minutes on 2 cores.
+.PHONY: check-kernels
+check-kernels: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m largebatch.lars.kernels.compile_check

@@ -7,8 +7,10 @@
 Every provider updates the same tensors (random weights and gradients, fixed seed) in
 one process: our LARS and LAMB on each path (per-tensor loop, ``torch._foreach_*``,
 the compiled CPU path, and the fused Triton kernels on CUDA), timm's ``Lars``/``Lamb``,
-torch-optimizer's ``Lamb``, optax's ``lars``/``lamb`` under ``jax.jit``, and plain
-foreach momentum SGD as a floor. Each runs warmup steps, then the median of ``--steps``
+torch-optimizer's ``Lamb``, optax's ``lars``/``lamb`` under ``jax.jit``, on CUDA apex's
+``FusedLAMB`` (where apex is built) and torch's fused ``AdamW`` and momentum ``SGD``
+(``fused=True``: no trust ratio, the same bytes as LAMB and LARS), and plain foreach
+momentum SGD as a floor. Each runs warmup steps, then the median of ``--steps``
 timed steps is reported as ms/step and as effective bandwidth: the fewest bytes a step
 must move per parameter (each tensor read or written once),
 
@@ -61,9 +63,14 @@ LR, MOMENTUM, LARS_WD, LAMB_WD = 1.0, 0.9, 1e-4, 0.01
 
 
 def resnet50_shapes() -> Shapes:
-    """The 161 parameter shapes of torchvision's ResNet-50 (25.6M params)."""
-    import torchvision
+    """The 161 parameter shapes of torchvision's ResNet-50 (25.6M params); timm's, the
+    same shapes in the same order, where torchvision is not installed."""
+    try:
+        import torchvision
+    except ImportError:
+        import timm
 
+        return [tuple(p.shape) for p in timm.create_model("resnet50").parameters()]
     return [tuple(p.shape) for p in torchvision.models.resnet50().parameters()]
 
 
@@ -197,6 +204,22 @@ def _torch_optimizer_lamb(params, precision):
     return torch_optimizer.Lamb(params, lr=LR, weight_decay=LAMB_WD)
 
 
+def _torch_fused(name: str, **kwargs):
+    """torch.optim's own fused CUDA kernels (``fused=True``): no trust ratio, the same
+    traffic as the family it stands beside (AdamW: LAMB's; SGD-momentum: LARS's)."""
+
+    def factory(params, precision):
+        return getattr(torch.optim, name)(params, fused=True, **kwargs)
+
+    return torch_optimizer(factory)
+
+
+def _apex_lamb(params, precision):
+    from apex.optimizers import FusedLAMB
+
+    return FusedLAMB(params, lr=LR, weight_decay=LAMB_WD)
+
+
 def _optax(name: str, **kwargs):
     def factory():
         import optax
@@ -221,16 +244,19 @@ class Provider:
     family: str  # "sgd", "lars" or "lamb": bytes per param and the baseline of "vs ours"
     make: Callable[[Shapes, str, int, str], Step]  # (shapes, device, seed, precision) -> one step
     needs: str = "torch"  # the module it imports; a provider whose module is missing is skipped
-    cuda_only: bool = False
+    cuda_only: str = ""  # why it runs on CUDA only (empty: it runs anywhere)
 
 
+_TRITON = "runs on CUDA only (the CPU runs its kernels only in Triton's interpreter)"
+_APEX = "apex's fused kernels are CUDA kernels"
+_PEER = "timed beside the fused kernels, on CUDA runs only"
 _LARS = dict(lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD)
 _LAMB = dict(lr=LR, weight_decay=LAMB_WD)
 PROVIDERS: list[Provider] = [
     Provider("ours LARS loop", "lars", _ours("LARS", **_LARS, **_LOOP)),
     Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, **_FOREACH)),
     Provider("ours LARS compiled", "lars", _ours("LARS", **_LARS, **_COMPILED)),
-    Provider("ours LARS fused", "lars", _ours("LARS", **_LARS, **_FUSED), needs="triton", cuda_only=True),
+    Provider("ours LARS fused", "lars", _ours("LARS", **_LARS, **_FUSED), needs="triton", cuda_only=_TRITON),
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
     Provider("optax lars (jit)", "lars",
              _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
@@ -239,12 +265,18 @@ PROVIDERS: list[Provider] = [
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
-    Provider("ours LAMB fused", "lamb", _ours("LAMB", **_LAMB, **_FUSED), needs="triton", cuda_only=True),
+    Provider("ours LAMB fused", "lamb", _ours("LAMB", **_LAMB, **_FUSED), needs="triton", cuda_only=_TRITON),
     Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
              needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
     Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    # apex's fused optimizers need its compiled extension (amp_C), not only its Python package.
+    Provider("apex FusedLAMB", "lamb", torch_optimizer(_apex_lamb), needs="amp_C", cuda_only=_APEX),
+    Provider("torch AdamW fused", "lamb", _torch_fused("AdamW", lr=LR, weight_decay=LAMB_WD),
+             cuda_only=_PEER),
+    Provider("torch SGD-momentum fused", "sgd",
+             _torch_fused("SGD", lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD), cuda_only=_PEER),
     Provider("foreach SGD-momentum (floor)", "sgd", foreach_sgd_momentum),
 ]
 
@@ -328,7 +360,7 @@ def _cpu_name() -> str:
 
 def _versions() -> dict[str, str]:
     found = {}
-    for dist in ("torch", "timm", "torch-optimizer", "jax", "optax"):
+    for dist in ("torch", "triton", "timm", "torch-optimizer", "apex", "jax", "optax"):
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -359,7 +391,7 @@ def run(
         if why is None and provider.needs == "optax":
             why = _jax_has(device)
         if why is None and provider.cuda_only and not device.startswith("cuda"):
-            why = "runs on CUDA only (the CPU runs its kernels only in Triton's interpreter)"
+            why = provider.cuda_only
         if why is not None:
             skipped[provider.name] = why
     runnable = [p for p in selected if p.name not in skipped]

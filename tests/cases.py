@@ -224,15 +224,16 @@ def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndar
 
 
 def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
-              masters: bool = False, lrs=LRS, split: int = ADAPTED, **paths: Any) -> Result:
-    """``case`` on ``largebatch.torch`` with params of ``dtype``; ``paths``: the
-    constructor's ``foreach``/``fused``/``compiled``. With ``masters`` the result is
+              masters: bool = False, lrs=LRS, split: int = ADAPTED, device: str = "cpu",
+              **paths: Any) -> Result:
+    """``case`` on ``largebatch.torch`` with params of ``dtype`` on ``device``; ``paths``:
+    the constructor's ``foreach``/``fused``/``compiled``. With ``masters`` the result is
     the fp32 masters (the params are their casts)."""
     import torch
 
     from largebatch.torch import LAMB, LARS
 
-    ps = [torch.tensor(p, dtype=dtype, requires_grad=True) for p in params]
+    ps = [torch.tensor(p, dtype=dtype, device=device, requires_grad=True) for p in params]
     group_list = [{"params": ps[:split], **case.groups()[0]}, {"params": ps[split:], **case.groups()[1]}]
     cls = LARS if case.optimizer == "lars" else LAMB
     extra = {} if case.optimizer == "lars" else {"max_grad_norm": case.max_grad_norm}
@@ -245,8 +246,8 @@ def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]
         weights = [opt.state[p]["master_param"] for p in ps]
     else:
         weights = ps
-    state = {k: [opt.state[p][k].double().numpy() for p in ps] for k in case.spec.state}
-    return Result([w.detach().double().numpy() for w in weights], state)
+    state = {k: [opt.state[p][k].double().cpu().numpy() for p in ps] for k in case.spec.state}
+    return Result([w.detach().double().cpu().numpy() for w in weights], state)
 
 
 def cast_like_the_path(master: Any, dtype: Any, paths: dict[str, Any]) -> Any:
@@ -268,7 +269,7 @@ def drive(opt: Any, params: list, grads: list[list[np.ndarray]], lrs: list[float
         for group in opt.param_groups:
             group["lr"] = lr
         for p, g in zip(params, step_grads):
-            p.grad = torch.tensor(g, dtype=p.dtype)
+            p.grad = torch.tensor(g, dtype=p.dtype, device=p.device)
         opt.step()
 
 

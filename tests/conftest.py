@@ -3,11 +3,21 @@
 - TRITON_INTERPRET=1: the Triton kernels run on the CPU (the interpreter is chosen when a
   ``@triton.jit`` function is defined, so this must come first).
 - 8 host CPU devices for the JAX sharding tests.
+
+The CUDA mode, ``LARGEBATCH_CUDA_TESTS=1`` (``make gpu-check``): ``TRITON_INTERPRET`` is
+removed, so the kernels are compiled for the GPU, and the tests marked ``gpu`` run; in the
+default mode they are skipped. The fused path's CPU tests need the interpreter: in the
+CUDA mode run the ``gpu`` tests (``pytest -m gpu``), whose cases put the same checks on
+CUDA tensors (tests/devices.py).
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+CUDA_MODE = os.environ.get("LARGEBATCH_CUDA_TESTS") == "1"
+if CUDA_MODE:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 _xla = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _xla:
     os.environ["XLA_FLAGS"] = (_xla + " --xla_force_host_platform_device_count=8").strip()
@@ -22,10 +32,35 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU and the compiled kernels: runs only with "
+                   "LARGEBATCH_CUDA_TESTS=1 (make gpu-check), skipped otherwise",
+    )
+
+
+def _gpu_skip():
+    """Why the ``gpu`` tests cannot run here, or None."""
+    if not CUDA_MODE:
+        return "needs a CUDA GPU: set LARGEBATCH_CUDA_TESTS=1 on a GPU machine (make gpu-check)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "LARGEBATCH_CUDA_TESTS=1 but torch sees no CUDA GPU"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """With ``--first-cases``, keep the first collected case of each test function: every
-    function still runs once, the combinations (paths x cases x dtypes) are left to
-    ``make test``."""
+    """``gpu`` tests are skipped outside the CUDA mode. With ``--first-cases``, keep the
+    first collected case of each test function: every function still runs once, the
+    combinations (paths x cases x dtypes) are left to ``make test``."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    why = _gpu_skip() if gpu else None
+    if why is not None:
+        import pytest
+
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=why))
     if not config.getoption("--first-cases"):
         return
     seen: set[str] = set()

@@ -7,7 +7,8 @@ whatever its tensor count.
 Files: ``plan.py`` the host side (FusedGroup, input checks, the launch plan and its
 cache, the two entry points); ``common.py`` the per-tensor table's columns and the
 ``@triton.jit`` helpers and kernels both optimizers use; ``lars.py`` and ``lamb.py``
-each optimizer's kernels.
+each optimizer's kernels; ``compile_check.py`` the kernels' launches compiled for GPUs
+without one.
 
 Host API
 --------
@@ -62,12 +63,19 @@ elements, fewer when every tensor of the bucket is smaller. Small per-group tabl
 the hyperparameters and the address of ``lr``: the hyperparameter table is fp64 (for an
 accurate 1 - beta**t), one row per group (``spec.row``: a flag as 0 / 1), one column per
 ``spec.columns`` entry, which the kernels read by name (``lars.py``, ``lamb.py``). Sums
-of squares are formed and accumulated in fp64 (``tl.atomic_add``) in one workspace,
-which also holds LAMB's global grad sum of squares: no finite weight or gradient can
-overflow them (an fp32 sum of squares does above ||x|| ~ 1.8e19), and on a memory-bound
-kernel the fp64 adds cost no time. Full chunks run without effective masks and, when
+of squares are squared and added in fp32 within a tile of BLOCK elements, and taken into
+fp64 once per tile: a tile whose fp32 sum is not a normal number above 2**-80 (an
+overflow, as above ||x|| ~ 1.8e19, a NaN, or squares that may have underflowed, as below
+|x| ~ 1e-19) is summed again scaled by a power of two (``common._sum_sq``), so no finite
+weight or gradient overflows or loses its norm, and no fp64 instruction runs per element.
+The fp64 sums are accumulated (``tl.atomic_add``) in one workspace, which also holds
+LAMB's global grad sum of squares. Full chunks run without effective masks and, when
 every address of the bucket is 16-byte aligned, with 16-byte loads and stores; only each
-tensor's last chunk is masked.
+tensor's last chunk is masked. Programs run 4 warps (8 elements a thread in a
+1024-element block), 8 in an unaligned bucket of 1024-element blocks, whose one-element
+loads each hold an address. ``compile_check.py`` compiles every launch the fused path
+makes for sm_80 and sm_90 and checks registers, spills and fp64 work (``make
+check-kernels``).
 
     LARS  pass 1 _grad_check_kernel   ||w||^2, ||g||^2 per tensor (_lars_norms_kernel when
                                       a group has decayed_norm: ||g + wd * w||^2 for its tensors)
@@ -99,9 +107,10 @@ small grads.
 Plan cache: the tables and the workspace are built once per distinct content (device,
 and every tensor address, size, dtype and hyperparameter of the call) and kept in a
 small LRU cache, so a changed tensor, a new grad allocation or a new hyperparameter
-builds a new plan (a few small host-to-device copies) and nothing needs invalidating by
-hand. Grads freed by ``zero_grad(set_to_none=True)`` usually come back at the same
-addresses, and then the plan is reused. Changing ``lr`` or step values is free; new
+builds a new plan (its tables packed on the host into one buffer and sent in one
+``non_blocking`` copy, from pinned memory on CUDA: the host never waits for the device)
+and nothing needs invalidating by hand. Grads freed by ``zero_grad(set_to_none=True)``
+usually come back at the same addresses, and then the plan is reused. Changing ``lr`` or step values is free; new
 ``lr`` tensors cost one small copy of their address table (new step tensors, a new
 plan). Keep one ``lr`` tensor per group and update it in place: that is also what a
 CUDA graph needs.

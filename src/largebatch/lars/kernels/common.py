@@ -76,27 +76,56 @@ def _one_minus_pow(b, e):
     return (1.0 - p).to(tl.float32)
 
 
+# A tile's sum of squares is formed in fp32 and taken into fp64 once per tile. Outside
+# [_SQ_MIN, _SQ_MAX] (an overflow to inf, a NaN, or a sum so small that squares may have
+# underflowed) the tile is summed again, scaled by a power of two: by 2**-70 no finite
+# fp32 tile of up to 2048 elements overflows (BLOCK is at most 1024); by 2**96 no square
+# of a normal or subnormal fp32 underflows, and no tile whose sum is below 2**-80
+# overflows. The sum is scaled back by multiplying in fp64 (an fp64 division compiles to
+# a call, whose saved registers spill).
+_SQ_MIN = tl.constexpr(2.0**-80)
+_SQ_MAX = tl.constexpr(3.4028234663852886e38)  # the largest fp32
+_SCALE_UP = tl.constexpr(2.0**96)
+_SCALE_DOWN = tl.constexpr(2.0**-70)
+
+
+@triton.jit
+def _sum_sq(x):
+    """The sum of squares of a tile of fp32 values (masked lanes 0), as an fp64 scalar:
+    squared and added in fp32, then scaled back in fp64 if the tile had to be rescaled.
+    inf and NaN elements give inf and NaN, as in fp64."""
+    s = tl.sum(x * x, axis=0)
+    if (s >= _SQ_MIN) & (s <= _SQ_MAX):
+        total = s.to(tl.float64)
+    else:
+        up = s < _SQ_MIN
+        y = x * tl.where(up, _SCALE_UP, _SCALE_DOWN)
+        unscale = tl.where(up, 1.0 / _SCALE_UP, 1.0 / _SCALE_DOWN).to(tl.float64)  # exact
+        total = tl.sum(y * y, axis=0).to(tl.float64) * unscale * unscale
+    return total
+
+
 @triton.jit
 def _check_tiles(
     w_ptr, g_ptr, start, limit, inv_scale, wd,
     W_SQ: tl.constexpr, DECAYED: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Sums of w^2 and of unscaled g^2 over a chunk, squared and added in fp64; with
-    DECAYED, of (g + wd * w)^2 in place of g^2 (formed in fp32, as pass 2 forms it)."""
-    w_sq = tl.zeros([BLOCK], dtype=tl.float64)
-    g_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    """Sums of w^2 and of unscaled g^2 over a chunk (``_sum_sq`` per tile, added in fp64);
+    with DECAYED (and W_SQ), of (g + wd * w)^2 in place of g^2 (formed in fp32, as pass 2
+    forms it)."""
+    w_sq = tl.full((), 0.0, tl.float64)
+    g_sq = tl.full((), 0.0, tl.float64)
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_scale
-        if DECAYED:
-            g = g + wd * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = g.to(tl.float64)
-        g_sq += g * g
         if W_SQ:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float64)
-            w_sq += w * w
-    return tl.sum(w_sq, axis=0), tl.sum(g_sq, axis=0)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if DECAYED:
+                g = g + wd * w
+            w_sq += _sum_sq(w)
+        g_sq += _sum_sq(g)
+    return w_sq, g_sq
 
 
 @triton.jit

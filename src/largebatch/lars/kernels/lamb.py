@@ -18,6 +18,7 @@ from largebatch.lars.kernels.common import (
     _W,
     _chunk,
     _one_minus_pow,
+    _sum_sq,
     _tensor_ptr,
     _unscale,
 )
@@ -78,8 +79,8 @@ def _moment_tiles(
     one_b2 = (1.0 - b2).to(tl.float32)
     b1 = b1.to(tl.float32)
     b2 = b2.to(tl.float32)
-    w_sq = tl.zeros([BLOCK], dtype=tl.float64)
-    u_sq = tl.zeros([BLOCK], dtype=tl.float64)
+    w_sq = tl.full((), 0.0, tl.float64)
+    u_sq = tl.full((), 0.0, tl.float64)
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < limit
@@ -94,11 +95,9 @@ def _moment_tiles(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         u = _lamb_direction(w, m.to(tl.float32), v.to(tl.float32), inv_bc1, inv_bc2, eps, wd)
-        w64 = w.to(tl.float64)
-        u64 = tl.where(mask, u, 0.0).to(tl.float64)  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
-        w_sq += w64 * w64
-        u_sq += u64 * u64
-    return tl.sum(w_sq, axis=0), tl.sum(u_sq, axis=0)
+        w_sq += _sum_sq(w)
+        u_sq += _sum_sq(tl.where(mask, u, 0.0))  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
+    return w_sq, u_sq
 
 
 @triton.jit

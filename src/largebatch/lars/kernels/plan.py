@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -55,7 +57,7 @@ class _Bucket:
     acc: torch.Tensor  # fp64 [n_tensors, 2], a view into the plan's workspace
     grid: tuple[int]  # one program per chunk
     has_master: bool
-    consts: dict  # P_DTYPE, W_DTYPE, ALIGNED, BLOCK, TILES
+    consts: dict  # P_DTYPE, W_DTYPE, ALIGNED, BLOCK, TILES; num_warps (a launch option)
 
 
 @dataclass
@@ -67,6 +69,11 @@ class _Plan:
     decayed: bool = False  # some LARS group has decayed_norm: pass 1 is _lars_norms_kernel
     gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
     lrs: tuple = ()  # the lr addresses gaddr holds
+    # The host tables the device ones were copied from ("tables", "lrs"; pinned on CUDA),
+    # kept while the plan lives: no asynchronous copy outlives its source. (A replaced
+    # "lrs" source is safe too: torch's pinned-memory allocator reuses a block only after
+    # the copies recorded on it have completed.)
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 _PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
@@ -150,21 +157,30 @@ def _master(group: FusedGroup, j: int) -> torch.Tensor | None:
 # ----------------------------------------------------------------------------- the plan
 
 
+_DTYPE = attrgetter("dtype")
+
+
 def _key(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> tuple:
     """What a plan's tensor tables depend on: device, addresses, sizes, dtypes, hyperparameters.
 
-    lr addresses are left out: when those tensors change, only their small table is
-    refreshed (see _set_lrs).
+    The Python work is per group; per tensor, each list is read by one C-level ``map``
+    (its addresses; the params' dtypes and sizes), the least a key can read when grads
+    may move at any step. lr addresses are left out: when those tensors change, only
+    their small table is refreshed (see _set_lrs).
     """
-    key = [spec.name, groups[0].params[0].device, None if counter is None else counter.data_ptr()]
+    key: list[Any] = [spec.name, groups[0].params[0].device,
+                      None if counter is None else counter.data_ptr()]
+    ptr = torch.Tensor.data_ptr
     for i, g in enumerate(groups):
         names = tuple(g.state)
-        key.append((_hyper_row(spec, i, g.hyper), names))
-        masters = [_master(g, j) for j in range(len(g.params))]
-        for p, gr, m, st, *s in zip(g.params, g.grads, masters, g.steps, *(g.state[k] for k in names)):
-            m_ptr = None if m is None else m.data_ptr()
-            addresses = (p.data_ptr(), gr.data_ptr(), m_ptr, st.data_ptr(), *(x.data_ptr() for x in s))
-            key.append((p.dtype, p.numel(), *addresses))
+        lists = (g.params, g.grads, g.steps, *(g.state[k] for k in names))
+        masters = None if g.masters is None else tuple(
+            [None if m is None else m.data_ptr() for m in g.masters])
+        key += [
+            (_hyper_row(spec, i, g.hyper), names, tuple(map(len, lists))),
+            tuple(map(_DTYPE, g.params)), tuple(map(torch.Tensor.numel, g.params)), masters,
+            tuple(map(ptr, chain.from_iterable(lists))),
+        ]
     return tuple(key)
 
 
@@ -172,6 +188,29 @@ def _launch_shape(max_numel: int) -> tuple[int, int]:
     """(BLOCK, TILES) of a bucket: 1024 x 4 elements per program, less for small tensors."""
     block = min(BLOCK, max(128, triton.next_power_of_2(max_numel)))
     return block, min(TILES, triton.cdiv(max_numel, block))
+
+
+def _num_warps(block: int, aligned: bool) -> int:
+    """Warps per program: 4, or 8 for an unaligned bucket of 1024-element blocks. Its loads
+    take one element each, each at its own address; at 8 elements a thread (4 warps) the
+    sm_90 builds of _lamb_moments_kernel used 168 registers (compile_check.py)."""
+    return 8 if block >= 1024 and not aligned else 4
+
+
+def _upload(tables: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """int64 host tables as views of one buffer on ``device``; returns (its host source,
+    the views). One asynchronous copy: on CUDA from pinned memory, so the host does not
+    wait (the source must live until the copy is done: the plan keeps it); on the CPU the
+    views are of the host buffer itself. Each table starts 16-byte aligned."""
+    offsets, at = [], 0
+    for t in tables:
+        offsets.append(at)
+        at += t.numel() + t.numel() % 2
+    host = torch.empty(at, dtype=torch.int64, pin_memory=device.type == "cuda")
+    for t, o in zip(tables, offsets):
+        host[o : o + t.numel()] = t.reshape(-1)
+    buffer = host.to(device, non_blocking=True)
+    return host, [buffer[o : o + t.numel()].view(t.shape) for t, o in zip(tables, offsets)]
 
 
 def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> _Plan:
@@ -190,37 +229,38 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             row += [g.steps[j].data_ptr(), p.numel(), gi]
             rows.setdefault((p.dtype, m is not None), []).append(row)
 
+    # Every table is formed on the host from Python numbers (nothing here reads a device
+    # value), then all go to the device in one asynchronous copy (_upload).
     n_tensors = sum(len(r) for r in rows.values())
     ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
-    buckets, offset = [], _WS_HEAD
+    launches: list[tuple] = []  # per bucket: acc, programs, has_master, consts
+    tables: list[torch.Tensor] = []  # per bucket: chunks, meta; then hyper, steps
+    offset = _WS_HEAD
     for (dtype, has_master), meta_rows in rows.items():
         n = len(meta_rows)
         acc, offset = ws[offset : offset + 2 * n], offset + 2 * n
-        numel = torch.tensor([r[_NUMEL.value] for r in meta_rows], dtype=torch.int64)
-        block, tiles = _launch_shape(int(numel.max()))
-        counts = triton.cdiv(numel, block * tiles)
-        if counts.sum() == 0:  # only zero-size tensors: nothing to launch
+        numels = [r[_NUMEL.value] for r in meta_rows]
+        if max(numels) == 0:  # only zero-size tensors: nothing to launch
             continue
-        tensor = torch.repeat_interleave(torch.arange(n), counts)
-        tensor_first_chunk = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        first = torch.arange(len(tensor)) - tensor_first_chunk  # chunk index within its tensor
-        consts = dict(
+        block, tiles = _launch_shape(max(numels))
+        counts = [triton.cdiv(x, block * tiles) for x in numels]
+        n_chunks = sum(counts)
+        repeats = torch.tensor(counts, dtype=torch.int64)
+        tensor = torch.repeat_interleave(torch.arange(n), repeats, output_size=n_chunks)
+        tensor_first_chunk = torch.repeat_interleave(repeats.cumsum(0) - repeats, repeats,
+                                                     output_size=n_chunks)
+        first = torch.arange(n_chunks) - tensor_first_chunk  # chunk index within its tensor
+        tables += [torch.stack([tensor, first * block * tiles], dim=1),
+                   torch.tensor(meta_rows, dtype=torch.int64)]
+        aligned = all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value])
+        launches.append((acc, n_chunks, has_master, dict(
             P_DTYPE=_TL_DTYPES[dtype],
             W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
-            ALIGNED=all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value]),
+            ALIGNED=aligned,
             BLOCK=block,
             TILES=tiles,
-        )
-        buckets.append(
-            _Bucket(
-                chunks=torch.stack([tensor, first * block * tiles], dim=1).to(device),
-                meta=torch.tensor(meta_rows, dtype=torch.int64, device=device),
-                acc=acc,
-                grid=(len(tensor),),
-                has_master=has_master,
-                consts=consts,
-            )
-        )
+            num_warps=_num_warps(block, aligned),
+        )))
 
     hyper = [_hyper_row(spec, i, g.hyper) for i, g in enumerate(groups)]
     # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
@@ -228,10 +268,17 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
     decayed = "decayed_norm" in spec.columns and any(
         row[spec.columns.index("decayed_norm")] for row in hyper)
-    return _Plan(
-        buckets, torch.tensor(hyper, dtype=torch.float64, device=device), ws,
-        steps=torch.tensor(steps, dtype=torch.int64, device=device), decayed=decayed,
-    )
+    tables += [torch.tensor(hyper, dtype=torch.float64).view(torch.int64),
+               torch.tensor(steps, dtype=torch.int64)]
+    source, views = _upload(tables, device)
+    buckets = [
+        _Bucket(chunks=chunks, meta=meta, acc=acc, grid=(n_chunks,), has_master=has_master,
+                consts=consts)
+        for (acc, n_chunks, has_master, consts), chunks, meta
+        in zip(launches, views[0:-2:2], views[1:-2:2])
+    ]
+    return _Plan(buckets, views[-2].view(torch.float64), ws, steps=views[-1], decayed=decayed,
+                 sources={"tables": source})
 
 
 def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
@@ -241,7 +288,8 @@ def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
         return
     for i, g in enumerate(groups):
         _check_scalar(f"group {i}: lr", g.lr, plan.ws.device)
-    plan.gaddr = torch.tensor(lrs, dtype=torch.int64, device=plan.ws.device)
+    source, (plan.gaddr,) = _upload([torch.tensor(lrs, dtype=torch.int64)], plan.ws.device)
+    plan.sources["lrs"] = source
     plan.lrs = lrs
 
 

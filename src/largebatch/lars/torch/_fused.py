@@ -49,18 +49,24 @@ def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
                found_inf: Tensor | None, **kwargs: Any) -> Tensor | None:
     """One step of the kernels on ``groups``; returns ``counter``, moved to the params'
     device if it was elsewhere (it is counted where the kernels run). ``kwargs`` go to the
-    kernels' entry (``reduce_norms``/``reduce_global`` for sharded params)."""
+    kernels' entry (``reduce_norms``/``reduce_global`` for sharded params). Nothing here
+    reads a device value on the host: the skip is decided on the device, also when no
+    param has a grad."""
     from largebatch.lars import kernels
 
     step = {"LARS": kernels.fused_lars_step_, "LAMB": kernels.fused_lamb_step_}[spec.name]
     groups = [g for g in groups if g.params]
     if not groups:  # nothing to update: count the step unless GradScaler skips it
-        if counter is not None and (found_inf is None or not bool(found_inf.item())):
-            counter += 1
-        return counter
+        if counter is None:
+            return counter
+        if found_inf is None:
+            return counter.add_(1)
+        if counter.device != found_inf.device and found_inf.device.type != "cpu":
+            counter = counter.to(found_inf.device, non_blocking=True)
+        return counter.add_(found_inf.reshape(()) == 0)
     device = groups[0].params[0].device
     if counter is not None and counter.device != device:
-        counter = counter.to(device)
+        counter = counter.to(device, non_blocking=True)
     step(groups, counter=counter, found_inf=found_inf, **kwargs)
     return counter
 
@@ -77,4 +83,6 @@ def device_lr(lr: float | Tensor, device: torch.device, buffers: dict | None = N
         buffer = torch.zeros((), dtype=torch.float32, device=device)
         if buffers is not None:
             buffers[key] = buffer
-    return buffer.fill_(lr) if not isinstance(lr, Tensor) else buffer.copy_(lr.reshape(()))
+    if not isinstance(lr, Tensor) or lr.device.type == "cpu":  # read on the host: no wait
+        return buffer.fill_(lr if not isinstance(lr, Tensor) else lr.reshape(()))
+    return buffer.copy_(lr.reshape(()))

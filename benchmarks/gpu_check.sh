@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# make gpu-check: every check of a CUDA machine (docs/gpu.md lists them), one report file.
+#
+# Runs from the source tree (PYTHONPATH=src) with the machine's own Python, not .venv:
+# a GPU machine has its own torch, triton and jax and may reach no package index.
+# Settings (environment):
+#   GPU_PYTHON        the interpreter (default python3)
+#   GPU_REPORT        the report folder (default $OUT when set, else runs/gpu-check):
+#                     report.md (every command, its exit status, time and output),
+#                     logs/, and the benchmarks' JSON
+#   DATA              the Fashion-MNIST folder (four .gz files) for the training steps
+#                     (default /usr/share/datasets/fashion-mnist; absent: those steps
+#                     are reported as not run)
+#   GPU_CHECK_BUDGET  seconds for all steps together (default 570); each step also has
+#                     its own limit, a failing or stopped step does not stop the others,
+#                     and a step left without time is reported as not run
+set -u
+cd "$(dirname "$0")/.."
+
+PY=${GPU_PYTHON:-python3}
+DIR=${GPU_REPORT:-${OUT:-runs/gpu-check}}
+DATA=${DATA:-/usr/share/datasets/fashion-mnist}
+BUDGET=${GPU_CHECK_BUDGET:-570}
+
+if ! why=$("$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
+             'torch.cuda.is_available() is False')" 2>&1); then
+    echo "make gpu-check: no CUDA GPU here ($PY: $(echo "$why" | tail -n 1)); nothing to run"
+    exit 0
+fi
+
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX beside torch in one process: no 75% grab
+unset TRITON_INTERPRET
+rm -rf "$DIR/logs" "$DIR/study-quick" "$DIR"/train-*  # this script's own outputs of an earlier run
+mkdir -p "$DIR/logs"
+REPORT="$DIR/report.md"
+START=$(date +%s)
+N=0
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+
+REVISION="not a git checkout"
+if git rev-parse --short HEAD >/dev/null 2>&1; then
+    REVISION="commit $(git rev-parse --short HEAD)"
+    git diff --quiet HEAD 2>/dev/null || REVISION="$REVISION with local changes"
+fi
+{
+    echo "# make gpu-check"
+    echo
+    echo "$(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname), $REVISION, $NGPU GPU(s), budget ${BUDGET} s;"
+    echo "run from $(pwd) with PYTHONPATH=$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false"
+    if command -v nvidia-smi >/dev/null; then
+        echo
+        echo '```'
+        echo '$ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader'
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+        echo '```'
+    fi
+} >"$REPORT"
+
+# quote ARGS...: the command line as a shell would take it back (single quotes where needed).
+quote() {
+    local out="" a q="'"
+    for a in "$@"; do
+        case $a in
+            '' | *[!A-Za-z0-9_./=:,+@%-]*) out="$out '${a//$q/$q\\$q$q}'" ;;
+            *) out="$out $a" ;;
+        esac
+    done
+    echo "${out# }"
+}
+
+# step TITLE LIMIT_SECONDS COMMAND...: run COMMAND under a time limit, log it, report it.
+step() {
+    local title=$1 limit=$2
+    shift 2
+    N=$((N + 1))
+    local log
+    log="$DIR/logs/$(printf '%02d' "$N")-$(echo "$title" | tr -c 'A-Za-z0-9' '-' | tr -s '-' | cut -c1-40 | sed 's/-$//').log"
+    local left=$((BUDGET - ($(date +%s) - START)))
+    {
+        echo
+        echo "## $N. $title"
+        echo
+        echo '```'
+        echo "\$ $(quote "$@")"
+        echo '```'
+        echo
+    } >>"$REPORT"
+    if [ "$left" -lt 15 ]; then
+        echo "not run: the budget of ${BUDGET} s is spent (GPU_CHECK_BUDGET)" >>"$REPORT"
+        echo "[$N] $title: not run (budget spent)"
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "[$N] $title (at most ${limit} s)"
+    local t0 status
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    status=$?
+    local took=$(($(date +%s) - t0))
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+        echo "stopped at its limit of ${limit} s (exit status $status); the output so far:" >>"$REPORT"
+    else
+        echo "exit status $status after ${took} s" >>"$REPORT"
+    fi
+    {
+        echo
+        echo '```'
+        if [ "$(wc -l <"$log")" -gt 150 ]; then
+            echo "[the last 150 of $(wc -l <"$log") lines; the whole output: $log]"
+            tail -n 150 "$log"
+        else
+            cat "$log"
+        fi
+        echo '```'
+    } >>"$REPORT"
+    echo "    exit status $status after ${took} s"
+}
+
+# not_run TITLE REASON: a step that cannot run here, reported as such.
+not_run() {
+    N=$((N + 1))
+    printf '\n## %s. %s\n\nnot run: %s\n' "$N" "$1" "$2" >>"$REPORT"
+    echo "[$N] $1: not run ($2)"
+}
+
+have_data() { [ -f "$DATA/train-images-idx3-ubyte.gz" ]; }
+NO_DATA="no Fashion-MNIST in $DATA (DATA=DIR names the folder with its four .gz files)"
+
+step "Versions and device" 60 "$PY" -c "import torch, triton, jax; print(torch.__version__, \
+torch.version.cuda, triton.__version__, jax.__version__, torch.cuda.get_device_name(), jax.devices())"
+
+step "Tests in the CUDA mode (fused path against the spec, no host syncs, state dicts)" 240 \
+    env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_fused_syncs.py \
+    -k "not captured and not fsdp2" -rfEs
+step "CUDA graph: a captured fused step replayed 100 steps (one overflowing) against eager" 120 \
+    env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k captured -rA
+step "FSDP2 on the fused path (one NCCL rank per process) against an unsharded model" 90 \
+    env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k fsdp2 -rA
+
+PEERS="fused,foreach,timm,torch-optimizer,torch,apex,floor"
+step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 120 \
+    "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
+    --providers "$PEERS,optax,(jax" --json "$DIR/step-resnet50-fp32.json"
+step "Optimizer step, ResNet-50 fp16 (our fp32 masters)" 90 \
+    "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp16 \
+    --providers "$PEERS" --json "$DIR/step-resnet50-fp16.json"
+step "Optimizer step, BERT-large fp32" 120 \
+    "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \
+    --steps 5 --warmup 2 --providers "fused,timm,torch,apex,floor" --json "$DIR/step-bert-large-fp32.json"
+step "Optimizer step, BERT-large fp16 (our fp32 masters)" 120 \
+    "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp16 \
+    --steps 5 --warmup 2 --providers "fused,timm,torch,apex,floor" --json "$DIR/step-bert-large-fp16.json"
+
+if [ "$NGPU" -gt 1 ]; then
+    step "AdaComp hook against DDP's all-reduce, NCCL, $NGPU processes" 120 \
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" benchmarks/comm_hook.py \
+        --device cuda --json "$DIR/comm-hook.json"
+else
+    step "AdaComp hook against DDP's all-reduce, NCCL, one process (the hook's own cost)" 120 \
+        "$PY" benchmarks/comm_hook.py --device cuda --json "$DIR/comm-hook.json"
+fi
+
+if have_data; then
+    step "Demo: the quick batch-size study on the GPU (3 runs at once, 3 epochs)" 150 \
+        "$PY" -m largebatch study --quick --device cuda --jobs 3 --epochs 3 --data "$DATA" \
+        --out "$DIR/study-quick"
+    for precision in fp32 fp16 bf16; do
+        step "Training, fmnist-lamb-1536 in $precision (2 epochs)" 60 \
+            "$PY" -m largebatch train --recipe fmnist-lamb-1536 --device cuda --precision "$precision" \
+            --epochs 2 --data "$DATA" --out "$DIR/train-$precision"
+    done
+    if [ "$NGPU" -gt 1 ]; then
+        step "Training under FSDP2 on the fused path, fmnist-lars-1536 ($NGPU processes, 2 epochs)" 90 \
+            "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m largebatch train \
+            --recipe fmnist-lars-1536 --fsdp --device cuda --epochs 2 --data "$DATA" --out "$DIR/train-fsdp2"
+    else
+        not_run "Training under FSDP2 on the fused path" "it needs 2 or more GPUs (NCCL puts each \
+rank on its own GPU); the one-rank FSDP2 test (step 4) covers this machine"
+    fi
+else
+    not_run "Demo: the quick batch-size study on the GPU" "$NO_DATA"
+    not_run "Training per precision" "$NO_DATA"
+    not_run "Training under FSDP2 on the fused path" "$NO_DATA"
+fi
+
+echo "make gpu-check: $N steps in $(($(date +%s) - START)) s; the report: $REPORT"
+echo >>"$REPORT"
+echo "$N steps in $(($(date +%s) - START)) s." >>"$REPORT"
