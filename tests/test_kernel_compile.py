@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("triton")
 
 from largebatch.lars.kernels import compile_check as cc
+from largebatch.lars.kernels import compile_launches as cl
 from largebatch.lars.kernels import plan as kplan
 
 TILE_KERNELS = {"_grad_check_kernel", "_lars_norms_kernel", "_lars_apply_kernel",
@@ -33,22 +34,22 @@ def compiler_env(tmp_path, *paths):
 
 
 def test_configurations_cover_every_kind_shape_and_input():
-    configs = cc.configurations()
+    configs = cl.configurations()
     for optimizer in ("LARS", "LAMB"):
         mine = [c for c in configs if c.optimizer == optimizer]
         assert {(c.kind, c.numel, c.aligned) for c in mine} == {
-            (k, n, a) for k in cc.KINDS for n in cc.SIZES for a in (True, False)}
-        assert {c.amp for c in mine} == set(cc.AMP)
-        assert {c.variant for c in mine} == set(cc.VARIANTS[optimizer])
+            (k, n, a) for k in cl.KINDS for n in cl.SIZES for a in (True, False)}
+        assert {c.amp for c in mine} == set(cl.AMP)
+        assert {c.variant for c in mine} == set(cl.VARIANTS[optimizer])
         assert {c.counter for c in mine} == {True, False}
-    shapes = {kplan._launch_shape(n) for n in cc.SIZES}
+    shapes = {kplan._launch_shape(n) for n in cl.SIZES}
     assert shapes == {(128, 1), (256, 1), (512, 1), (1024, 1), (1024, 2), (1024, 3), (1024, 4)}
 
 
 def test_launches_are_recorded_as_triton_specializes_them():
     """The quick sample's launches: every kernel, recorded (not run) with its constexprs,
     argument types, 16-divisible arguments and the plan's warps."""
-    launches = cc.record(cc.configurations(quick=True))
+    launches = cl.record(cl.configurations(quick=True))
     assert {x.name for x in launches} == TILE_KERNELS | {"_count_step_kernel"}
     for x in launches:
         values, signature = dict(x.constexprs), dict(x.signature)
@@ -113,13 +114,14 @@ def _fp64_per_tile(x, out, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
 SEES = """
 import json, sys
 from largebatch.lars.kernels import compile_check as cc
+from largebatch.lars.kernels import compile_launches as cl
 
 out = {}
-moments = cc.Launch.from_json(json.loads(sys.argv[1]))
+moments = cl.Launch.from_json(json.loads(sys.argv[1]))
 m = cc.measure(moments, 90, {"maxnreg": 32})
 out["squeezed"] = [m.spills, cc.violations(moments, m)]
 for name in ("_fp64_per_element", "_fp64_per_tile"):
-    probe = cc.Launch(
+    probe = cl.Launch(
         f"probe:{name}", (("x", "*fp32"), ("out", "*fp64"), ("n", "i32"), ("BLOCK", "constexpr"),
                           ("TILES", "constexpr")), (("BLOCK", 1024), ("TILES", 4)), ("x", "out"))
     m = cc.measure(probe, 80)
@@ -136,7 +138,7 @@ def test_the_check_sees_spills_and_fp64_per_element(tmp_path):
     counts none (its fp64 work is per tile)."""
     pytest.importorskip("triton.backends.nvidia")
     (tmp_path / "probe.py").write_text(PROBE)
-    launches = cc.record([c for c in cc.configurations(quick=True) if c.optimizer == "LAMB"][:1])
+    launches = cl.record([c for c in cl.configurations(quick=True) if c.optimizer == "LAMB"][:1])
     moments = next(x for x in launches if x.name == "_lamb_moments_kernel")
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SEES), json.dumps(moments.to_json())],

@@ -110,9 +110,9 @@ small LRU cache, so a changed tensor, a new grad allocation or a new hyperparame
 builds a new plan (its tables packed on the host into one buffer and sent in one
 ``non_blocking`` copy, from pinned memory on CUDA: the host never waits for the device)
 and nothing needs invalidating by hand. Grads freed by ``zero_grad(set_to_none=True)``
-usually come back at the same addresses, and then the plan is reused. Changing ``lr`` or step values is free; new
-``lr`` tensors cost one small copy of their address table (new step tensors, a new
-plan). Keep one ``lr`` tensor per group and update it in place: that is also what a
+usually come back at the same addresses, and then the plan is reused. Changing ``lr`` or
+step values is free; new ``lr`` tensors cost one small copy of their address table (new
+step tensors, a new plan). Keep one ``lr`` tensor per group and update it in place: that is also what a
 CUDA graph needs.
 
 Limits: all tensors of a call on one device; each tensor's grad, master and state
