@@ -35,7 +35,8 @@ data:
 test: $(STAMP) data
 	$(PY) -m pytest -q tests
 
-# The inner loop: each test function once (its first case), without those marked slow
+# The inner loop: each test function once (its first case off the Triton interpreter and
+# torch.compile, where it has one), without those marked slow
 # (torchrun, process pools, subprocesses); make test runs every case of every test.
 test-fast: $(STAMP) data
 	$(PY) -m pytest -q -m "not slow" --first-cases tests

@@ -51,9 +51,10 @@ def _gpu_skip():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests are skipped outside the CUDA mode. With ``--first-cases``, keep the
-    first collected case of each test function: every function still runs once, the
-    combinations (paths x cases x dtypes) are left to ``make test``."""
+    """``gpu`` tests are skipped outside the CUDA mode. With ``--first-cases``, keep one
+    case of each test function: its first that runs neither the Triton interpreter nor
+    torch.compile (``fused``/``compiled`` in its id), or its first. Every function still
+    runs once; the combinations (paths x cases x dtypes) are left to ``make test``."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     why = _gpu_skip() if gpu else None
     if why is not None:
@@ -63,12 +64,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=why))
     if not config.getoption("--first-cases"):
         return
-    seen: set[str] = set()
-    kept, dropped = [], []
+    chosen: dict[str, object] = {}
     for item in items:
         function = item.nodeid.split("[", 1)[0]
-        (dropped if function in seen else kept).append(item)
-        seen.add(function)
+        if function not in chosen or (_heavy(chosen[function]) and not _heavy(item)):
+            chosen[function] = item
+    kept = set(map(id, chosen.values()))
+    dropped = [item for item in items if id(item) not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+        items[:] = [item for item in items if id(item) in kept]
+
+
+def _heavy(item) -> bool:
+    """A case on the Triton interpreter or torch.compile: seconds where others take less."""
+    case = item.nodeid.partition("[")[2]
+    return any(token in ("fused", "compiled") for token in case.rstrip("]").replace("_", "-").split("-"))
