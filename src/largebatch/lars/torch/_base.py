@@ -38,9 +38,9 @@ def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
 
 class LayerwiseOptimizer(Optimizer):
     """The base of :class:`LARS` and :class:`LAMB`. A subclass names its ``spec`` and the
-    bodies of its unfused paths; the path of each group is resolved in the constructor
-    (``_paths.resolve``) and a step hands every group to ``_paths.run``, the dispatch
-    point that the functionals share."""
+    bodies of its unfused paths; the path of each group is resolved when the group is
+    added (``_paths.resolve``, in :meth:`add_param_group`) and a step hands every group
+    to ``_paths.run``, the dispatch point that the functionals share."""
 
     _step_supports_amp_scaling = True
     spec: OptimizerSpec
