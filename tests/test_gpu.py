@@ -4,8 +4,10 @@ Run in the suite's CUDA mode: ``LARGEBATCH_CUDA_TESTS=1 pytest -m gpu tests`` (`
 gpu-check`` does); skipped elsewhere (tests/conftest.py). Every case is small: together
 they take well under a minute once the kernels are compiled.
 
-- the optimizers on the fused path against the float64 spec (tests/cases.py), in fp32,
-  bf16, and fp16 / bf16 with fp32 masters;
+- the optimizers on every path against the float64 spec (tests/cases.py), at each path's
+  GPU tolerance (``cases.tolerance``): the fused path in fp32, bf16, and fp16 / bf16 with
+  fp32 masters, the others in fp32 and bf16 with masters (the compiled path in fp32);
+- every path bitwise the same from run to run, with tensors of many chunks;
 - a whole step captured in a CUDA graph (lr a device tensor, GradScaler's inputs) and
   replayed 100 steps, one of them overflowing, against the same steps run eagerly;
 - a state dict saved mid-run and loaded into a fresh optimizer continues as the run does;
@@ -24,7 +26,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from cases import CASE_IDS, CASES, TORCH_PATHS, assert_matches, make_problem, run_reference, run_torch
+import numpy as np
+
+from cases import (
+    CASE_IDS, CASES, TORCH_PATHS, assert_matches, make_problem, run_reference, run_torch, tolerance,
+)
 from largebatch.torch import LAMB, LARS
 
 pytestmark = pytest.mark.gpu
@@ -38,18 +44,51 @@ PRECISIONS = {
 }
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_fused_matches_the_spec_on_cuda(case, precision):
-    dtype, masters, tolerance = PRECISIONS[precision]
+# The precisions each path runs in here; the compiled path, whose every case costs
+# compiles, in four cases (the CPU suite runs it in all).
+RUNS = {
+    "fused": list(PRECISIONS),
+    "single_tensor": ["fp32", "bf16-masters"],
+    "foreach": ["fp32", "bf16-masters"],
+    "compiled": ["fp32"],
+}
+COMPILED_CASES = ("lars-defaults", "lars-larc", "lamb-defaults", "lamb-max-grad-norm")
+GPU_RUNS = [(case, path, precision) for case, name in zip(CASES, CASE_IDS)
+            for path, ps in RUNS.items() for precision in ps
+            if path != "compiled" or name in COMPILED_CASES]
+
+
+@pytest.mark.parametrize("case,path,precision", GPU_RUNS,
+                         ids=[f"{c.id}-{p}-{q}" for c, p, q in GPU_RUNS])
+def test_every_path_matches_the_spec_on_cuda(case, path, precision):
+    dtype, masters, name = PRECISIONS[precision]
     params, grads = make_problem(dtype)
-    run = dict(dtype=dtype, masters=masters, device="cuda", **TORCH_PATHS["fused"])
-    if case.optimizer == "lamb" and 0.0 in (g["eps"] for g in case.groups()):
+    run = dict(dtype=dtype, masters=masters, device="cuda", **TORCH_PATHS[path])
+    if path == "fused" and case.optimizer == "lamb" and 0.0 in (g["eps"] for g in case.groups()):
         with pytest.raises(ValueError, match="the fused LAMB kernels need eps > 0"):
             run_torch(case, params, grads, **run)
         return
     assert_matches(run_torch(case, params, grads, **run), run_reference(case, params, grads),
-                   tolerance, start=params)
+                   name, start=params, rtol=tolerance(name, path, "cuda"))
+
+
+# Tensors of many chunks (the fused path's 4,096 elements), one off every block.
+BIG = [(1000, 1000), (4099,), (64, 33), (3,)]
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-defaults", "lamb-max-grad-norm")],
+                         ids=["lars", "lamb-max-grad-norm"])
+def test_every_path_is_bitwise_reproducible_on_cuda(case, path):
+    """The same inputs give the same bits on every run: no sum is formed in an order the
+    GPU's scheduling decides (the fused path's atomics were: docs/design.md §3)."""
+    params, grads = make_problem(np.float32, shapes=BIG, seed=3)
+    run = dict(dtype=torch.float32, device="cuda", split=2, **TORCH_PATHS[path])
+    first, second = (run_torch(case, params, grads, **run) for _ in range(2))
+    for name in ["params", *first.state]:
+        a = first.params if name == "params" else first.state[name]
+        b = second.params if name == "params" else second.state[name]
+        assert all(np.array_equal(x, y) for x, y in zip(a, b)), name
 
 
 SHAPES = [(64, 33), (33,), (7, 5, 3, 3), (1025,), (3,)]

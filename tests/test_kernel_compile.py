@@ -50,12 +50,13 @@ def test_launches_are_recorded_as_triton_specializes_them():
     """The quick sample's launches: every kernel, recorded (not run) with its constexprs,
     argument types, 16-divisible arguments and the plan's warps."""
     launches = cl.record(cl.configurations(quick=True))
-    assert {x.name for x in launches} == TILE_KERNELS | {"_count_step_kernel"}
+    assert {x.name for x in launches} == TILE_KERNELS | {"_finish_kernel"}
     for x in launches:
         values, signature = dict(x.constexprs), dict(x.signature)
         if x.name in TILE_KERNELS:
             assert signature["chunks"] == "*i64" and "chunks" in x.attrs
-            assert "acc" not in x.attrs  # each bucket's sums start at an odd fp64 slot
+            if "parts" in signature:  # a pass that writes each chunk's partial sums
+                assert signature["parts"] == "*fp64" and "parts" in x.attrs
             warps = dict(x.options).get("num_warps")
             assert warps == kplan._num_warps(values["BLOCK"], values["ALIGNED"])
             # An absent found_inf is replaced by the fp64 workspace, a pointer never read.
@@ -65,8 +66,9 @@ def test_launches_are_recorded_as_triton_specializes_them():
     assert {dict(x.constexprs)["CLIP"] for x in moments} == {True, False}
     assert {dict(x.constexprs)["TILES"] for x in moments} == {3, 4}
     assert any(dict(x.constexprs)["P_DTYPE"] == "bf16" for x in moments)
-    steps = [x for x in launches if x.name == "_count_step_kernel"]
-    assert {dict(x.signature)["n_steps"] for x in steps} == {"i32"}
+    finish = [x for x in launches if x.name == "_finish_kernel"]
+    assert {dict(x.signature)["n_steps"] for x in finish} == {"i32"}
+    assert {dict(x.constexprs)["HAS_FOUND_INF"] for x in finish} == {True, False}
 
 
 @pytest.mark.slow

@@ -328,6 +328,42 @@ def test_sums_of_squares_beyond_fp32(kind, max_grad_norm):
         assert (np.abs(tiny - exp) <= TOL[torch.float32][0] * (np.abs(exp) + np.abs(old))).all()
 
 
+@pytest.mark.parametrize("kind, max_grad_norm", [("lars", None), ("lamb", 1.0)])
+def test_sums_do_not_depend_on_the_order_programs_run(kind, max_grad_norm):
+    """On a GPU the programs of a pass run in any order. The step must come out the same,
+    bit for bit, whatever the order: here the programs run in chunk order, then in the
+    reverse order (the chunk table flipped). The data make fp64 addition order visible:
+    one chunk sums to 2**38 and two to 2**-15 each, half an ulp of 2**38, so added one
+    by one to 2**38 they vanish, and added to each other first they count. Weights and
+    grads have this shape, so every norm, LAMB's global one too, depends on the order in
+    which the chunks' sums are added."""
+    shape = (3 * kplan.BLOCK * kplan.TILES,)  # three full chunks
+
+    def run(flip):
+        group = make_group(kind, [shape, (5,)], torch.float32, False, dict(weight_decay=1e-2), 0)
+        with torch.no_grad():
+            for x in (group.params[0], group.grads[0]):
+                x.zero_()
+                x[: kplan.BLOCK * kplan.TILES] = 2.0**13
+                x[kplan.BLOCK * kplan.TILES :: kplan.BLOCK * kplan.TILES // 2] = 2.0**-8
+            group.grads[1].fill_(0.5)
+        extra = {} if kind == "lars" else dict(max_grad_norm=max_grad_norm)
+        plan = kplan._plan(SPEC[kind], [group], None)
+        assert plan.buckets[0].grid == (4,)
+        if flip:  # on the CPU the plan's tables are host memory
+            for b in plan.buckets:
+                b.chunks.copy_(b.chunks.flip(0).clone())
+        STEP[kind]([group], grad_scale=None, found_inf=None, **extra)
+        kplan._PLANS.clear()
+        return plan.ws.clone(), snapshot([group])[0]
+
+    (ws, after), (ws_flipped, after_flipped) = run(False), run(True)
+    assert ws[kplan._WS_HEAD] >= 2.0**38  # the chunks' sums were formed
+    assert torch.equal(ws, ws_flipped)
+    for x, y in zip(after, after_flipped):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("kind", ["lars", "lamb"])
 def test_empty_is_a_no_op(kind):
     STEP[kind]([], grad_scale=None, found_inf=None)

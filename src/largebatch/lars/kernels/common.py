@@ -1,6 +1,7 @@
 """What the LARS and LAMB kernels share: the per-tensor table's columns, the chunk and
-pointer helpers, the sums-of-squares pass and the step counter (package docstring:
-tables, passes and launches)."""
+pointer helpers, the sums-of-squares pass, and the kernel that sums each tensor's
+per-chunk partial sums in order and counts the step (package docstring: tables, passes
+and launches)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ _S1 = tl.constexpr(4)  # exp_avg_sq (LAMB)
 _STEP = tl.constexpr(5)  # the tensor's step count (fp32 scalar)
 _NUMEL = tl.constexpr(6)
 _GROUP = tl.constexpr(7)
-_META_COLS = tl.constexpr(8)
-# Workspace slots before the per-tensor sums of squares.
-_GSQ = tl.constexpr(0)  # LAMB: sum of squares of all unscaled grads
-_WS_HEAD = 1
+_PART = tl.constexpr(8)  # the slot of the tensor's first chunk in the partial-sums table
+_META_COLS = tl.constexpr(9)
+# Workspace slots before the per-tensor sums of squares: the global pass's two sums.
+_GSQ = tl.constexpr(1)  # LAMB: sum of squares of all unscaled grads (slot 0: unused, 0)
+_WS_HEAD = 2
+# Partial sums summed at once by each program of _finish_kernel.
+_PARTS = tl.constexpr(256)
 
 # Every kernel gets one CHUNK = BLOCK * TILES elements of one tensor. A full chunk calls
 # its tile loop with limit = start + CHUNK: masks the compiler sees are all true, so with
@@ -38,18 +42,21 @@ def _tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _chunk(chunks, meta, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
-    """This program's tensor index, its meta row, first element and element count.
+    """This program's tensor index, its meta row, first element, element count, and the
+    chunk's slot in the partial-sums table (the tensor's first slot plus the chunk's
+    index: it depends on the chunk, not on the program that runs it, or when).
 
     The count is 0 when GradScaler's found_inf skips the step.
     """
     c = tl.program_id(0)
     t = tl.load(chunks + 2 * c)
-    start = tl.multiple_of(tl.load(chunks + 2 * c + 1), CHUNK)
+    k = tl.load(chunks + 2 * c + 1)  # the chunk's index within its tensor
+    start = k * CHUNK
     row = meta + t * _META_COLS
     numel = tl.load(row + _NUMEL)
     if HAS_FOUND_INF:
         numel = tl.where(tl.load(found_inf) == 0, numel, 0)
-    return t, row, start, numel
+    return t, row, start, numel, tl.load(row + _PART) + k
 
 
 @triton.jit
@@ -60,6 +67,13 @@ def _unscale(grad_scale, HAS_SCALE: tl.constexpr):
     else:
         inv = tl.full((), 1.0, tl.float32)
     return inv
+
+
+@triton.jit
+def _store_part(parts, slot, a, b):
+    """Store a chunk's two fp64 sums in its slot of the partial-sums table."""
+    tl.store(parts + 2 * slot, a)
+    tl.store(parts + 2 * slot + 1, b)
 
 
 @triton.jit
@@ -130,26 +144,24 @@ def _check_tiles(
 
 @triton.jit
 def _grad_check_kernel(
-    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: this bucket's sums of squares (w^2, g^2), atomically added
-    ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
+    chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    parts,  # fp64 [n_slots, 2]: each chunk's sums of squares (w^2, g^2), one slot a chunk
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,  # dtype of params and grads
     W_DTYPE: tl.constexpr,  # dtype of the weights the math runs on (fp32 with masters)
-    W_SQ: tl.constexpr,  # add ||w||^2 per tensor to acc[:, 0] (LARS)
-    G_SQ: tl.constexpr,  # add ||g||^2 per tensor to acc[:, 1] (LARS)
-    GLOBAL_SQ: tl.constexpr,  # add ||g||^2 to ws[_GSQ] (LAMB with max_grad_norm)
+    W_SQ: tl.constexpr,  # also sum w^2 (LARS; else the slot's first sum is 0)
     HAS_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address is 16-byte aligned
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 1 of LARS, pass 0 of LAMB: sums of squares of the unscaled grads (and weights).
-    (LARS with a group's decayed_norm takes ``lars._lars_norms_kernel`` as pass 1.)"""
-    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    """Pass 1 of LARS, pass 0 of LAMB: each chunk's sums of squares of the unscaled grads
+    (and weights). (LARS with a group's decayed_norm takes ``lars._lars_norms_kernel`` as
+    pass 1.)"""
+    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     inv_scale = _unscale(grad_scale, HAS_SCALE)
@@ -159,27 +171,46 @@ def _grad_check_kernel(
         w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, W_SQ, False, BLOCK, TILES)
     else:
         w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, W_SQ, False, BLOCK, TILES)
-    if W_SQ:
-        tl.atomic_add(acc + 2 * t, w_sq)
-    if G_SQ:
-        tl.atomic_add(acc + 2 * t + 1, g_sq)
-    if GLOBAL_SQ:
-        tl.atomic_add(ws + _GSQ, g_sq)
+    _store_part(parts, slot, w_sq, g_sq)
 
 
 @triton.jit
-def _count_step_kernel(
+def _finish_kernel(
+    parts,  # fp64 [n_slots, 2]: the chunks' partial sums, from the pass before
+    spans,  # int64 [n_spans, 2]: (first slot, slot count) of each sum to form
+    out,  # fp64 [n_spans, 2]: the sums, written (not added to)
+    n_spans,  # int: programs [0, n_spans) form one sum each
     steps,  # int64 [n_steps]: addresses of the distinct step counters (fp32 scalars)
-    n_steps,  # int: their number
+    n_steps,  # int: their number; the programs after the sums count them
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     HAS_FOUND_INF: tl.constexpr,
-    BLOCK: tl.constexpr,  # counters per program, a power of two
+    STEPS_BLOCK: tl.constexpr,  # counters per counting program, a power of two
 ):
-    """count += 1 for every counter of this program's block, unless the step is skipped."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    limit = n_steps
-    if HAS_FOUND_INF:
-        limit = tl.where(tl.load(found_inf) == 0, n_steps, 0)
-    mask = i < limit
-    ptrs = tl.load(steps + i, mask=mask, other=0).to(tl.pointer_type(tl.float32))
-    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + 1.0, mask=mask)
+    """The sums of squares from the partial sums, and the step counted.
+
+    A sum program adds its span's slots in slot order, _PARTS lanes at a time, then
+    across the lanes in a fixed tree (``tl.sum``): the same bits on every run, whatever
+    order the programs of the pass before ran in. The programs after the sums count the
+    step: count += 1 for every counter of their block, unless the step is skipped.
+    """
+    pid = tl.program_id(0)
+    if pid < n_spans:
+        first = tl.load(spans + 2 * pid)
+        count = tl.load(spans + 2 * pid + 1)
+        lanes = tl.arange(0, _PARTS)
+        pair = tl.arange(0, 2)
+        total = tl.zeros((_PARTS, 2), tl.float64)
+        for i in range(0, count, _PARTS):
+            slot = first + i + lanes
+            mask = (i + lanes < count)[:, None]
+            total += tl.load(parts + 2 * slot[:, None] + pair[None, :], mask=mask, other=0.0)
+        tl.store(out + 2 * pid + pair, tl.sum(total, axis=0))
+    else:
+        # (Names apart from the other branch's: triton types a name across both.)
+        counters = (pid - n_spans) * STEPS_BLOCK + tl.arange(0, STEPS_BLOCK)
+        limit = n_steps
+        if HAS_FOUND_INF:
+            limit = tl.where(tl.load(found_inf) == 0, n_steps, 0)
+        counted = counters < limit
+        ptrs = tl.load(steps + counters, mask=counted, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(ptrs, tl.load(ptrs, mask=counted, other=0.0) + 1.0, mask=counted)

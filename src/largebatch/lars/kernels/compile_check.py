@@ -25,7 +25,9 @@ no GPU) and reads, per specialization (:class:`Measure`):
   elements a thread handles over every copy of the tile loops in the PTX (the bytes of its
   masked global loads, over the bytes the loop loads per element). Scalar work (a tile's
   sum taken into fp64, a norm, a bias correction) runs once per tile or per program and is
-  counted apart: ``fp64 other``, every other fp64 instruction of the PTX;
+  counted apart: ``fp64 other``, every other fp64 instruction of the PTX. So are the fp64
+  additions of ``_finish_kernel`` (:data:`ACROSS_TILES`), whose loop runs over the chunks'
+  partial sums, one per chunk of up to 4,096 elements, not over elements;
 - the widest masked global load (16 bytes where the addresses are aligned).
 
 ``python -m largebatch.lars.kernels.compile_check`` (``make check-kernels``) records in a
@@ -227,9 +229,14 @@ def measure(launch: Launch, arch: int, options: dict[str, Any] | None = None) ->
                                     options={**dict(launch.options), **(options or {})})
     registers, stores, loads = ptxas_usage(log.getvalue())
     sites, bytes_per_element = tile_loop_sites(kernel.asm["ttgir"])
+    if launch.name in ACROSS_TILES:
+        sites, bytes_per_element = set(), 0
     per_element, other, widest, elements = count_fp64(kernel.asm["ptx"], sites, bytes_per_element)
     return Measure(registers, stores, loads, per_element, other, widest, elements)
 
+
+# Kernels whose loops add the chunks' fp64 partial sums: fp64 by design, once per chunk.
+ACROSS_TILES = frozenset({"_finish_kernel"})
 
 _TL_TO_MLIR = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "fp64": "f64"}
 

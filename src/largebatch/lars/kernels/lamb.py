@@ -1,6 +1,7 @@
-"""The LAMB kernels: pass 1 (new moments; ||w||^2 and ||u||^2 per tensor) and pass 2
+"""The LAMB kernels: pass 1 (new moments; each chunk's sums of w^2 and u^2) and pass 2
 (trust ratio, weights), after the optional pass 0 (``_grad_check_kernel`` in
-``common.py``: the global grad norm for ``max_grad_norm``)."""
+``common.py``: the global grad norm for ``max_grad_norm``). ``_finish_kernel`` sums the
+chunks after pass 0 and pass 1, and counts the step after pass 1."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from largebatch.lars.kernels.common import (
     _W,
     _chunk,
     _one_minus_pow,
+    _store_part,
     _sum_sq,
     _tensor_ptr,
     _unscale,
@@ -44,11 +46,12 @@ def _lamb_direction(w, m, v, inv_bc1, inv_bc2, eps, wd):
 
 
 @triton.jit
-def _lamb_factors(hyper, row, group):
+def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
     """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, the weight decay that
     enters the moments (L2 mode) and the one that enters u (AdamW mode), the factor of g
     in m (1 - b1, or 1 without grad averaging), whether it takes the trust ratio, and
-    1 / bias corrections at its own step count."""
+    1 / bias corrections at its own step count: the count + 1 before the step is counted
+    (pass 1), the count after (COUNTED: pass 2)."""
     h = hyper + group * _LAMB_COLS
     b1 = tl.load(h + _B1)
     b2 = tl.load(h + _B2)
@@ -62,7 +65,9 @@ def _lamb_factors(hyper, row, group):
     trust_ratio = (tl.load(h + _TRUST_RATIO) != 0) & (
         (tl.load(h + _ADAPT_WITHOUT_DECAY) != 0) | (wd != 0))
     step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
-    e = step.to(tl.int32) + 1  # this is step t = step + 1
+    e = step.to(tl.int32)  # this step's t: the count after it is counted
+    if not COUNTED:
+        e += 1
     inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
     inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, e), 1.0)
     return b1, b2, b3, eps, wd_g, wd_u, inv_bc1, inv_bc2, trust_ratio
@@ -102,9 +107,9 @@ def _moment_tiles(
 
 @triton.jit
 def _lamb_moments_kernel(
-    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 per tensor, atomically added
+    chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    parts,  # fp64 [n_slots, 2]: each chunk's sums of w^2 and u^2, one slot a chunk
     ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
     hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
@@ -119,13 +124,14 @@ def _lamb_moments_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 1 of LAMB: m, v updated and stored; ||w||^2 and ||u||^2 per tensor."""
-    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    """Pass 1 of LAMB: m, v updated and stored; each chunk's sums of w^2 and u^2."""
+    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
-    b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, tl.load(row + _GROUP))
+    group = tl.load(row + _GROUP)
+    b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, group, False)
     g_mul = _unscale(grad_scale, HAS_SCALE)
     if CLIP:
         # Compiled, a Python float argument is fp32 already; the interpreter passes it as
@@ -145,8 +151,7 @@ def _lamb_moments_kernel(
             w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
             W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
-    tl.atomic_add(acc + 2 * t, w_sq)
-    tl.atomic_add(acc + 2 * t + 1, u_sq)
+    _store_part(parts, slot, w_sq, u_sq)
 
 
 @triton.jit
@@ -170,9 +175,9 @@ def _lamb_tiles(
 
 @triton.jit
 def _lamb_apply_kernel(
-    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2 from pass 1
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2, summed from pass 1
     hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
@@ -185,13 +190,13 @@ def _lamb_apply_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 2 of LAMB: w -= lr * ratio * u, with u recomputed from the new m and v."""
-    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    t, row, start, numel, _ = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
-    _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group)
+    _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group, True)
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
 
     w_norm = tl.sqrt(tl.load(acc + 2 * t))

@@ -1,7 +1,7 @@
 """The LARS kernels: pass 2 (trust ratio, momentum, weights), after pass 1 formed each
 tensor's ||w||^2 and ||g||^2: ``_grad_check_kernel`` (``common.py``), or, when some group
 has decayed_norm, ``_lars_norms_kernel``, which forms ||g + wd * w||^2 in place of
-||g||^2 for that group's tensors."""
+||g||^2 for that group's tensors; ``_finish_kernel`` sums each tensor's chunks."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from largebatch.lars.kernels.common import (
     _W,
     _check_tiles,
     _chunk,
+    _store_part,
     _tensor_ptr,
     _unscale,
 )
@@ -37,9 +38,9 @@ _LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
 
 @triton.jit
 def _lars_norms_kernel(
-    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: this bucket's sums of squares, atomically added
+    chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
+    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    parts,  # fp64 [n_slots, 2]: each chunk's sums of squares, one slot a chunk
     hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
@@ -51,10 +52,10 @@ def _lars_norms_kernel(
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
 ):
-    """Pass 1 of LARS when some group has decayed_norm: ||w||^2 into acc[:, 0], and into
-    acc[:, 1] ||g + wd * w||^2 (optax's lars) for a tensor of such a group, ||g||^2 for
-    the others (their decay read as wd times the flag's 0)."""
-    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    """Pass 1 of LARS when some group has decayed_norm: each chunk's sum of w^2, and of
+    (g + wd * w)^2 (optax's lars) for a tensor of such a group, g^2 for the others
+    (their decay read as wd times the flag's 0)."""
+    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     inv_scale = _unscale(grad_scale, HAS_SCALE)
@@ -65,8 +66,7 @@ def _lars_norms_kernel(
         w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, True, True, BLOCK, TILES)
     else:
         w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, True, True, BLOCK, TILES)
-    tl.atomic_add(acc + 2 * t, w_sq)
-    tl.atomic_add(acc + 2 * t + 1, g_sq)
+    _store_part(parts, slot, w_sq, g_sq)
 
 
 @triton.jit
@@ -95,9 +95,9 @@ def _lars_tiles(
 
 @triton.jit
 def _lars_apply_kernel(
-    chunks,  # int64 [n_chunks, 2]: (tensor index, first element) of each program's chunk
+    chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
     meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
-    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 (decayed_norm: ||g + wd * w||^2) from pass 1
+    acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 (decayed_norm: ||g + wd * w||^2), summed
     hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
@@ -113,7 +113,7 @@ def _lars_apply_kernel(
 ):
     """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov);
     lr outside the buffer where the group's lr_in_momentum is 0."""
-    t, row, start, numel = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    t, row, start, numel, _ = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
     g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
     p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)

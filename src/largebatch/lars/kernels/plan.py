@@ -17,10 +17,11 @@ import triton
 import triton.language as tl
 
 from largebatch.lars.kernels.common import (
+    _GSQ,
     _NUMEL,
     _STEP,
     _WS_HEAD,
-    _count_step_kernel,
+    _finish_kernel,
     _grad_check_kernel,
 )
 from largebatch.lars.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel
@@ -52,9 +53,9 @@ _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d
 class _Bucket:
     """The tensors of one (param dtype, masters) kind: tables and launch shape."""
 
-    chunks: torch.Tensor  # int64 [n_chunks, 2]
+    chunks: torch.Tensor  # int64 [n_chunks, 2]: (tensor, chunk index in it) per program
     meta: torch.Tensor  # int64 [n_tensors, _META_COLS]
-    acc: torch.Tensor  # fp64 [n_tensors, 2], a view into the plan's workspace
+    acc: torch.Tensor  # fp64 [n_tensors, 2]: its tensors' sums, a view into the plan's workspace
     grid: tuple[int]  # one program per chunk
     has_master: bool
     consts: dict  # P_DTYPE, W_DTYPE, ALIGNED, BLOCK, TILES; num_warps (a launch option)
@@ -64,7 +65,10 @@ class _Bucket:
 class _Plan:
     buckets: list[_Bucket]
     hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
-    ws: torch.Tensor  # fp64 workspace: global sum of squares, per-tensor sums
+    ws: torch.Tensor  # fp64 workspace: the global sums ([_GSQ]), then per-tensor sums
+    parts: torch.Tensor  # fp64 [n_slots, 2]: each chunk's partial sums, one slot a chunk
+    spans: torch.Tensor  # int64 [n_tensors, 2]: (first slot, slot count) of each tensor
+    every_slot: torch.Tensor  # int64 [1, 2]: (0, n_slots), the global sum's span
     steps: torch.Tensor  # int64 [n_steps]: distinct step addresses (tensors', then counter)
     decayed: bool = False  # some LARS group has decayed_norm: pass 1 is _lars_norms_kernel
     gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
@@ -226,31 +230,38 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             m = _master(g, j)
             s = [g.state[k][j].data_ptr() for k in spec.state] + [0] * (2 - len(spec.state))
             row = [(p if m is None else m).data_ptr(), g.grads[j].data_ptr(), p.data_ptr(), *s]
-            row += [g.steps[j].data_ptr(), p.numel(), gi]
+            row += [g.steps[j].data_ptr(), p.numel(), gi]  # _PART is added below
             rows.setdefault((p.dtype, m is not None), []).append(row)
 
     # Every table is formed on the host from Python numbers (nothing here reads a device
-    # value), then all go to the device in one asynchronous copy (_upload).
+    # value), then all go to the device in one asynchronous copy (_upload). Chunks take
+    # slots of the partial-sums table in (bucket, tensor, chunk) order.
     n_tensors = sum(len(r) for r in rows.values())
     ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
     launches: list[tuple] = []  # per bucket: acc, programs, has_master, consts
-    tables: list[torch.Tensor] = []  # per bucket: chunks, meta; then hyper, steps
-    offset = _WS_HEAD
+    tables: list[torch.Tensor] = []  # per bucket: chunks, meta; then hyper, steps, spans
+    spans: list[tuple[int, int]] = []  # per tensor: (first slot, slot count)
+    offset, slots = _WS_HEAD, 0
     for (dtype, has_master), meta_rows in rows.items():
         n = len(meta_rows)
         acc, offset = ws[offset : offset + 2 * n], offset + 2 * n
         numels = [r[_NUMEL.value] for r in meta_rows]
-        if max(numels) == 0:  # only zero-size tensors: nothing to launch
+        if max(numels) == 0:  # only zero-size tensors: nothing to launch, sums of nothing
+            spans += [(slots, 0)] * n
             continue
         block, tiles = _launch_shape(max(numels))
         counts = [triton.cdiv(x, block * tiles) for x in numels]
         n_chunks = sum(counts)
+        for r, c in zip(meta_rows, counts):
+            r.append(slots)  # the _PART column
+            spans.append((slots, c))
+            slots += c
         repeats = torch.tensor(counts, dtype=torch.int64)
         tensor = torch.repeat_interleave(torch.arange(n), repeats, output_size=n_chunks)
         tensor_first_chunk = torch.repeat_interleave(repeats.cumsum(0) - repeats, repeats,
                                                      output_size=n_chunks)
         first = torch.arange(n_chunks) - tensor_first_chunk  # chunk index within its tensor
-        tables += [torch.stack([tensor, first * block * tiles], dim=1),
+        tables += [torch.stack([tensor, first], dim=1),
                    torch.tensor(meta_rows, dtype=torch.int64)]
         aligned = all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value])
         launches.append((acc, n_chunks, has_master, dict(
@@ -269,16 +280,20 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     decayed = "decayed_norm" in spec.columns and any(
         row[spec.columns.index("decayed_norm")] for row in hyper)
     tables += [torch.tensor(hyper, dtype=torch.float64).view(torch.int64),
-               torch.tensor(steps, dtype=torch.int64)]
+               torch.tensor(steps, dtype=torch.int64),
+               torch.tensor(spans + [(0, slots)], dtype=torch.int64)]
     source, views = _upload(tables, device)
     buckets = [
         _Bucket(chunks=chunks, meta=meta, acc=acc, grid=(n_chunks,), has_master=has_master,
                 consts=consts)
         for (acc, n_chunks, has_master, consts), chunks, meta
-        in zip(launches, views[0:-2:2], views[1:-2:2])
+        in zip(launches, views[0:-3:2], views[1:-3:2])
     ]
-    return _Plan(buckets, views[-2].view(torch.float64), ws, steps=views[-1], decayed=decayed,
-                 sources={"tables": source})
+    # Every slot is written by its chunk's program before any sum reads it.
+    parts = torch.empty(max(1, slots), 2, dtype=torch.float64, device=device)
+    return _Plan(buckets, views[-3].view(torch.float64), ws, parts=parts,
+                 spans=views[-1][:-1], every_slot=views[-1][-1:], steps=views[-2],
+                 decayed=decayed, sources={"tables": source})
 
 
 def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
@@ -325,11 +340,20 @@ def _scalars(plan: _Plan, grad_scale: torch.Tensor | None,
     return scale, plan.ws if found_inf is None else found_inf, has
 
 
-def _count_step(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool) -> None:
-    n = len(plan.steps)
+def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *,
+            every_slot: bool = False) -> None:
+    """One launch of _finish_kernel: each tensor's sums from its chunks' partial sums
+    (the pass's acc), the step counted after them; with ``every_slot``, the global sums
+    of all chunks (ws[:_WS_HEAD]) and nothing counted."""
+    if every_slot:
+        _finish_kernel[(1,)](plan.parts, plan.every_slot, plan.ws, 1, plan.steps, 0, found_inf,
+                             HAS_FOUND_INF=False, STEPS_BLOCK=1)
+        return
+    n_spans, n = len(plan.spans), len(plan.steps)
     block = min(BLOCK, triton.next_power_of_2(n))
-    _count_step_kernel[(triton.cdiv(n, block),)](
-        plan.steps, n, found_inf, HAS_FOUND_INF=has_found_inf, BLOCK=block,
+    _finish_kernel[(n_spans + triton.cdiv(n, block),)](
+        plan.parts, plan.spans, plan.ws[_WS_HEAD:], n_spans, plan.steps, n, found_inf,
+        HAS_FOUND_INF=has_found_inf, STEPS_BLOCK=block,
     )  # fmt: skip
 
 
@@ -349,17 +373,16 @@ def fused_lars_step_(
     if plan is None:
         return
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
-    plan.ws.zero_()
     for b in plan.buckets:
         if plan.decayed:  # some group's decayed_norm: ||g + wd * w||^2 for its tensors
             _lars_norms_kernel[b.grid](
-                b.chunks, b.meta, b.acc, plan.hyper, scale, inf, **has, **b.consts,
+                b.chunks, b.meta, plan.parts, plan.hyper, scale, inf, **has, **b.consts,
             )  # fmt: skip
             continue
         _grad_check_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=True, G_SQ=True, GLOBAL_SQ=False,
-            **has, **b.consts,
+            b.chunks, b.meta, plan.parts, scale, inf, W_SQ=True, **has, **b.consts,
         )  # fmt: skip
+    _finish(plan, inf, has["HAS_FOUND_INF"])
     if reduce_norms is not None:
         reduce_norms(plan.ws[_WS_HEAD:])
     for b in plan.buckets:
@@ -367,7 +390,6 @@ def fused_lars_step_(
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
             HAS_MASTER=b.has_master, **has, **b.consts,
         )  # fmt: skip
-    _count_step(plan, inf, has["HAS_FOUND_INF"])
 
 
 def fused_lamb_step_(
@@ -386,20 +408,20 @@ def fused_lamb_step_(
         return
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     clip = max_grad_norm is not None
-    plan.ws.zero_()
     if clip:  # the global grad norm must be complete before any moment is formed
         for b in plan.buckets:
             _grad_check_kernel[b.grid](
-                b.chunks, b.meta, b.acc, plan.ws, scale, inf, W_SQ=False, G_SQ=False,
-                GLOBAL_SQ=True, **has, **b.consts,
+                b.chunks, b.meta, plan.parts, scale, inf, W_SQ=False, **has, **b.consts,
             )  # fmt: skip
+        _finish(plan, inf, False, every_slot=True)
         if reduce_global is not None:
-            reduce_global(plan.ws[:_WS_HEAD])
+            reduce_global(plan.ws[_GSQ : _GSQ + 1])
     for b in plan.buckets:
         _lamb_moments_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.ws, plan.hyper, scale, inf,
+            b.chunks, b.meta, plan.parts, plan.ws, plan.hyper, scale, inf,
             float(max_grad_norm) if max_grad_norm is not None else 1.0, CLIP=clip, **has, **b.consts,
         )  # fmt: skip
+    _finish(plan, inf, has["HAS_FOUND_INF"])  # pass 2 reads the counted steps
     if reduce_norms is not None:
         reduce_norms(plan.ws[_WS_HEAD:])
     for b in plan.buckets:
@@ -407,4 +429,3 @@ def fused_lamb_step_(
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,
             HAS_MASTER=b.has_master, HAS_FOUND_INF=has["HAS_FOUND_INF"], **b.consts,
         )  # fmt: skip
-    _count_step(plan, inf, has["HAS_FOUND_INF"])
