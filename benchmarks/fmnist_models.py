@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/fmnist_models.py                 # params and s/epoch
     .venv/bin/python benchmarks/fmnist_models.py --train 30      # + validation accuracy
+    .venv/bin/python benchmarks/fmnist_models.py --only fmnist_cnn,fmnist_alexnet_bn
 
 Cost: one torch thread (the study runs one thread per run, two runs at a time on two
 cores), seconds per epoch of 60,000 images, timed over a few steps of random inputs at
@@ -34,6 +35,9 @@ CANDIDATES = {
     "small_resnet (width 16, 1 block/stage)": models.small_resnet,
     "small_resnet (width 16, 2 blocks/stage)": functools.partial(models.small_resnet,
                                                                  blocks=2),
+    "fmnist_alexnet_bn (width 8, 2x256 hidden)": models.fmnist_alexnet_bn,
+    "fmnist_alexnet_bn (width 4, 2x128 hidden)": functools.partial(models.fmnist_alexnet_bn,
+                                                                   width=4, hidden=128),
 }
 
 
@@ -76,13 +80,18 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=0, metavar="EPOCHS",
                         help="also train each candidate and report validation accuracy")
     parser.add_argument("--steps", type=int, default=20, help="timed steps at B=128")
+    parser.add_argument("--only", default="", metavar="NAMES",
+                        help="comma-separated model names: only the candidates of these models")
     args = parser.parse_args()
+    wanted = [n for n in args.only.split(",") if n]
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
     print("| candidate | params | s/epoch at B=128 | s/epoch at B=1536 |"
           + (f" val. acc. % ({args.train} epochs) |" if args.train else ""))
     print("|---|---:|---:|---:|" + ("---:|" if args.train else ""))
     for name, factory in CANDIDATES.items():
+        if wanted and name.split(" ")[0] not in wanted:
+            continue
         params = sum(p.numel() for p in factory().parameters())
         small = seconds_per_epoch(factory, 128, args.steps)
         large = seconds_per_epoch(factory, 1536, max(2, args.steps // 10))

@@ -141,6 +141,11 @@ CASES = [
     # apex FusedLAMB's and timm's default: the group without decay takes no trust ratio.
     Case("lamb-adapt-only-decayed", "lamb", {"adapt_without_decay": False, "weight_decay": 0.01},
          {"weight_decay": 0.0}),
+    # 1-bit LAMB's frozen variance: v and its bias correction kept after step 2 of 4 (the
+    # grads change every step, so a v that moved would show), beside a group that never
+    # freezes; a zero grad's tensor and a zero param among the frozen.
+    Case("lamb-frozen-variance", "lamb", {"freeze_step": 2, "weight_decay": 0.01},
+         {"freeze_step": None}),
 ]
 CASE_IDS = [c.id for c in CASES]
 

@@ -282,14 +282,27 @@ def _cached_update(opt, params):
         ),
         lambda s: lamb(s, weight_decay=1e-2, max_grad_norm=1.0, trust_ratio_mask=exclusion_mask),
         lambda s: lamb(0.1, bias_correction=False),
+        lambda s: lamb(s, weight_decay=1e-2, freeze_step=2),
     ],
-    ids=["lars", "lamb", "lamb_uncorrected"],
+    ids=["lars", "lamb", "lamb_uncorrected", "lamb_frozen_variance"],
 )
 def test_jit_does_not_recompile(make):
     params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3), "s": jnp.ones((2, 2))}
     sched = make_schedule("cosine", peak_lr=0.1, total_steps=10, warmup_steps=2)
     update = _cached_update(make(sched), params)
     assert update._cache_size() == 1
+
+
+def test_a_traced_freeze_step_equals_a_fixed_one():
+    """``optax.inject_hyperparams`` makes ``freeze_step`` an array in the state, traced
+    under jit: the same steps as the Python int, and one compile whatever its value."""
+    params, grads = make_tree_problem(np.float32)
+    fixed = run_optax(lamb(0.01, weight_decay=1e-2, freeze_step=2), params, grads)
+    opt = optax.inject_hyperparams(lamb)(learning_rate=0.01, weight_decay=1e-2, freeze_step=2)
+    injected = run_optax(opt, params, grads, jit=True)
+    assert_trees_close(injected, fixed, RTOL[np.float32], np.float32)
+    moving = run_optax(lamb(0.01, weight_decay=1e-2), params, grads)
+    assert not np.allclose(moving["dense"], fixed["dense"], rtol=1e-4)  # step 3 froze
 
 
 @pytest.mark.parametrize(
@@ -334,6 +347,8 @@ def test_bfloat16_params_stay_bfloat16(opt):
         (lambda: lamb(0.1, eps=-1.0), "-1.0"),
         (lambda: lamb(0.1, weight_decay=-0.01), "-0.01"),
         (lambda: lamb(0.1, max_grad_norm=0.0), "0.0"),
+        (lambda: lamb(0.1, freeze_step=0), "freeze_step: 0"),
+        (lambda: lamb(0.1, freeze_step=1.5), "freeze_step: 1.5"),
     ],
 )
 def test_bad_hyperparameters_raise_on_build(build, value):
@@ -450,6 +465,7 @@ def _torch_groups(torch, params, adapt):
          dict(betas=(0.8, 0.99), weight_decay=1e-2, max_grad_norm=1.0)),
         ("LAMB", dict(weight_decay=1e-2, bias_correction=False),
          dict(weight_decay=1e-2, bias_correction=False)),
+        ("LAMB", dict(weight_decay=1e-2, freeze_step=2), dict(weight_decay=1e-2, freeze_step=2)),
     ],
 )
 def test_torch_and_jax_agree(name, jax_kw, torch_kw):

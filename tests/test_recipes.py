@@ -22,6 +22,7 @@ from largebatch.recipes.study import RunSpec
     (models.small_cnn, 6_274),
     (lambda: models.small_cnn(width=16, hidden=128), 426_362),
     (models.small_resnet, 77_754),
+    (models.fmnist_alexnet_bn, 178_354),
 ])
 def test_fashion_models_have_their_documented_size_and_shape(factory, params):
     torch.manual_seed(0)
@@ -51,8 +52,24 @@ def test_small_resnet_blocks_start_as_their_shortcut():
     assert blocks[0].bn2.weight.requires_grad
 
 
+def test_fmnist_alexnet_bn_is_alexnet_bn_scaled_down():
+    """Five convs in AlexNet's channel proportions, each followed by batch norm, no
+    residual; the fully connected layers hold most of the parameters, as in AlexNet."""
+    model = build.build_model("fmnist_alexnet_bn", 10)
+    layers = list(model)
+    convs = [i for i, m in enumerate(layers) if isinstance(m, nn.Conv2d)]
+    assert [layers[i].out_channels for i in convs] == [8, 24, 48, 32, 32]
+    assert all(isinstance(layers[i + 1], nn.BatchNorm2d) and layers[i].bias is None for i in convs)
+    linears = [m for m in layers if isinstance(m, nn.Linear)]
+    assert [m.out_features for m in linears] == [256, 256, 10]
+    head = sum(p.numel() for m in linears for p in m.parameters())
+    assert head > 0.75 * sum(p.numel() for p in model.parameters())
+    assert not any(isinstance(m, models._BasicBlock) for m in model.modules())
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: models.small_cnn(width=0), "Invalid width: 0"),
+    (lambda: models.fmnist_alexnet_bn(hidden=0), "Invalid hidden: 0"),
     (lambda: models.small_cnn(hidden=-1), "Invalid hidden: -1"),
     (lambda: models.small_resnet(blocks=0), "Invalid blocks: 0"),
 ])

@@ -221,6 +221,10 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     (["--compression", "adacomp"], "Invalid compression: adacomp needs --workers 2 or more"),
     (["--workers", "2", "--compression", "adacomp", "--compression-warmup", "-1"],
      "Invalid compression_warmup: -1"),
+    (["--batches", "384", "--optimizers", "sgd,lars", "--freeze-variance"],
+     "Invalid freeze_variance: only LAMB has a second moment to freeze"),
+    (["--workers", "2", "--compression", "adacomp", "--compression-warmup", "0", "--freeze-variance"],
+     "Invalid freeze_variance with compression_warmup 0"),
 ])
 def test_bad_flags_fail_before_any_run(tmp_path, args, message):
     proc = subprocess.run(
@@ -454,6 +458,42 @@ def test_simulated_workers_runs_record_their_compression():
     assert now["curve"][0]["accuracy"] != plain["curve"][0]["accuracy"]
 
 
+def test_a_study_of_another_model_trains_that_model_in_every_run():
+    """``--model fmnist_alexnet_bn``: every planned run names the model, and a run trains
+    it (the recipes' model replaced): same seed and batches, another model, another result."""
+    cfg = StudyConfig(quick=True, model="fmnist_alexnet_bn", seeds=1)
+    _, finals = study.pair_plan(cfg, {}, 1536, "lars")
+    assert finals and {s.model for s in finals} == {"fmnist_alexnet_bn"}
+    common = dict(phase="final", batch=128, optimizer="sgd", lr=0.2, warmup_epochs=0.0, seed=0,
+                  epochs=1, subset=2400)
+    alexnet = study.run_one(study.RunSpec(**common, model="fmnist_alexnet_bn"))
+    cnn = study.run_one(study.RunSpec(**common))
+    assert alexnet["spec"]["model"] == "fmnist_alexnet_bn" and alexnet["accuracy"] > 0.2
+    assert alexnet["curve"] != cnn["curve"]
+    with pytest.raises(ValueError, match="Invalid model"):
+        study._check(StudyConfig(model="resnet50"))
+
+
+def test_freeze_variance_freezes_lambs_v_when_the_plain_exchange_ends():
+    """``--freeze-variance``: a LAMB run's groups get ``freeze_step`` = the steps of its
+    ``compression_warmup`` epochs; the other optimizers are built as without it."""
+    from largebatch.recipes.build import build_model
+    from largebatch.recipes.study import worker
+
+    common = dict(phase="final", batch=1536, lr=0.01, warmup_epochs=1.0, seed=0, epochs=30,
+                  workers=8, compression="adacomp", compression_warmup=3)
+    for optimizer, frozen in (("lamb", True), ("lamb", False), ("lars", True)):
+        spec = study.RunSpec(**common, optimizer=optimizer, freeze_variance=frozen)
+        recipe = study._recipe(1536, optimizer)
+        opt = worker._optimizer(spec, recipe, build_model(recipe.model, 10), steps_per_epoch=39)
+        steps = {g.get("freeze_step", "none") for g in opt.param_groups}
+        expected = {117} if (optimizer, frozen) == ("lamb", True) else \
+            ({None} if optimizer == "lamb" else {"none"})
+        assert steps == expected, (optimizer, frozen)
+    assert "v frozen after 3" in study.RunSpec(**common, optimizer="lamb",
+                                               freeze_variance=True).describe()
+
+
 @pytest.mark.parametrize("compression", ["adacomp", "none"])
 def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
     """docs/study's 8-worker runs were recorded before the AdaComp warm-up became a flag:
@@ -567,13 +607,14 @@ def test_report_reads_the_study_settings_from_its_folder(tmp_path, monkeypatch, 
 
 
 _RECORDED = ["headline", "epochs-15", "adacomp-8", "adacomp-8-sgd", "adacomp-8-warm5",
-             "workers-8", "workers-8-sgd"]
+             "workers-8", "workers-8-sgd", "adacomp-8-frozen", "adacomp-8-warm5-frozen",
+             "workers-8-frozen"]
 
 
 @pytest.mark.parametrize("folder", _RECORDED)
 def test_a_recorded_study_without_settings_reports_from_its_runs(tmp_path, monkeypatch, folder):
-    """docs/study's folders hold runs.jsonl and no settings.json: ``--report --out`` on a
-    copy of the runs alone writes the committed tables."""
+    """``--report --out`` on a copy of a docs/study folder's runs alone (the older folders
+    have no settings.json) writes the committed tables."""
     monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
     recorded = Path(__file__).parents[1] / "docs" / "study" / folder
     shutil.copy(recorded / "runs.jsonl", tmp_path / "runs.jsonl")

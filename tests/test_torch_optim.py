@@ -7,10 +7,11 @@ import copy
 import io
 import re
 
+import numpy as np
 import pytest
 import torch
 
-from cases import torch_paths
+from cases import TOLERANCE, TORCH_PATHS, torch_paths
 from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups
 
 # The fused Triton path runs on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py);
@@ -246,6 +247,9 @@ DEFAULT_CASES = [
      "Invalid bias_correction: 1 (must be True or False)"),
     (LAMB, "master_weights", True, "no", TypeError,
      "Invalid master_weights: 'no' (must be True or False)"),
+    (LAMB, "freeze_step", 5, 0, ValueError,
+     "Invalid freeze_step: 0 (must be >= 1 and < 2147483647, a whole number, or None)"),
+    (LAMB, "freeze_step", None, 2.5, ValueError, "Invalid freeze_step: 2.5"),
 ]
 
 
@@ -381,3 +385,37 @@ def test_lamb_equals_timm(max_grad_norm):
                    {"params": p_timm[1::2], "weight_decay": 0.0}],
                   lr=0.01, max_grad_norm=max_grad_norm)
     _step_both(ours, theirs, p_ours, p_timm)
+
+
+@pytest.mark.parametrize("path", TORCH_PATHS)
+def test_each_param_freezes_its_variance_at_its_own_step(path):
+    """``freeze_step`` counts each param's own steps: a param that gets its first grad at
+    step 3 keeps updating its v (and bias correction) for two of its steps after the
+    other param's v froze. Checked against the float64 spec, one tensor at a time."""
+    from largebatch.lars import reference
+
+    gen = torch.Generator().manual_seed(7)
+    start = [torch.randn(6, 5, generator=gen), torch.randn(40, generator=gen)]
+    params = [torch.nn.Parameter(x.clone()) for x in start]
+    opt = LAMB(params, lr=0.05, weight_decay=1e-2, freeze_step=2, **TORCH_PATHS[path])
+    expected = [x.double().numpy() for x in start]
+    moments = [[np.zeros(x.shape), np.zeros(x.shape)] for x in start]
+    counts = [0, 0]
+    for k in range(5):
+        for i, p in enumerate(params):
+            if i == 1 and k < 2:  # the second param starts late
+                p.grad = None
+                continue
+            p.grad = torch.randn(p.shape, generator=gen)
+            counts[i] += 1
+            (w,), (m,), (v,) = reference.lamb_step(
+                [expected[i]], [p.grad.double().numpy()], [moments[i][0]], [moments[i][1]],
+                step=counts[i], lr=0.05, weight_decay=1e-2, freeze_step=2)
+            expected[i], moments[i] = w, [m, v]
+        opt.step()
+    for i, p in enumerate(params):
+        rtol = TOLERANCE["float32"]
+        np.testing.assert_allclose(p.detach().double().numpy(), expected[i], rtol=rtol, atol=1e-6)
+        np.testing.assert_allclose(opt.state[p]["exp_avg_sq"].double().numpy(), moments[i][1],
+                                   rtol=rtol, atol=1e-12)
+    assert [int(opt.state[p]["step"]) for p in params] == [5, 3]

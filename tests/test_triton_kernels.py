@@ -63,6 +63,7 @@ CASES = {
         dict(max_grad_norm=1.0),
     ),
     "lamb_clip_inactive": ("lamb", dict(weight_decay=1e-2), dict(max_grad_norm=1e6)),
+    "lamb_frozen_variance": ("lamb", dict(weight_decay=1e-2, freeze_step=1), {}),  # step 2 frozen
 }
 # name: param dtype, fp32 masters, grad_scale (None: no scaling)
 PRECISIONS = {

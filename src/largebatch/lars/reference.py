@@ -135,6 +135,7 @@ def lamb_step(
     adam_w_mode: bool = True,
     grad_averaging: bool = True,
     adapt_without_decay: bool = True,
+    freeze_step: int | None = None,
     grad_scale: float = 1.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.
@@ -142,10 +143,18 @@ def lamb_step(
     ``step`` is the step number t >= 1 after this update. Every grad is divided by
     ``grad_scale`` first: the global clipping divisor ``max(1, global_norm /
     max_grad_norm)``, computed over every group (see :func:`clip_divisor`).
+
+    Frozen variance (``freeze_step``, 1-bit LAMB: Li et al. 2021, arXiv:2104.06069,
+    Algorithm 1, whose compression stage keeps the variance the warm-up stage ended
+    with; 1-bit Adam: Tang et al. 2021, arXiv:2102.02888, §3): at a step t >
+    ``freeze_step``, v is not updated and its bias correction stays at t =
+    ``freeze_step``, so v_hat stays what it was after that step. m goes on as before.
     """
     b1, b2 = betas
+    t2 = step if freeze_step is None else min(step, freeze_step)  # v's own step count
+    frozen = t2 < step
     bc1 = 1.0 - b1**step if bias_correction else 1.0
-    bc2 = 1.0 - b2**step if bias_correction else 1.0
+    bc2 = 1.0 - b2**t2 if bias_correction else 1.0
     wd = weight_decay
     adapt = trust_ratio and (adapt_without_decay or wd != 0)
     new_params, new_m, new_v = [], [], []
@@ -154,7 +163,8 @@ def lamb_step(
         if not adam_w_mode:
             g = g + wd * w
         m = b1 * m + ((1.0 - b1) if grad_averaging else 1.0) * g
-        v = b2 * v + (1.0 - b2) * g * g
+        if not frozen:
+            v = b2 * v + (1.0 - b2) * g * g
         u = (m / bc1) / (np.sqrt(v / bc2) + eps) + (wd * w if adam_w_mode else 0.0)
         if adapt:
             w_norm = float(np.linalg.norm(w))

@@ -67,22 +67,28 @@ def _is_numpy_bool(value: Any) -> bool:
 @dataclass(frozen=True)
 class Hyper:
     """One hyperparameter: a real number in ``[low, high)`` (``(low, high)`` if
-    ``low_open``), a flag, or a pair of reals (``parts`` names the two)."""
+    ``low_open``), a whole number (``kind="count"``, in the same range), a flag, or a pair
+    of reals (``parts`` names the two). An ``optional`` one may be None; in the fused
+    kernels' table None is ``none_as``."""
 
     name: str
     default: Any
     doc: str
-    kind: str = "real"  # "real", "flag" or "pair"
+    kind: str = "real"  # "real", "count", "flag" or "pair"
     low: float = 0.0
     high: float = math.inf
     low_open: bool = False
     optional: bool = False  # None is allowed (and means "off")
     parts: tuple[str, ...] = ()
+    none_as: float | None = None  # an optional one's None in the kernels' table
 
     @property
     def rule(self) -> str:
         if self.kind == "flag":
             return "True or False"
+        if self.kind == "count":
+            text = f">= {_num(self.low)} and < {_num(self.high)}, a whole number"
+            return f"{text}, or None" if self.optional else text
         if self.high == math.inf:
             text = f"> {_num(self.low)}" if self.low_open else f">= {_num(self.low)}"
         else:
@@ -110,9 +116,10 @@ class Hyper:
         if number is None:
             return value
         above = number > self.low if self.low_open else number >= self.low
-        if not (math.isfinite(number) and above and number < self.high):
+        whole = self.kind != "count" or number.is_integer()
+        if not (math.isfinite(number) and above and number < self.high and whole):
             raise ValueError(f"Invalid {name}: {value!r} (must be {self.rule})")
-        return number
+        return int(number) if self.kind == "count" else number
 
 
 def _num(x: float) -> str:
@@ -171,10 +178,13 @@ class OptimizerSpec:
         return out
 
     def row(self, values: Mapping[str, Any]) -> tuple[float, ...]:
-        """A group's numbers in :attr:`columns` order (a flag as 0 or 1)."""
+        """A group's numbers in :attr:`columns` order (a flag as 0 or 1, an optional
+        one's None as its ``none_as``)."""
         flat: dict[str, Any] = {}
         for h in self.hypers[1:]:
             value = values[h.name]
+            if value is None and h.optional:
+                value = h.none_as
             flat.update(zip(h.parts, value) if h.parts else [(h.name, value)])
         return tuple(float(flat[c]) for c in self.columns)
 
@@ -245,6 +255,9 @@ LAMB_SPEC = OptimizerSpec(
               "(apex FusedLAMB, timm)", kind="flag"),
         Hyper("adapt_without_decay", True, "the trust ratio also where weight_decay is 0; "
               "False: only where it is not (apex FusedLAMB's default, timm's)", kind="flag"),
+        Hyper("freeze_step", None, "after step t = freeze_step, v and its bias correction "
+              "stay as they are (1-bit LAMB's and 1-bit Adam's frozen variance); None: never",
+              kind="count", low=1, high=float(2**31 - 1), optional=True, none_as=float(2**31 - 1)),
     ),
     options=(
         Hyper("max_grad_norm", None, "clip all grads by their global norm first", low_open=True,

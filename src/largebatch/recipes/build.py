@@ -25,14 +25,14 @@ __all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_sche
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
-           "fmnist_cnn": models.fmnist_cnn, "small_cnn": models.small_cnn,
-           "small_resnet": models.small_resnet}
+           "fmnist_cnn": models.fmnist_cnn, "fmnist_alexnet_bn": models.fmnist_alexnet_bn,
+           "small_cnn": models.small_cnn, "small_resnet": models.small_resnet}
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
     """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn``, ``fmnist_cnn``,
-    ``small_cnn`` or ``small_resnet`` (:mod:`largebatch.recipes.models`), initialised from
-    torch's global RNG."""
+    ``fmnist_alexnet_bn``, ``small_cnn`` or ``small_resnet``
+    (:mod:`largebatch.recipes.models`), initialised from torch's global RNG."""
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
     return _MODELS[name](num_classes)

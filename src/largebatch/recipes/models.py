@@ -16,7 +16,7 @@ from torch import nn
 
 from largebatch import checks
 
-__all__ = ["alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn", "small_resnet"]
+__all__ = ["alexnet_bn", "fmnist_alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn", "small_resnet"]
 
 
 def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -61,6 +61,36 @@ def fmnist_cnn(num_classes: int = 10) -> nn.Sequential:
     """The Fashion-MNIST recipes' model: :func:`small_cnn` at width 8 with a 128-unit hidden
     layer (208,194 parameters)."""
     return small_cnn(num_classes, width=8, hidden=128)
+
+
+def fmnist_alexnet_bn(num_classes: int = 10, width: int = 8, hidden: int = 256,
+                      in_channels: int = 1) -> nn.Sequential:
+    """AlexNet-BN (You, Gitman, Ginsburg 2017: AlexNet with batch norm after every conv)
+    scaled to 28x28: five 3x3 convs, batch norm and ReLU after each, no residuals, and a
+    wide fully connected head, as in :func:`alexnet_bn`.
+
+    Convs at ``width`` x (1, 3, 6, 4, 4) channels, AlexNet's 64-192-384-256-256 in
+    proportion: a stride-2 stem (28 -> 14; AlexNet's stride-4 11x11 stem and pool), a
+    conv and max pool (14 -> 7), three convs and max pool (7 -> 3), then two ``hidden``-unit
+    linear layers with batch norm and ReLU, and a linear layer (178,354 parameters at width
+    8, ``hidden=256``: four fifths of them in the head, as AlexNet's). No dropout (batch
+    norm takes its place in AlexNet-BN)."""
+    checks.integer("width", width, 1)
+    checks.integer("hidden", hidden, 1)
+    w = width
+    return nn.Sequential(
+        *_conv_block(in_channels, w, stride=2),
+        *_conv_block(w, 3 * w),
+        nn.MaxPool2d(2),
+        *_conv_block(3 * w, 6 * w),
+        *_conv_block(6 * w, 4 * w),
+        *_conv_block(4 * w, 4 * w),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * w * 3 * 3, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
 
 
 class _BasicBlock(nn.Module):

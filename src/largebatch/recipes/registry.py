@@ -28,7 +28,7 @@ __all__ = [
 DATA_SETS = ("imagenet", "fashion-mnist")
 OPTIMIZERS = ("lars", "lamb", "sgd", "nesterov")
 PRECISIONS = ("fp32", "fp16", "bf16")
-MODELS = ("resnet50", "alexnet_bn", "fmnist_cnn", "small_cnn", "small_resnet")
+MODELS = ("resnet50", "alexnet_bn", "fmnist_cnn", "fmnist_alexnet_bn", "small_cnn", "small_resnet")
 DECAY_EXCLUDES = ("bn_bias", "bn", "none", "nvidia")
 # How a source turns epochs into steps (``Recipe.epoch_steps``):
 #   floor: an epoch is N // B steps of a fresh shuffle, the last N % B images unused

@@ -215,14 +215,16 @@ def lamb(
     adam_w_mode: bool = True,
     grad_averaging: bool = True,
     adapt_without_decay: bool = True,
+    freeze_step: int | None = None,
 ) -> optax.GradientTransformation:
     r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
 
     Per leaf ``w`` with gradient ``g``, at step ``t`` = 1, 2, ...::
 
         g = g / max(1, ||all grads|| / max_grad_norm)        (only with max_grad_norm)
-        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
-        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)  (no 1 - b^t without bias_correction)
+        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2  (t > freeze_step: v kept)
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t')) + eps) (t' = min(t, freeze_step);
+                                                  no 1 - b^t without bias_correction)
         u = r + wd * w
         ratio = ||w|| / ||u||                                (1 if ||w|| == 0 or ||u|| == 0)
         w = w - lr_t * ratio * u
@@ -260,6 +262,11 @@ def lamb(
       grad_averaging: ``False``: ``m = b1 * m + g`` (apex ``FusedLAMB``, timm).
       adapt_without_decay: ``False``: the trust ratio only on decayed leaves, while
         ``weight_decay`` is nonzero (apex ``FusedLAMB``'s default, timm's).
+      freeze_step: None, or a whole number >= 1: after step ``t = freeze_step`` the
+        second moment ``v`` and its bias correction stay as they are, while ``m`` goes
+        on (1-bit LAMB's and 1-bit Adam's frozen variance: for gradients that arrive
+        sparse in time, as AdaComp's). The chain then takes
+        ``scale_by_uncorrected_adam(..., freeze_step=...)`` for the moments.
       axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
         over which the params are sharded; see "Sharded params" below.
 
@@ -306,6 +313,7 @@ def lamb(
       You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in
       76 minutes", https://arxiv.org/abs/1904.00962.
       NVIDIA apex ``FusedLAMB`` (global gradient clipping).
+      Li et al. 2021, "1-bit LAMB", https://arxiv.org/abs/2104.06069 (frozen variance).
     """
     check_masks(weight_decay_mask=weight_decay_mask, trust_ratio_mask=trust_ratio_mask)
     checked = LAMB_SPEC.check(
@@ -319,6 +327,7 @@ def lamb(
             "adam_w_mode": adam_w_mode,
             "grad_averaging": grad_averaging,
             "adapt_without_decay": adapt_without_decay,
+            "freeze_step": _known(freeze_step),
         },
         names={"lr": "learning_rate", "betas": ("b1", "b2")},
     )
@@ -327,10 +336,11 @@ def lamb(
     axis_name = _check_axis_name(axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm, axis_name)]
-    if grad_averaging and bias_correction:
+    if grad_averaging and bias_correction and freeze_step is None:
         moments = optax.scale_by_adam(b1, b2, eps)
     else:
-        moments = scale_by_uncorrected_adam(b1, b2, eps, bias_correction, grad_averaging)
+        moments = scale_by_uncorrected_adam(b1, b2, eps, bias_correction, grad_averaging,
+                                            freeze_step)
     # Decay and adaptation are independent where weight_decay_mask is given.
     decay_mask = trust_ratio_mask if weight_decay_mask is None else weight_decay_mask
     decay = optax.add_decayed_weights(weight_decay, decay_mask)

@@ -236,7 +236,7 @@ def divide_by_global_norm(
 
 def scale_by_uncorrected_adam(
     b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-    bias_correction: bool = False, grad_averaging: bool = True,
+    bias_correction: bool = False, grad_averaging: bool = True, freeze_step: Any = None,
 ) -> optax.GradientTransformation:
     """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.
 
@@ -246,6 +246,9 @@ def scale_by_uncorrected_adam(
     fits either setting. ``grad_averaging=False`` takes ``m = b1 * m + g`` (apex
     ``FusedLAMB``, timm); ``bias_correction=True`` divides by ``1 - b^t`` after all
     (``optax.scale_by_adam``'s direction, for use with ``grad_averaging=False``).
+    ``freeze_step`` (None, or a whole number >= 1, traced allowed): at a step t >
+    ``freeze_step`` v is kept as it is, and its bias correction stays at ``1 -
+    b2^freeze_step`` (the frozen variance of 1-bit LAMB and 1-bit Adam).
     """
     b3 = (1 - b1) if grad_averaging else 1.0
 
@@ -259,10 +262,17 @@ def scale_by_uncorrected_adam(
     def update_fn(updates, state, params=None):
         del params
         mu = jax.tree.map(lambda g, m: b3 * g + b1 * m, updates, state.mu)
-        nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
         count = optax.safe_increment(state.count)
+        if freeze_step is None:
+            nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
+            count_v = count
+        else:
+            frozen = count > freeze_step
+            nu = jax.tree.map(lambda g, v: jnp.where(frozen, v, (1 - b2) * _abs_sq(g) + b2 * v),
+                              updates, state.nu)
+            count_v = jnp.minimum(count, freeze_step)
         if bias_correction:
-            bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count
+            bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count_v
             updates = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + eps), mu, nu)
         else:
             updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)

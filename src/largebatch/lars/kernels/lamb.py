@@ -36,6 +36,7 @@ _TRUST_RATIO = tl.constexpr(LAMB_SPEC.columns.index("trust_ratio"))
 _ADAM_W_MODE = tl.constexpr(LAMB_SPEC.columns.index("adam_w_mode"))
 _GRAD_AVERAGING = tl.constexpr(LAMB_SPEC.columns.index("grad_averaging"))
 _ADAPT_WITHOUT_DECAY = tl.constexpr(LAMB_SPEC.columns.index("adapt_without_decay"))
+_FREEZE_STEP = tl.constexpr(LAMB_SPEC.columns.index("freeze_step"))  # 2**31 - 1: never
 _LAMB_COLS = tl.constexpr(len(LAMB_SPEC.columns))
 
 
@@ -49,9 +50,10 @@ def _lamb_direction(w, m, v, inv_bc1, inv_bc2, eps, wd):
 def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
     """A tensor's LAMB scalars: its group's b1, b2 (fp64), eps, the weight decay that
     enters the moments (L2 mode) and the one that enters u (AdamW mode), the factor of g
-    in m (1 - b1, or 1 without grad averaging), whether it takes the trust ratio, and
-    1 / bias corrections at its own step count: the count + 1 before the step is counted
-    (pass 1), the count after (COUNTED: pass 2)."""
+    in m (1 - b1, or 1 without grad averaging), whether it takes the trust ratio,
+    1 / bias corrections at its own step count t (the count + 1 before the step is
+    counted, in pass 1; the count after, COUNTED, in pass 2), v's at min(t, freeze_step),
+    and whether v is frozen (t > freeze_step)."""
     h = hyper + group * _LAMB_COLS
     b1 = tl.load(h + _B1)
     b2 = tl.load(h + _B2)
@@ -68,18 +70,21 @@ def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
     e = step.to(tl.int32)  # this step's t: the count after it is counted
     if not COUNTED:
         e += 1
+    freeze = tl.load(h + _FREEZE_STEP).to(tl.int32)
+    frozen = e > freeze
     inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
-    inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, e), 1.0)
-    return b1, b2, b3, eps, wd_g, wd_u, inv_bc1, inv_bc2, trust_ratio
+    inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, tl.minimum(e, freeze)), 1.0)
+    return b1, b2, b3, eps, wd_g, wd_u, inv_bc1, inv_bc2, trust_ratio, frozen
 
 
 @triton.jit
 def _moment_tiles(
     w_ptr, g_ptr, m_ptr, v_ptr, start, limit, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    frozen, W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """New m, v on elements [start, limit) of a chunk, stored; sums of w^2 and u^2.
-    ``wd_g`` enters the gradient (L2 mode; 0 otherwise), ``wd`` enters u."""
+    ``wd_g`` enters the gradient (L2 mode; 0 otherwise), ``wd`` enters u; v stays as it
+    is where ``frozen``."""
     one_b1 = b3.to(tl.float32)  # 1 - b in fp64, then fp32
     one_b2 = (1.0 - b2).to(tl.float32)
     b1 = b1.to(tl.float32)
@@ -96,7 +101,9 @@ def _moment_tiles(
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # Round to the stored dtype first, so that pass 2 recomputes exactly this u.
         m = (b1 * m + one_b1 * g).to(W_DTYPE)
-        v = (b2 * v + one_b2 * g * g).to(W_DTYPE)
+        # Frozen: v as loaded, stored back unchanged (a store under a second predicate
+        # costs registers that spill in some builds; compile_check.py).
+        v = tl.where(frozen, v, b2 * v + one_b2 * g * g).to(W_DTYPE)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         u = _lamb_direction(w, m.to(tl.float32), v.to(tl.float32), inv_bc1, inv_bc2, eps, wd)
@@ -131,7 +138,7 @@ def _lamb_moments_kernel(
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
-    b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _ = _lamb_factors(hyper, row, group, False)
+    b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _, frozen = _lamb_factors(hyper, row, group, False)
     g_mul = _unscale(grad_scale, HAS_SCALE)
     if CLIP:
         # Compiled, a Python float argument is fp32 already; the interpreter passes it as
@@ -144,12 +151,12 @@ def _lamb_moments_kernel(
     if end <= numel:
         w_sq, u_sq = _moment_tiles(
             w_ptr, g_ptr, m_ptr, v_ptr, start, end, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-            W_DTYPE, P_DTYPE, BLOCK, TILES,
+            frozen, W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
     else:
         w_sq, u_sq = _moment_tiles(
             w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-            W_DTYPE, P_DTYPE, BLOCK, TILES,
+            frozen, W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
     _store_part(parts, slot, w_sq, u_sq)
 
@@ -196,7 +203,7 @@ def _lamb_apply_kernel(
     m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
     v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
     group = tl.load(row + _GROUP)
-    _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio = _lamb_factors(hyper, row, group, True)
+    _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio, _ = _lamb_factors(hyper, row, group, True)
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
 
     w_norm = tl.sqrt(tl.load(acc + 2 * t))

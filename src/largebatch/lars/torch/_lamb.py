@@ -44,6 +44,7 @@ def lamb(
     adam_w_mode: bool = True,
     grad_averaging: bool = True,
     adapt_without_decay: bool = True,
+    freeze_step: int | None = None,
 ) -> None:
     """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
 
@@ -54,7 +55,8 @@ def lamb(
     """
     hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                  bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
-                 grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay)
+                 grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay,
+                 freeze_step=freeze_step)
     tensors: dict[str, list] = dict(params=params, grads=grads, exp_avgs=exp_avgs,
                                     exp_avg_sqs=exp_avg_sqs, masters=masters, state_steps=state_steps)
     _paths.dispatch(LAMB_SPEC, BODIES, tensors, foreach=foreach, fused=fused, compiled=compiled,
@@ -72,12 +74,19 @@ def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
     return safe_ratio(w_norm, u_norm, w_norm, u_norm)
 
 
-def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool) -> tuple[float, float]:
-    """``(1 - b1^t, 1 - b2^t)`` at the step count ``t`` (ones without bias correction)."""
+def frozen(step: Tensor, freeze_step: int | None) -> bool:
+    """Whether v stays as it is at the step count ``t`` (``t > freeze_step``)."""
+    return freeze_step is not None and float(step) > freeze_step
+
+
+def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool,
+                     freeze_step: int | None = None) -> tuple[float, float]:
+    """``(1 - b1^t, 1 - b2^t')`` at the step count ``t``, ``t' = min(t, freeze_step)``
+    (ones without bias correction)."""
     if not bias_correction:
         return 1.0, 1.0
     t = float(step)
-    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t
+    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** (min(t, freeze_step) if freeze_step else t)
 
 
 def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN001
@@ -90,11 +99,13 @@ def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN
 
 def _lamb_one(
     *, p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2,  # noqa: ANN001
-    trust_ratio, adam_w_mode=True, grad_averaging=True, norm=norm, plain_norm=norm,  # noqa: ANN001
+    trust_ratio, adam_w_mode=True, grad_averaging=True, freeze=False, norm=norm,  # noqa: ANN001
+    plain_norm=norm,  # noqa: ANN001
 ) -> Tensor | None:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
-    already the applied one). The numbers are floats, or 0-dim tensors when this body
-    runs compiled. Returns ``||u||`` (None without trust ratio).
+    already the applied one); ``freeze``: v stays as it is. The numbers are floats, or
+    0-dim tensors when this body runs compiled. Returns ``||u||`` (None without trust
+    ratio).
 
     ``norm`` never overflows. ``plain_norm`` (for ``||u||``, which a compiled body then
     forms in the same pass as ``||w||``) may: an infinite ``||u||`` gives ratio 0 and
@@ -104,7 +115,8 @@ def _lamb_one(
     if not adam_w_mode:  # L2: the decay enters the moments, not u
         g = g + weight_decay * w
     m.mul_(b1).add_(g * (1.0 - b1) if grad_averaging else g)
-    v.mul_(b2).add_(g * g * (1.0 - b2))
+    if not freeze:
+        v.mul_(b2).add_(g * g * (1.0 - b2))
     u = lamb_direction(w, m, v, eps, weight_decay if adam_w_mode else 0.0, bc1, bc2)
     u_norm = None
     ratio: Tensor | float
@@ -139,12 +151,14 @@ def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_
                  grad_averaging=hyper["grad_averaging"])
     numbers = dict(lr=hyper["lr"], b1=betas[0], b2=betas[1], eps=hyper["eps"],
                    weight_decay=hyper["weight_decay"])
-    body = _paths.compiled_body(_lamb_one, tuple(sorted(flags.items()))) if compiled else None
     compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
     lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
+    freeze_step = hyper["freeze_step"]
     for i, (p, grad, m, v, master, step) in enumerate(lists):
         step.add_(1)
-        bc1, bc2 = bias_corrections(step, betas, hyper["bias_correction"])
+        bc1, bc2 = bias_corrections(step, betas, hyper["bias_correction"], freeze_step)
+        flags["freeze"] = frozen(step, freeze_step)
+        body = _paths.compiled_body(_lamb_one, tuple(sorted(flags.items()))) if compiled else None
         chosen, tensors = _paths.pick_body(_lamb_one, body, dict(p=p, grad=grad, m=m, v=v, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
@@ -164,7 +178,7 @@ def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_
 def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,  # noqa: ANN001
                   grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio,  # noqa: ANN001
                   adam_w_mode=True, grad_averaging=True, adapt_without_decay=True,  # noqa: ANN001
-                  reduce=None) -> None:  # noqa: ANN001
+                  freeze_step=None, reduce=None) -> None:  # noqa: ANN001
     if not params:
         return
     b1, b2 = betas
@@ -179,10 +193,17 @@ def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
     torch._foreach_add_(state_steps, 1)
     torch._foreach_mul_(exp_avgs, b1)
     torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1 if grad_averaging else 1.0)
-    torch._foreach_mul_(exp_avg_sqs, b2)
-    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1.0 - b2)
-    # Each param's own count: params that start late (frozen, then trained) have fewer.
-    bc1s, bc2s = zip(*(bias_corrections(s, betas, bias_correction) for s in state_steps))
+    # Each param's own count: params that start late (frozen, then trained) have fewer,
+    # and their v may still change when the others' is frozen.
+    if freeze_step is None:
+        vs, g_vs = exp_avg_sqs, gs
+    else:
+        live = [i for i, s in enumerate(state_steps) if not frozen(s, freeze_step)]
+        vs, g_vs = [exp_avg_sqs[i] for i in live], [gs[i] for i in live]
+    if vs:
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, g_vs, g_vs, value=1.0 - b2)
+    bc1s, bc2s = zip(*(bias_corrections(s, betas, bias_correction, freeze_step) for s in state_steps))
     denom = torch._foreach_div(exp_avg_sqs, list(bc2s))
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
@@ -211,8 +232,9 @@ class LAMB(LayerwiseOptimizer):
     For each tensor ``w`` with gradient ``g`` (unscaled) at step ``t`` = 1, 2, ...::
 
         g = g / max(1, ||all grads|| / max_grad_norm)      (only when max_grad_norm is set)
-        m = b1 * m + (1 - b1) * g          v = b2 * v + (1 - b2) * g^2
-        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (bias_correction=False: no 1 - b^t)
+        m = b1 * m + (1 - b1) * g          v = b2 * v + (1 - b2) * g^2  (t > freeze_step: v kept)
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t')) + eps)   (t' = min(t, freeze_step);
+                                           bias_correction=False: no 1 - b^t)
         u = r + wd * w
         ratio = ||w|| / ||u||              (ratio = 1 if ||w|| == 0 or ||u|| == 0)
         w = w - lr_t * ratio * u
@@ -230,7 +252,9 @@ class LAMB(LayerwiseOptimizer):
 
     Args:
         params: params or param groups. Group keys: ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``master_weights``.
+            ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``adam_w_mode``,
+            ``grad_averaging``, ``adapt_without_decay``, ``freeze_step``,
+            ``master_weights``.
         lr: the global learning rate (a float or a one-element Tensor).
         betas: the moments' decay rates ``(b1, b2)``, each in [0, 1).
         eps: At least 0; added to ``sqrt(v_hat)``.
@@ -244,6 +268,13 @@ class LAMB(LayerwiseOptimizer):
         adapt_without_decay: ``True``: the trust ratio wherever ``trust_ratio`` says;
             ``False``: only in groups whose ``weight_decay`` is nonzero (apex ``FusedLAMB``
             without ``use_nvlamb``, timm ``Lamb`` without ``always_adapt``).
+        freeze_step: None, or a whole number >= 1: after step ``t = freeze_step`` of a
+            param, its ``v`` and ``v``'s bias correction ``1 - b2^freeze_step`` stay as
+            they are (the frozen variance of 1-bit LAMB, Li et al. 2021, and 1-bit Adam,
+            Tang et al. 2021), while ``m`` goes on. For gradients that arrive sparse in
+            time, as AdaComp's (an element sent once every ``k`` steps comes ``k`` times
+            larger and would inflate ``v`` about ``k``-fold): freeze at the end of the
+            uncompressed warm-up (docs/communication.md).
         max_grad_norm: optimizer-wide global gradient clipping (> 0) or None.
         partitioned: this optimizer holds only some of the model's params and the other
             ranks of the default process group hold the rest, as each rank's optimizer
@@ -259,6 +290,10 @@ class LAMB(LayerwiseOptimizer):
     References:
         You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
         minutes", https://arxiv.org/abs/1904.00962.
+        Li et al. 2021, "1-bit LAMB: Communication Efficient Large-Scale Large-Batch
+        Training with LAMB's Convergence Speed", https://arxiv.org/abs/2104.06069.
+        Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training
+        with Adam's Convergence Speed", https://arxiv.org/abs/2102.02888.
     """
 
     spec = LAMB_SPEC
@@ -278,6 +313,7 @@ class LAMB(LayerwiseOptimizer):
         adam_w_mode: bool = True,
         grad_averaging: bool = True,
         adapt_without_decay: bool = True,
+        freeze_step: int | None = None,
         max_grad_norm: float | None = None,
         partitioned: bool = False,
         master_weights: bool = False,
@@ -294,7 +330,8 @@ class LAMB(LayerwiseOptimizer):
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
             grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay,
-            master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled,
+            freeze_step=freeze_step, master_weights=master_weights, foreach=foreach, fused=fused,
+            compiled=compiled,
         )
 
     def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
@@ -355,9 +392,11 @@ class LAMB(LayerwiseOptimizer):
                 if not hyper["adam_w_mode"]:
                     g = g + wd * w
                 m = m * b1 + g * b3 if state else g * b3
-                v = v * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
                 step = state["step"] + 1 if state else torch.tensor(1.0)
-                bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"])
+                if not frozen(step, hyper["freeze_step"]):
+                    v = v * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
+                bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"],
+                                       hyper["freeze_step"])
                 u = lamb_direction(w, m, v, hyper["eps"], wd if hyper["adam_w_mode"] else 0.0, *bcs)
                 out.append(float(lamb_ratio(_sharded.whole_norm(p, w), _sharded.whole_norm(p, u))))
         return out

@@ -64,9 +64,9 @@ from largebatch.recipes.registry import FASHION_EPOCHS, TRAIN_IMAGES
 
 # Every name of the one-module study stays importable from here (tests, scripts).
 from largebatch.recipes.study.plan import (  # noqa: F401
-    BASELINE, COMPRESSIONS, DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
+    BASELINE, COMPRESSIONS, DEFAULT_BATCHES, EXCHANGE_FIELDS, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
     LARGE_BATCHES,
-    QUICK_PAIRS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
+    QUICK_PAIRS, STUDY_MODELS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
     _lr, _recipe, config_from_runs, pair_plan, plan, run_steps, runs_left,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
@@ -97,7 +97,7 @@ def _default(values: tuple[float, ...]) -> str:
 # recorded in OUT, and the others keep them.
 _SETTING_FLAGS = ("batches", "optimizers", "seeds", "epochs", "small_warmups", "large_warmups",
                   "label_smoothing", "power", "ablate", "extend", "target", "subset", "workers",
-                  "compression", "compression_warmup")
+                  "compression", "compression_warmup", "freeze_variance", "model")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "after --compression-warmup epochs uncompressed (default none)")
     add("--compression-warmup", type=int, default=None, metavar="EPOCHS",
         help=f"epochs of plain exchange before AdaComp (default {cfg.compression_warmup})")
+    add("--model", default=None, choices=STUDY_MODELS,
+        help="the model every run trains, in place of the recipes' fmnist_cnn: AlexNet-BN "
+             "or a ResNet scaled to 28x28 (default fmnist_cnn; one model per --out)")
+    add("--freeze-variance", action="store_true", default=None,
+        help="LAMB: freeze the second moment when the plain exchange ends, after "
+             "--compression-warmup epochs (1-bit LAMB's frozen variance)")
 
 
 def _out(args: argparse.Namespace) -> str:
@@ -184,8 +190,7 @@ def main(args: argparse.Namespace) -> int:
     if args.report_only:
         try:
             recorded = recorded_config(_out(args), {name: getattr(args, name) for name in (
-                "epochs", "subset", "workers", "compression", "compression_warmup")
-                if getattr(args, name) is not None})
+                "epochs", "subset", "model", *EXCHANGE_FIELDS) if getattr(args, name) is not None})
         except ValueError as err:
             raise CommandError("study", f"--report: {err}") from None
     cfg = config(args, recorded)

@@ -19,8 +19,9 @@ from typing import Any
 from largebatch import checks
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe
 
-__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "FULL_BATCHES",
-           "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_OPTIMIZERS", "VAL_SIZE",
+__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "EXCHANGE_FIELDS",
+           "FULL_BATCHES", "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_MODELS",
+           "STUDY_OPTIMIZERS", "VAL_SIZE",
            "RunSpec", "StudyConfig", "config_from_runs", "held_out", "pair_plan", "plan",
            "runs_left", "run_steps"]
 
@@ -28,6 +29,9 @@ BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
 FULL_BATCHES = (BASELINE[0], *LARGE_BATCHES)
 STUDY_OPTIMIZERS = ("sgd", "nesterov", "lars", "lamb")
+# The models a study may train: the recipes' own, then the mission's other families scaled
+# to 28x28 (largebatch.recipes.models): AlexNet-BN and a ResNet.
+STUDY_MODELS = ("fmnist_cnn", "fmnist_alexnet_bn", "small_resnet")
 # The headline study: the baseline, and the 32K- and 64K-equivalent batches with large-batch
 # SGD (Goyal et al.'s warmup), LARS and LAMB. ``--batches`` and ``--optimizers`` add 384
 # (8K-equivalent) and Nesterov.
@@ -40,6 +44,8 @@ VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
 FASHION_IMAGES = TRAIN_IMAGES["fashion-mnist"]
 # How data-parallel workers exchange gradients (here and in ``largebatch train``).
 COMPRESSIONS = ("none", "adacomp")
+# The simulated exchange's settings: one value per study folder (RunSpec's fields).
+EXCHANGE_FIELDS = ("workers", "compression", "compression_warmup", "freeze_variance")
 
 # Where each pair's lr grid starts (the grid is this times 1/2, 1, 2, and grows past an edge).
 # Fixed here, apart from the recipes, so that the recipes can carry the study's results
@@ -96,6 +102,10 @@ class StudyConfig:
     workers: int = 1
     compression: str = "none"
     compression_warmup: int = 1  # epochs of plain exchange before AdaComp starts
+    # LAMB's second moment frozen when those epochs end (1-bit LAMB): RunSpec.freeze_variance
+    freeze_variance: bool = False
+    # The model every run trains in place of the recipes' (fmnist_cnn): one per folder
+    model: str = "fmnist_cnn"
     # False: ``epochs`` leaves the warmups as they are, in epochs of the shorter or longer
     # run. The runs of a study folder without ``settings.json`` were planned so, and
     # :func:`config_from_runs` reads them back with it.
@@ -174,6 +184,7 @@ def _check(cfg: StudyConfig) -> None:
     if cfg.target is not None and not 0 < cfg.target <= 1:
         raise ValueError(f"Invalid target: {cfg.target} (an accuracy in (0, 1])")
     checks.choice("device", cfg.device, ("cpu", "cuda"))
+    checks.choice("model", cfg.model, STUDY_MODELS)
     checks.integer("workers", cfg.workers, 1)
     for b in cfg.batches:
         if b % cfg.workers:
@@ -182,6 +193,14 @@ def _check(cfg: StudyConfig) -> None:
     if cfg.compression != "none" and cfg.workers < 2:
         raise ValueError(f"Invalid compression: {cfg.compression} needs --workers 2 or more")
     checks.integer("compression_warmup", cfg.compression_warmup, 0)
+    if cfg.freeze_variance not in (True, False):
+        raise ValueError(f"Invalid freeze_variance: {cfg.freeze_variance!r} (must be True or False)")
+    if cfg.freeze_variance and "lamb" not in cfg.optimizers:
+        raise ValueError("Invalid freeze_variance: only LAMB has a second moment to freeze "
+                         f"(optimizers: {','.join(cfg.optimizers)})")
+    if cfg.freeze_variance and cfg.compression_warmup < 1:
+        raise ValueError("Invalid freeze_variance with compression_warmup 0: the variance is "
+                         "frozen when the plain exchange ends, and it needs an epoch of it")
 
 
 def _recipe(batch: int, optimizer: str) -> Recipe:
@@ -211,6 +230,10 @@ class RunSpec:
     workers: int = 1
     compression: str = "none"
     compression_warmup: int = 1
+    # LAMB: v frozen (``freeze_step``) after compression_warmup epochs, when AdaComp starts;
+    # the other optimizers' runs are the same either way
+    freeze_variance: bool = False
+    model: str = "fmnist_cnn"  # the recipe's model replaced (STUDY_MODELS)
 
     @property
     def key(self) -> str:
@@ -221,7 +244,10 @@ class RunSpec:
                 f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
                 f"power={self.power:g} seed={self.seed}"
                 + (f" workers={self.workers} {self.compression}" if self.workers > 1 else "")
-                + (f" after {self.compression_warmup}" if self.compression != "none" else ""))
+                + (f" after {self.compression_warmup}" if self.compression != "none" else "")
+                + (f" v frozen after {self.compression_warmup}"
+                   if self.freeze_variance and self.optimizer == "lamb" else "")
+                + (f" {self.model}" if self.model != "fmnist_cnn" else ""))
 
 
 def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -262,13 +288,14 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
         return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
                                   cfg.warmup(recipe.warmup_epochs, recipe), 0, epochs,
                                   cfg.subset, recipe.label_smoothing, recipe.power, cfg.workers,
-                                  cfg.compression, cfg.compression_warmup))
+                                  cfg.compression, cfg.compression_warmup, cfg.freeze_variance,
+                                  cfg.model))
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
         grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), cfg.warmup(w, recipe),
                         0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
-                        cfg.compression, cfg.compression_warmup)
+                        cfg.compression, cfg.compression_warmup, cfg.freeze_variance, cfg.model)
                 for k in exponents for w in cfg.warmups(batch)]
         if any(s.key not in results for s in grid):
             return grid, []
@@ -357,8 +384,7 @@ def config_from_runs(results: dict[str, dict[str, Any]],
         known = optimizer in STUDY_OPTIMIZERS
         return (STUDY_OPTIMIZERS.index(optimizer) if known else len(STUDY_OPTIMIZERS), optimizer)
 
-    common = {name: one(name) for name in ("epochs", "subset", "workers", "compression",
-                                           "compression_warmup")}
+    common = {name: one(name) for name in ("epochs", "subset", "model", *EXCHANGE_FIELDS)}
     specs = [s for s in specs if all(getattr(s, k) == v for k, v in common.items())]
     if not specs:
         raise ValueError("none of its runs has " + ", ".join(

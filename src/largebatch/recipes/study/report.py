@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
-from largebatch.recipes.study.plan import BASELINE, StudyConfig, _best, _recipe, pair_plan
+from largebatch.recipes.study.plan import BASELINE, StudyConfig, _best, pair_plan
 
 __all__ = ["plot", "study_markdown", "summarize"]
 
@@ -72,7 +72,7 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         mean_steps = _mean_steps(row["steps_to_target"])
         row["fewer_steps"] = None if base_steps is None or mean_steps is None else base_steps / mean_steps
     return {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
-            "grids": grids, "techniques": techniques, "model": _recipe(*BASELINE).model}
+            "grids": grids, "techniques": techniques, "model": cfg.model}
 
 
 def _mean_steps(steps: Sequence[int | None]) -> float | None:

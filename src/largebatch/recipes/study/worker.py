@@ -87,7 +87,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     (:mod:`largebatch.recipes.build`, :mod:`largebatch.recipes.loop`)."""
     import torch
 
-    from largebatch.recipes.build import build_loss, build_model, build_optimizer, build_schedule
+    from largebatch.recipes.build import build_loss, build_model, build_schedule
     from largebatch.recipes.loop import evaluate, tensor_chunks, train_epoch
     from largebatch.torch import ScheduleLR
 
@@ -95,13 +95,13 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         _init_worker(torch.get_num_threads(), None, "cpu")
     x_train, y_train, x_eval, y_eval = _tensors(spec.phase, spec.subset)
     device = x_train.device
-    recipe = dataclasses.replace(_recipe(spec.batch, spec.optimizer),
+    recipe = dataclasses.replace(_recipe(spec.batch, spec.optimizer), model=spec.model,
                                  label_smoothing=spec.label_smoothing, power=spec.power)
     steps_per_epoch = len(y_train) // spec.batch
     torch.manual_seed(spec.seed)
     model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
         device, memory_format=torch.channels_last)
-    optimizer = build_optimizer(recipe, model, spec.lr)
+    optimizer = _optimizer(spec, recipe, model, steps_per_epoch)
     scheduler = ScheduleLR(optimizer, build_schedule(
         recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
         warmup_epochs=spec.warmup_epochs))
@@ -163,6 +163,18 @@ class _Progress:
         if self.send is not None:
             self.send((self.key, self.steps, self.loss))
         self.sent = time.monotonic()
+
+
+def _optimizer(spec: RunSpec, recipe: Any, model: Any, steps_per_epoch: int) -> Any:
+    """The recipe's optimizer at the spec's lr; with ``spec.freeze_variance``, LAMB's
+    ``freeze_step`` at the end of the plain exchange (``compression_warmup`` epochs)."""
+    from largebatch.recipes.build import build_optimizer
+
+    optimizer = build_optimizer(recipe, model, spec.lr)
+    if spec.freeze_variance and spec.optimizer == "lamb":
+        for group in optimizer.param_groups:
+            group["freeze_step"] = spec.compression_warmup * steps_per_epoch
+    return optimizer
 
 
 def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
