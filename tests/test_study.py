@@ -77,6 +77,54 @@ def test_an_interior_best_goes_straight_to_three_final_seeds():
     assert not row["lr_on_grid_edge"] and row["lr"] == centre
 
 
+def test_time_to_accuracy_runs_again_the_tuning_run_that_reaches_the_target_first():
+    """``--time-to-accuracy``: the validation target is the baseline's best validation
+    accuracy minus 0.01 (rounded down to 0.001); each pair also re-runs, with every seed,
+    its tuning run that first reaches it (ties: the higher final accuracy), which may
+    differ from the most accurate one, and the report gets a second table."""
+    cfg = StudyConfig(batches=(128, 3072), optimizers=("sgd", "lars"), ablate=False, extend=0,
+                      time_to_accuracy=True)
+    centre = study._lr(CENTRE)
+    fast = (study._lr(CENTRE * 2), 2.0)  # reaches 0.9 at epoch 3, ends below the best
+
+    def curve(s):
+        if s.batch == 128:  # the baseline: best 0.91 -> validation target 0.9
+            return [0.5] * 29 + [0.91 if (s.lr, s.warmup_epochs) == (0.2, 0.0) else 0.8]
+        if (s.lr, s.warmup_epochs) == fast:
+            return [0.5, 0.6] + [0.9] * 28
+        if (s.lr, s.warmup_epochs) == (centre, 5.0):
+            return [0.5] * 20 + [0.95] * 10
+        return [0.5] * 30
+
+    def finish(specs):
+        return {s.key: _result(s, 0, curve(s)) for s in specs}
+
+    results = {}
+    while (todo := [s for s in plan(cfg, results) if s.phase == "tune"]):
+        results |= finish(todo)
+    assert study.validation_target(cfg, results) == 0.9
+    finals = plan(cfg, results)
+    assert len({s.key for s in finals}) == len(finals)  # each run once
+    lars = [(s.lr, s.warmup_epochs, s.seed) for s in finals if s.optimizer == "lars"]
+    assert sorted(lars) == sorted([(centre, 5.0, k) for k in range(3)] + [(*fast, k) for k in range(3)])
+    # The baseline's fastest run is its most accurate one: its finals are shared. No run
+    # of B=3072 sgd reaches the target: it has only its accuracy finals.
+    assert sum(s.batch == 128 for s in finals) == 3
+    assert sum((s.batch, s.optimizer) == (3072, "sgd") for s in finals) == 3
+    results |= finish(finals)
+    assert plan(cfg, results) == []
+    summary = summarize(cfg, results)
+    (lars_fast,) = [r for r in summary["fast_rows"] if r["optimizer"] == "lars"]
+    assert (lars_fast["lr"], lars_fast["warmup_epochs"]) == fast
+    assert "Tuned for time to accuracy" in study.study_markdown(summary)
+    # Without the flag, nothing of it is planned or reported.
+    plain = dataclasses.replace(cfg, time_to_accuracy=False)
+    assert "fast_rows" not in summarize(plain, results)
+    assert not study.fastest_plan(plain, results, 3072, "lars")
+    with pytest.raises(ValueError, match="Invalid time_to_accuracy with quick"):
+        study._check(dataclasses.replace(cfg, quick=True))
+
+
 @pytest.mark.parametrize("winner, expected", [
     (None, (0.1, 2.0)),  # every technique on stays best
     ("no_label_smoothing", (0.0, 2.0)),

@@ -67,7 +67,8 @@ from largebatch.recipes.study.plan import (  # noqa: F401
     BASELINE, COMPRESSIONS, DEFAULT_BATCHES, EXCHANGE_FIELDS, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
     LARGE_BATCHES,
     QUICK_PAIRS, STUDY_MODELS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
-    _lr, _recipe, config_from_runs, pair_plan, plan, run_steps, runs_left,
+    _lr, _recipe, config_from_runs, fastest_plan, pair_plan, plan, run_steps, runs_left,
+    steps_to, validation_target,
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
 from largebatch.recipes.study.run import (  # noqa: F401
@@ -97,7 +98,8 @@ def _default(values: tuple[float, ...]) -> str:
 # recorded in OUT, and the others keep them.
 _SETTING_FLAGS = ("batches", "optimizers", "seeds", "epochs", "small_warmups", "large_warmups",
                   "label_smoothing", "power", "ablate", "extend", "target", "subset", "workers",
-                  "compression", "compression_warmup", "freeze_variance", "model")
+                  "compression", "compression_warmup", "freeze_variance", "model",
+                  "time_to_accuracy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=None, choices=STUDY_MODELS,
         help="the model every run trains, in place of the recipes' fmnist_cnn: AlexNet-BN "
              "or a ResNet scaled to 28x28 (default fmnist_cnn; one model per --out)")
+    add("--time-to-accuracy", action="store_true", default=None,
+        help="also run again, per pair, the tuning run that reached the validation target "
+             "in the fewest steps (MLPerf's time to accuracy), and report it in a second "
+             "table; not with --quick")
     add("--freeze-variance", action="store_true", default=None,
         help="LAMB: freeze the second moment when the plain exchange ends, after "
              "--compression-warmup epochs (1-bit LAMB's frozen variance)")

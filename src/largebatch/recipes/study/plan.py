@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from largebatch import checks
@@ -22,8 +22,8 @@ from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe
 __all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "EXCHANGE_FIELDS",
            "FULL_BATCHES", "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_MODELS",
            "STUDY_OPTIMIZERS", "VAL_SIZE",
-           "RunSpec", "StudyConfig", "config_from_runs", "held_out", "pair_plan", "plan",
-           "runs_left", "run_steps"]
+           "RunSpec", "StudyConfig", "config_from_runs", "fastest_plan", "held_out", "pair_plan",
+           "plan", "runs_left", "run_steps", "steps_to", "validation_target"]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
@@ -106,6 +106,9 @@ class StudyConfig:
     freeze_variance: bool = False
     # The model every run trains in place of the recipes' (fmnist_cnn): one per folder
     model: str = "fmnist_cnn"
+    # Also re-run, per pair, the tuning run that reaches the validation target in the
+    # fewest steps (MLPerf's time to accuracy): fastest_plan
+    time_to_accuracy: bool = False
     # False: ``epochs`` leaves the warmups as they are, in epochs of the shorter or longer
     # run. The runs of a study folder without ``settings.json`` were planned so, and
     # :func:`config_from_runs` reads them back with it.
@@ -185,6 +188,11 @@ def _check(cfg: StudyConfig) -> None:
         raise ValueError(f"Invalid target: {cfg.target} (an accuracy in (0, 1])")
     checks.choice("device", cfg.device, ("cpu", "cuda"))
     checks.choice("model", cfg.model, STUDY_MODELS)
+    if cfg.time_to_accuracy not in (True, False):
+        raise ValueError(f"Invalid time_to_accuracy: {cfg.time_to_accuracy!r} (must be True or False)")
+    if cfg.time_to_accuracy and cfg.quick:
+        raise ValueError("Invalid time_to_accuracy with quick: it picks among the tuning runs, "
+                         "and a quick study has none")
     checks.integer("workers", cfg.workers, 1)
     for b in cfg.batches:
         if b % cfg.workers:
@@ -310,14 +318,53 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     return tune, finals(RunSpec(**_best(results[s.key] for s in tune)["spec"]))
 
 
+def steps_to(curve: Sequence[dict[str, Any]], target: float) -> int | None:
+    """The step of a run's first epoch whose accuracy reaches ``target`` (None: never)."""
+    return next((c["step"] for c in curve if c["accuracy"] >= target), None)
+
+
+def validation_target(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> float | None:
+    """The tuning runs' target for time to accuracy: the baseline's best validation
+    accuracy minus 0.01, rounded down to 0.001 (the test target's rule), once the
+    baseline's tuning is done (None before)."""
+    tune, _ = pair_plan(cfg, results, *BASELINE)
+    if not tune or any(s.key not in results for s in tune):
+        return None
+    return math.floor((_best(results[s.key] for s in tune)["accuracy"] - 0.01) * 1000) / 1000
+
+
+def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
+                 optimizer: str) -> list[RunSpec]:
+    """With ``cfg.time_to_accuracy``: the final runs (``cfg.seeds`` seeds) of the pair's
+    tuning run that reaches :func:`validation_target` in the fewest steps (ties: the
+    higher final accuracy, then the smaller lr and warmup). Empty until the pair's tuning
+    and the baseline's are done, and when no tuning run reaches the target."""
+    if not cfg.time_to_accuracy:
+        return []
+    tune, _ = pair_plan(cfg, results, batch, optimizer)
+    target = validation_target(cfg, results)
+    if target is None or any(s.key not in results for s in tune):
+        return []
+    timed = [(steps_to(r["curve"], target), r) for r in (results[s.key] for s in tune)]
+    reached = [(n, r) for n, r in timed if n is not None]
+    if not reached:
+        return []
+    _, best = min(reached, key=lambda x: (x[0], -x[1]["accuracy"], x[1]["spec"]["lr"],
+                                          x[1]["spec"]["warmup_epochs"]))
+    spec = RunSpec(**best["spec"])
+    return [dataclasses.replace(spec, phase="final", seed=seed) for seed in range(cfg.seeds)]
+
+
 def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
     """Every run still needed, given the finished ``results``. Pure: the same results give
     the same plan, so an interrupted study continues where it stopped."""
-    needed = []
+    needed: dict[str, RunSpec] = {}
     for pair in cfg.pairs():
         tune, final = pair_plan(cfg, results, *pair)
-        needed += [s for s in (*tune, *final) if s.key not in results]
-    return needed
+        for s in (*tune, *final, *fastest_plan(cfg, results, *pair)):
+            if s.key not in results:
+                needed.setdefault(s.key, s)
+    return list(needed.values())
 
 
 def held_out(n: int, subset: int | None) -> int:
