@@ -105,6 +105,7 @@ def test_time_to_accuracy_runs_again_the_tuning_run_that_reaches_the_target_firs
     assert study.validation_target(cfg, results) == 0.9
     finals = plan(cfg, results)
     assert len({s.key for s in finals}) == len(finals)  # each run once
+    assert {s.key for s in study.runs_left(cfg, results)} == {s.key for s in finals}
     lars = [(s.lr, s.warmup_epochs, s.seed) for s in finals if s.optimizer == "lars"]
     assert sorted(lars) == sorted([(centre, 5.0, k) for k in range(3)] + [(*fast, k) for k in range(3)])
     # The baseline's fastest run is its most accurate one: its finals are shared. No run

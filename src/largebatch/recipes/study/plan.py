@@ -387,11 +387,13 @@ def runs_left(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunS
     """The runs the study has still to run, at least: those :func:`plan` gives, and for
     each pair still tuning those it takes once its grid is done (the techniques switched
     off, the final runs, as if at the grid's first point). A grid that grows past an edge
-    adds to them."""
+    adds to them, and so may the runs of :func:`fastest_plan`."""
     todo = []
     for batch, optimizer in cfg.pairs():
         tune, final = pair_plan(cfg, results, batch, optimizer)
+        fast = fastest_plan(cfg, results, batch, optimizer)
         todo += [s for s in (*tune, *final) if s.key not in results]
+        todo += [s for s in fast if s.key not in results and s not in final]
         if not final and tune:
             if cfg.ablate and all((s.label_smoothing, s.power) == (cfg.label_smoothing, cfg.power)
                                   for s in tune):
