@@ -152,24 +152,27 @@ def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_
     numbers = dict(lr=hyper["lr"], b1=betas[0], b2=betas[1], eps=hyper["eps"],
                    weight_decay=hyper["weight_decay"])
     compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
+    # One compiled body per value of the per-tensor freeze flag (each compiles on first use).
+    bodies = {f: _paths.compiled_body(_lamb_one, tuple(sorted({**flags, "freeze": f}.items())))
+              for f in (False, True)} if compiled else {}
     lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
     freeze_step = hyper["freeze_step"]
     for i, (p, grad, m, v, master, step) in enumerate(lists):
         step.add_(1)
         bc1, bc2 = bias_corrections(step, betas, hyper["bias_correction"], freeze_step)
-        flags["freeze"] = frozen(step, freeze_step)
-        body = _paths.compiled_body(_lamb_one, tuple(sorted(flags.items()))) if compiled else None
-        chosen, tensors = _paths.pick_body(_lamb_one, body, dict(p=p, grad=grad, m=m, v=v, master=master))
+        freeze = frozen(step, freeze_step)
+        chosen, tensors = _paths.pick_body(_lamb_one, bodies.get(freeze),
+                                           dict(p=p, grad=grad, m=m, v=v, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
             _lamb_one(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags,
-                      norm=sharded_norm, plain_norm=sharded_norm)
+                      freeze=freeze, norm=sharded_norm, plain_norm=sharded_norm)
         elif chosen is _lamb_one:
-            chosen(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags)
+            chosen(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags, freeze=freeze)
         else:
             bc1_t, bc2_t = _paths.as_tensors(bc1, bc2)
             u_norm = chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, bc1=bc1_t, bc2=bc2_t,
-                            **flags, **_paths.COMPILED_NORMS)
+                            **flags, freeze=freeze, **_paths.COMPILED_NORMS)
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
                 u_decay = numbers["weight_decay"] if hyper["adam_w_mode"] else 0.0
                 _lamb_after_overflow(p, m, v, master, numbers["lr"], numbers["eps"], u_decay, bc1, bc2)

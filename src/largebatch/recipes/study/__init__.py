@@ -97,9 +97,8 @@ def _default(values: tuple[float, ...]) -> str:
 # The flags that say what the study runs: with --report, those given replace the settings
 # recorded in OUT, and the others keep them.
 _SETTING_FLAGS = ("batches", "optimizers", "seeds", "epochs", "small_warmups", "large_warmups",
-                  "label_smoothing", "power", "ablate", "extend", "target", "subset", "workers",
-                  "compression", "compression_warmup", "freeze_variance", "model",
-                  "time_to_accuracy")
+                  "label_smoothing", "power", "ablate", "extend", "target", "subset",
+                  *EXCHANGE_FIELDS, "model", "time_to_accuracy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
