@@ -242,6 +242,8 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
               (3072, "sgd", 0): [0.5, 0.7, 0.85], (3072, "sgd", 1): [0.5, 0.7, 0.86],
               (3072, "lars", 0): [0.7, 0.895, 0.905], (3072, "lars", 1): [0.7, 0.88, 0.90]}
     results = {s.key: _result(s, 0, curves[s.batch, s.optimizer, s.seed]) for s in specs}
+    for i, r in enumerate(results.values()):
+        r["seconds"] = 600.0 * (i + 1)  # 6 runs: 1 + 2 + ... + 6 = 21 ten-minute units
     summary = summarize(cfg, results)
     assert summary["target"] == pytest.approx(0.90)  # baseline mean 0.91 minus one point
     rows = {(r["batch"], r["optimizer"]): r for r in summary["rows"]}
@@ -255,6 +257,7 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     assert "| 3,072 | 65,596 | lars | 3 | 30 |" in text
     assert "90.25 ± 0.35 (2) | -0.75 | 30 |" in text
     assert "not reached" in text
+    assert "Run time: 6 runs, 3.5 h of training" in text
 
 
 @pytest.mark.slow

@@ -48,7 +48,10 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         target = math.floor((base["accuracy_mean"] - 0.01) * 1000) / 1000
     _compare(rows, base, target)
     summary = {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
-               "grids": grids, "techniques": techniques, "model": cfg.model}
+               "grids": grids, "techniques": techniques, "model": cfg.model,
+               # What the folder's runs cost: each run's own wall time, summed
+               "runs": len(results),
+               "run_seconds": sum(r.get("seconds", 0.0) for r in results.values())}
     if cfg.time_to_accuracy:  # each pair also tuned for steps to the target (MLPerf's metric)
         fast_base = next((r for r in fast_rows if (r["batch"], r["optimizer"]) == BASELINE), None)
         _compare(fast_rows, fast_base, target)
@@ -193,6 +196,10 @@ def study_markdown(summary: dict[str, Any]) -> str:
                 f"{_pct(t.get('no_label_smoothing'))} | {_pct(t.get('power_1'))} | "
                 f"ls {chosen['label_smoothing']:g}, poly {chosen['power']:g}, warmup "
                 f"{chosen['warmup_epochs']:g} |")
+    if summary.get("runs"):
+        lines += ["", f"Run time: {summary['runs']} runs, {summary['run_seconds'] / 3600:.1f} h "
+                  "of training, each run's wall time summed (runs side by side share the "
+                  "machine: divide by the jobs at a time for the folder's wall time)."]
     return "\n".join(lines).rstrip() + "\n"
 
 
