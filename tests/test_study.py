@@ -121,9 +121,51 @@ def test_time_to_accuracy_runs_again_the_tuning_run_that_reaches_the_target_firs
     # Without the flag, nothing of it is planned or reported.
     plain = dataclasses.replace(cfg, time_to_accuracy=False)
     assert "fast_rows" not in summarize(plain, results)
-    assert not study.fastest_plan(plain, results, 3072, "lars")
+    assert study.fastest_plan(plain, results, 3072, "lars") == ([], [])
     with pytest.raises(ValueError, match="Invalid time_to_accuracy with quick"):
         study._check(dataclasses.replace(cfg, quick=True))
+
+
+def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_run():
+    """The fastest run on the grid's lower edge: the time-to-accuracy grid grows below it
+    (every warmup, ``extend`` times at most) while the accuracy pick and its finals stay
+    those of the accuracy grid."""
+    cfg = StudyConfig(batches=(128, 3072), optimizers=("sgd", "lars"), ablate=False, extend=1,
+                      time_to_accuracy=True)
+    low = study._lr(CENTRE / 2)
+
+    def curve(s):
+        if s.batch == 128:  # the baseline: best 0.91 at lr 0.2 -> validation target 0.9
+            return [0.5] * 29 + [0.91 if (s.lr, s.warmup_epochs) == (0.2, 0.0) else 0.8]
+        if s.optimizer == "sgd":
+            return [0.5] * 30
+        if s.lr == CENTRE:  # the most accurate, reaching the target late
+            return [0.5] * 20 + [0.95] * 10
+        # The lower the lr, the sooner at 0.9 (warmup 2: one epoch sooner than warmup 5)
+        first = max(1, round(math.log2(s.lr / low)) + 4 + (s.warmup_epochs == 5.0))
+        return [0.5] * (first - 1) + [0.9] * (31 - first)
+
+    results, tuned = {}, []
+    while (todo := [s for s in plan(cfg, results) if s.phase == "tune"]):
+        tuned += todo
+        results |= {s.key: _result(s, 0, curve(s)) for s in todo}
+    lars_lrs = sorted({s.lr for s in tuned if s.optimizer == "lars"})
+    # The accuracy grid (1/2, 1, 2 x centre) does not grow: its best is inside. The fast
+    # grid grows once below its edge, to 1/4 x centre, and stops there (extend 1), though
+    # the fastest is on the edge again.
+    assert lars_lrs == [study._lr(CENTRE / 4), low, CENTRE, study._lr(CENTRE * 2)]
+    extra, fast = study.fastest_plan(cfg, results, 3072, "lars")
+    assert {(s.lr, s.warmup_epochs) for s in extra} == {(study._lr(CENTRE / 4), 2.0),
+                                                         (study._lr(CENTRE / 4), 5.0)}
+    assert {(s.lr, s.warmup_epochs, s.phase) for s in fast} == {(study._lr(CENTRE / 4), 2.0, "final")}
+    _, final = study.pair_plan(cfg, results, 3072, "lars")
+    assert {(s.lr, s.warmup_epochs) for s in final} == {(CENTRE, 2.0)}
+    # The baseline's fastest run, inside its grid, is its most accurate: no growth there.
+    assert study.fastest_plan(cfg, results, 128, "sgd")[0] == []
+    # The finals run, the report marks the fast row as on the edge.
+    results |= {s.key: _result(s, 0, curve(s)) for s in plan(cfg, results)}
+    (row,) = [r for r in summarize(cfg, results)["fast_rows"] if r["optimizer"] == "lars"]
+    assert row["lr_on_grid_edge"] and row["lr"] == study._lr(CENTRE / 4)
 
 
 @pytest.mark.parametrize("winner, expected", [

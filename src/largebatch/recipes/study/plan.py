@@ -334,25 +334,45 @@ def validation_target(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> f
 
 
 def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
-                 optimizer: str) -> list[RunSpec]:
-    """With ``cfg.time_to_accuracy``: the final runs (``cfg.seeds`` seeds) of the pair's
-    tuning run that reaches :func:`validation_target` in the fewest steps (ties: the
-    higher final accuracy, then the smaller lr and warmup). Empty until the pair's tuning
-    and the baseline's are done, and when no tuning run reaches the target."""
+                 optimizer: str) -> tuple[list[RunSpec], list[RunSpec]]:
+    """With ``cfg.time_to_accuracy``: the pair tuned for time to accuracy, as
+    ``(tuning runs beyond pair_plan's, final runs)``. The pick is the tuning run that
+    reaches :func:`validation_target` in the fewest steps (ties: the higher final accuracy,
+    then the smaller lr and warmup); its final runs take ``cfg.seeds`` seeds.
+
+    Tuned as :func:`pair_plan` tunes for accuracy, with a grid of its own: when the pick's
+    lr is an edge of the lrs tried, the grid grows by one factor of 2 past that edge (every
+    warmup of the batch, the techniques on), ``cfg.extend`` times at most. The accuracy
+    pick keeps its own grid, so that asking for time to accuracy leaves the accuracy rows
+    as they are. Empty until the pair's tuning and the baseline's are done, and the finals
+    stay empty when no tuning run reaches the target."""
     if not cfg.time_to_accuracy:
-        return []
+        return [], []
     tune, _ = pair_plan(cfg, results, batch, optimizer)
     target = validation_target(cfg, results)
     if target is None or any(s.key not in results for s in tune):
-        return []
-    timed = [(steps_to(r["curve"], target), r) for r in (results[s.key] for s in tune)]
-    reached = [(n, r) for n, r in timed if n is not None]
-    if not reached:
-        return []
-    _, best = min(reached, key=lambda x: (x[0], -x[1]["accuracy"], x[1]["spec"]["lr"],
-                                          x[1]["spec"]["warmup_epochs"]))
-    spec = RunSpec(**best["spec"])
-    return [dataclasses.replace(spec, phase="final", seed=seed) for seed in range(cfg.seeds)]
+        return [], []
+    recipe, extra = _recipe(batch, optimizer), []
+    for grown in range(cfg.extend + 1):
+        timed = [(steps_to(r["curve"], target), r) for r in (results[s.key] for s in (*tune, *extra))]
+        reached = [(n, r) for n, r in timed if n is not None]
+        if not reached:
+            return extra, []
+        _, best = min(reached, key=lambda x: (x[0], -x[1]["accuracy"], x[1]["spec"]["lr"],
+                                              x[1]["spec"]["warmup_epochs"]))
+        spec = RunSpec(**best["spec"])
+        lrs = [s.lr for s in (*tune, *extra)]
+        if grown == cfg.extend or spec.lr not in (min(lrs), max(lrs)):
+            break
+        centre = GRID_CENTRES[optimizer, batch]
+        k = round(math.log2(spec.lr / centre)) + (1 if spec.lr == max(lrs) else -1)
+        more = [dataclasses.replace(tune[0], lr=_lr(centre * 2.0**k), warmup_epochs=cfg.warmup(w, recipe),
+                                    label_smoothing=cfg.label_smoothing, power=cfg.power)
+                for w in cfg.warmups(batch)]
+        extra += more
+        if any(s.key not in results for s in more):
+            return extra, []
+    return extra, [dataclasses.replace(spec, phase="final", seed=seed) for seed in range(cfg.seeds)]
 
 
 def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
@@ -361,7 +381,8 @@ def plan(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunSpec]:
     needed: dict[str, RunSpec] = {}
     for pair in cfg.pairs():
         tune, final = pair_plan(cfg, results, *pair)
-        for s in (*tune, *final, *fastest_plan(cfg, results, *pair)):
+        fast_tune, fast_final = fastest_plan(cfg, results, *pair)
+        for s in (*tune, *final, *fast_tune, *fast_final):
             if s.key not in results:
                 needed.setdefault(s.key, s)
     return list(needed.values())
@@ -391,9 +412,9 @@ def runs_left(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunS
     todo = []
     for batch, optimizer in cfg.pairs():
         tune, final = pair_plan(cfg, results, batch, optimizer)
-        fast = fastest_plan(cfg, results, batch, optimizer)
+        fast_tune, fast = fastest_plan(cfg, results, batch, optimizer)
         todo += [s for s in (*tune, *final) if s.key not in results]
-        todo += [s for s in fast if s.key not in results and s not in final]
+        todo += [s for s in (*fast_tune, *fast) if s.key not in results and s not in final]
         if not final and tune:
             if cfg.ablate and all((s.label_smoothing, s.power) == (cfg.label_smoothing, cfg.power)
                                   for s in tune):

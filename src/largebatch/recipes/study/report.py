@@ -39,7 +39,8 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         row = _row(batch, optimizer, tune, final, results)
         if row is not None:
             rows.append(row)
-        fast = _row(batch, optimizer, tune, fastest_plan(cfg, results, batch, optimizer), results)
+        fast_tune, fast_final = fastest_plan(cfg, results, batch, optimizer)
+        fast = _row(batch, optimizer, [*tune, *fast_tune], fast_final, results)
         if fast is not None:
             fast_rows.append(fast)
     base = next((r for r in rows if (r["batch"], r["optimizer"]) == BASELINE), None)
