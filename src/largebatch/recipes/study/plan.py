@@ -352,7 +352,8 @@ def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: in
     target = validation_target(cfg, results)
     if target is None or any(s.key not in results for s in tune):
         return [], []
-    recipe, extra = _recipe(batch, optimizer), []
+    recipe = _recipe(batch, optimizer)
+    extra: list[RunSpec] = []
     for grown in range(cfg.extend + 1):
         timed = [(steps_to(r["curve"], target), r) for r in (results[s.key] for s in (*tune, *extra))]
         reached = [(n, r) for n, r in timed if n is not None]
