@@ -162,9 +162,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model every run trains, in place of the recipes' fmnist_cnn: AlexNet-BN "
              "or a ResNet scaled to 28x28 (default fmnist_cnn; one model per --out)")
     add("--time-to-accuracy", action="store_true", default=None,
-        help="also run again, per pair, the tuning run that reached the validation target "
-             "in the fewest steps (MLPerf's time to accuracy), and report it in a second "
-             "table; not with --quick")
+        help="also tune each pair for steps to the validation target (MLPerf's time to "
+             "accuracy: the lr grid grows past an edge holding the fastest run, as it does "
+             "for accuracy), run its fastest run again, and report it in a second table; "
+             "not with --quick")
     add("--freeze-variance", action="store_true", default=None,
         help="LAMB: freeze the second moment when the plain exchange ends, after "
              "--compression-warmup epochs (1-bit LAMB's frozen variance)")
