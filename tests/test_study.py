@@ -398,6 +398,9 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
     (row,) = summary["rows"]
     assert row["curves"][1] == here["curve"]
     assert row["accuracies"][1] == here["accuracy"] and math.isfinite(here["curve"][0]["train_loss"])
+    # Each run records the thread count it ran on: another count rounds differently.
+    recorded = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert here["threads"] == 1 and [r["threads"] for r in recorded] == [1, 1]
 
 
 def test_a_run_follows_its_recipes_step_schedule_and_milestones(monkeypatch):

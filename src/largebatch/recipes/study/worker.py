@@ -132,7 +132,10 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
             break
     row = {"spec": dataclasses.asdict(spec), "accuracy": curve[-1]["accuracy"],
            "diverged": diverged, "steps_per_epoch": steps_per_epoch, "curve": curve,
-           "seconds": time.perf_counter() - start}
+           "seconds": time.perf_counter() - start,
+           # CPU kernels split their sums by thread: the same spec on another thread
+           # count rounds differently, and 30 epochs carry that to the last digit shown.
+           "threads": torch.get_num_threads()}
     if sim is not None and spec.compression != "none":
         row["compression"] = {"rates": sim.compression_rates(), "stats": sim.stats,
                               "warmup_steps": sim.warmup_steps}
