@@ -274,6 +274,17 @@ def _without_techniques(cfg: StudyConfig, best: RunSpec) -> list[RunSpec]:
     return out
 
 
+def _grid(cfg: StudyConfig, batch: int, optimizer: str, exponents: Sequence[int]) -> list[RunSpec]:
+    """The tuning runs at lr :data:`GRID_CENTRES` times ``2**k`` for each ``k`` of
+    ``exponents``, crossed with the batch's warmups, every technique on."""
+    recipe = _recipe(batch, optimizer)
+    centre, epochs = GRID_CENTRES[optimizer, batch], cfg.epochs or recipe.epochs
+    return [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), cfg.warmup(w, recipe),
+                    0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
+                    cfg.compression, cfg.compression_warmup, cfg.freeze_variance, cfg.model)
+            for k in exponents for w in cfg.warmups(batch)]
+
+
 def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
               optimizer: str) -> tuple[list[RunSpec], list[RunSpec]]:
     """One pair's ``(tuning runs, final runs)`` as far as the finished ``results`` (by
@@ -301,10 +312,7 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
-        grid = [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), cfg.warmup(w, recipe),
-                        0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
-                        cfg.compression, cfg.compression_warmup, cfg.freeze_variance, cfg.model)
-                for k in exponents for w in cfg.warmups(batch)]
+        grid = _grid(cfg, batch, optimizer, exponents)
         if any(s.key not in results for s in grid):
             return grid, []
         best = RunSpec(**_best(results[s.key] for s in grid)["spec"])
@@ -352,7 +360,7 @@ def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: in
     target = validation_target(cfg, results)
     if target is None or any(s.key not in results for s in tune):
         return [], []
-    recipe = _recipe(batch, optimizer)
+    centre = GRID_CENTRES[optimizer, batch]
     extra: list[RunSpec] = []
     for grown in range(cfg.extend + 1):
         timed = [(steps_to(r["curve"], target), r) for r in (results[s.key] for s in (*tune, *extra))]
@@ -365,11 +373,8 @@ def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: in
         lrs = [s.lr for s in (*tune, *extra)]
         if grown == cfg.extend or spec.lr not in (min(lrs), max(lrs)):
             break
-        centre = GRID_CENTRES[optimizer, batch]
-        k = round(math.log2(spec.lr / centre)) + (1 if spec.lr == max(lrs) else -1)
-        more = [dataclasses.replace(tune[0], lr=_lr(centre * 2.0**k), warmup_epochs=cfg.warmup(w, recipe),
-                                    label_smoothing=cfg.label_smoothing, power=cfg.power)
-                for w in cfg.warmups(batch)]
+        more = _grid(cfg, batch, optimizer,
+                     [round(math.log2(spec.lr / centre)) + (1 if spec.lr == max(lrs) else -1)])
         extra += more
         if any(s.key not in results for s in more):
             return extra, []
