@@ -302,6 +302,41 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     assert "Run time: 6 runs, 3.5 h of training" in text
 
 
+def _row(batch, optimizer, mean, std=0.001, seeds=3, fewer=None):
+    return {"batch": batch, "optimizer": optimizer, "accuracy_mean": mean, "accuracy_std": std,
+            "seeds": seeds, "fewer_steps": fewer}
+
+
+def test_compare_puts_each_model_against_its_own_baseline_and_tuned_sgd():
+    cnn = {"model": "fmnist_cnn", "n_train": 60000, "runs": 10, "run_seconds": 5400.0, "rows": [
+        _row(128, "sgd", 0.92, 0.002), _row(1536, "sgd", 0.915, 0.003, seeds=2),
+        _row(1536, "lars", 0.914), _row(1536, "lamb", 0.915, 0.004),
+        _row(3072, "lars", 0.9089)],
+        "fast_rows": [_row(1536, "lars", 0.91, fewer=12.04), _row(1536, "lamb", 0.91, fewer=9.0),
+                      _row(3072, "lars", 0.9, fewer=None)]}
+    resnet = {"model": "small_resnet", "n_train": 60000, "runs": 2, "run_seconds": 360.0,
+              "rows": [_row(128, "sgd", 0.93, 0.0)]}
+    text = study.report.compare_markdown([cnn, resnet])
+    lines = text.splitlines()
+    # Exactly half a point below the baseline is within the 32K-equivalent tolerance; the
+    # difference to SGD carries the standard error of the two means.
+    se_lars, se_lamb = (100 * math.sqrt(0.003 ** 2 / 2 + std ** 2 / 3) for std in (0.001, 0.004))
+    assert lines[2] == (
+        "| fmnist_cnn | 1,536 (32,798) | 92.00 ± 0.20 | 91.50 ± 0.30 | 91.40 ± 0.10 | "
+        f"91.50 ± 0.40 | -0.50 (lamb, within 0.5) | -0.10 ± {se_lars:.2f} "
+        f"| +0.00 ± {se_lamb:.2f} | 12.0x (lars) |")
+    # A missing optimizer is a dash, and 1.11 points is beyond the 64K-equivalent's one.
+    assert lines[3] == ("| fmnist_cnn | 3,072 (65,596) | 92.00 ± 0.20 | - | 90.89 ± 0.10 | - | "
+                        "-1.11 (lars, beyond 1.0) | - | - | - |")
+    assert len(lines) == 4 + 1 + 4  # a model with only its baseline has no batch to compare
+    assert lines[-2:] == ["| fmnist_cnn | 10 | 1.5 |", "| small_resnet | 2 | 0.1 |"]
+
+
+def test_compare_on_a_folder_without_a_study_is_one_line(tmp_path, capsys):
+    line = user_error(["study", "--compare", "docs/study/headline", str(tmp_path / "none")], capsys)
+    assert line == f"largebatch study: --compare: {tmp_path / 'none'} holds no study: no such folder"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--batches", "128,1000"], "Invalid batch 1000"),
@@ -720,6 +755,19 @@ def test_a_recorded_study_without_settings_reports_from_its_runs(tmp_path, monke
     assert json.loads((tmp_path / "study.json").read_text()) == json.loads(
         (recorded / "study.json").read_text())
     assert not (tmp_path / study.SETTINGS).exists()
+
+
+def test_the_model_families_table_in_the_docs_is_compare_of_its_folders():
+    """docs/study.md's side-by-side table is ``--compare`` of the folders its marker names,
+    as their runs stand."""
+    root = Path(__file__).parents[1]
+    text = (root / "docs" / "study.md").read_text()
+    marker = "<!-- study-compare: "
+    start = text.index(marker) + len(marker)
+    folders = text[start:text.index(" -->", start)].split()
+    assert len(folders) >= 2
+    table = study.compare_studies([str(root / f) for f in folders])
+    assert table in text
 
 
 class _Stream(io.StringIO):

@@ -41,7 +41,8 @@ the study, and a worker whose parent is gone exits by itself. One study at a tim
 ``OUT/study.json`` and ``OUT/study.png``, each replaced atomically; ``--report`` writes
 them from the finished runs without training any (a study stopped part-way), with the
 settings recorded in ``OUT`` (``settings.json``; in a folder without one, those its runs
-show), which the flags given with it replace.
+show), which the flags given with it replace. ``--compare DIR DIR ...`` prints the studies of
+several models side by side (:func:`~largebatch.recipes.study.report.compare_markdown`).
 
 The package: :mod:`~largebatch.recipes.study.plan` (what to run: :class:`StudyConfig`,
 :class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.worker` (training
@@ -72,7 +73,8 @@ from largebatch.recipes.study.plan import (  # noqa: F401
 )
 from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
 from largebatch.recipes.study.run import (  # noqa: F401
-    SETTINGS, _append, _load_results, _Stopped, recorded_config, run_one, run_study,
+    SETTINGS, _append, _load_results, _Stopped, compare_studies, recorded_config, run_one,
+    run_study,
 )
 from largebatch.recipes.study.worker import (  # noqa: F401
     _EVAL_CHUNK, _SPLIT_SEED, _WORKER, _exit_with_parent, _init_worker, _tensors,
@@ -113,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the tables and plot of the runs already in OUT/runs.jsonl, with the "
              "settings recorded in OUT (settings.json, else those the runs show; the flags "
              "given replace them); train nothing")
+    add("--compare", nargs="+", default=None, metavar="DIR",
+        help="print the studies in these folders side by side, one model per folder (each "
+             "summarized from its runs and settings as --report does); train and write "
+             "nothing")
     add("--out", default=None, metavar="DIR",
         help="output folder (default runs/study, or runs/study-quick)")
     add("--batches", type=_ints, default=None, metavar="B,B",
@@ -192,6 +198,12 @@ def config(args: argparse.Namespace, recorded: StudyConfig | None = None) -> Stu
 
 def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments."""
+    if args.compare is not None:
+        try:
+            print(compare_studies(args.compare), end="")
+        except ValueError as err:
+            raise CommandError("study", f"--compare: {err}") from None
+        return 0
     recorded = None
     if args.report_only:
         try:

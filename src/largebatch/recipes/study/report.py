@@ -2,6 +2,7 @@
 test accuracy, the difference to the baseline, steps to the target accuracy; the tuning
 grids), :func:`study_markdown` (the tables of ``study.md``) and :func:`plot`
 (``study.png``). Pure but for the plot: the same runs give the same report.
+:func:`compare_markdown` puts several studies (one per model) side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from largebatch.recipes.study.plan import (
     BASELINE, StudyConfig, _best, fastest_plan, pair_plan, steps_to, validation_target,
 )
 
-__all__ = ["plot", "study_markdown", "summarize"]
+__all__ = ["TOLERANCES", "compare_markdown", "plot", "study_markdown", "summarize"]
+
+# How far below its model's baseline the best of LARS/LAMB may end at each large batch: half
+# a point at the 32K-equivalent batch, one point at the 64K-equivalent.
+TOLERANCES = {1536: 0.005, 3072: 0.010}
 
 
 def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -202,6 +207,66 @@ def study_markdown(summary: dict[str, Any]) -> str:
                   "of training, each run's wall time summed (runs side by side share the "
                   "machine: divide by the jobs at a time for the folder's wall time)."]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def compare_markdown(summaries: Sequence[dict[str, Any]]) -> str:
+    """Studies of several models side by side (:func:`summarize`'s output, one per model):
+    at each large batch, the baseline, tuned SGD, LARS and LAMB on test, the best of
+    LARS/LAMB against the baseline and its tolerance (:data:`TOLERANCES`), LARS and LAMB
+    against SGD with the standard error of the difference of the means, and the most
+    times fewer steps to the target any optimizer takes than the baseline when each pair is
+    tuned for it (a study run with ``--time-to-accuracy``); then each study's run time."""
+    lines = ["| model | batch (ImageNet-eq.) | baseline | sgd | lars | lamb "
+             "| best of lars/lamb vs baseline | lars vs sgd | lamb vs sgd "
+             "| fewer steps than baseline, tuned for speed |",
+             "|---|---:|---|---|---|---|---|---:|---:|---:|"]
+    for summary in summaries:
+        rows = {(r["batch"], r["optimizer"]): r for r in summary["rows"]}
+        base = rows.get(BASELINE)
+        for batch in sorted({b for b, _ in rows} - {BASELINE[0]}):
+            sgd, lars, lamb = (rows.get((batch, o)) for o in ("sgd", "lars", "lamb"))
+            fast = [r for r in summary.get("fast_rows", []) if r["batch"] == batch
+                    and r["fewer_steps"] is not None]
+            fastest = max(fast, key=lambda r: r["fewer_steps"], default=None)
+            speed = "-" if fastest is None else (
+                f"{fastest['fewer_steps']:.1f}x ({fastest['optimizer']})")
+            lines.append(
+                f"| {summary['model']} | {batch:,} ({imagenet_equivalent(batch, summary['n_train']):,}) "
+                f"| {_cell(base)} | {_cell(sgd)} | {_cell(lars)} | {_cell(lamb)} "
+                f"| {_against_baseline([r for r in (lars, lamb) if r], base, TOLERANCES.get(batch))} "
+                f"| {_difference(lars, sgd)} | {_difference(lamb, sgd)} "
+                f"| {speed} |")
+    lines += ["", "| model | runs | hours of training (each run's wall time, summed) |",
+              "|---|---:|---:|"]
+    lines += [f"| {s['model']} | {s['runs']} | {s['run_seconds'] / 3600:.1f} |" for s in summaries]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    return "-" if row is None else _mean_std(row)
+
+
+def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str:
+    """``row``'s mean minus ``other``'s (of the means as shown), ± the standard error of that
+    difference from the two rows' seeds."""
+    if row is None or other is None:
+        return "-"
+    delta = round(100 * row["accuracy_mean"], 2) - round(100 * other["accuracy_mean"], 2)
+    error = 100 * math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
+                            + other["accuracy_std"] ** 2 / other["seeds"])
+    return f"{delta:+.2f} ± {error:.2f}"
+
+
+def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
+                      tolerance: float | None) -> str:
+    """The best row's difference to ``base``, and whether it is within ``tolerance``."""
+    if not rows or base is None:
+        return "-"
+    best = max(rows, key=lambda r: r["accuracy_mean"])
+    delta = round(100 * best["accuracy_mean"], 2) - round(100 * base["accuracy_mean"], 2)
+    verdict = "" if tolerance is None else (
+        f", {'within' if delta >= -100 * tolerance - 1e-9 else 'beyond'} {100 * tolerance:.1f}")
+    return f"{delta:+.2f} ({best['optimizer']}{verdict})"
 
 
 def _pct(value: float | None) -> str:

@@ -30,10 +30,10 @@ from largebatch.recipes.study.plan import (
     RunSpec, StudyConfig, _check, _recipe, config_from_runs, plan, run_steps,
     runs_left,
 )
-from largebatch.recipes.study.report import plot, study_markdown, summarize
+from largebatch.recipes.study.report import compare_markdown, plot, study_markdown, summarize
 from largebatch.recipes.study.worker import _WORKER, _init_worker, run_one
 
-__all__ = ["SETTINGS", "recorded_config", "run_one", "run_study"]
+__all__ = ["SETTINGS", "compare_studies", "recorded_config", "run_one", "run_study"]
 
 SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
 
@@ -93,6 +93,17 @@ def recorded_config(out: str | os.PathLike, given: dict[str, Any] | None = None)
         return config_from_runs(results, given)
     except ValueError as err:
         raise ValueError(f"{folder} has no {SETTINGS}, and {err}") from None
+
+
+def compare_studies(folders: list[str]) -> str:
+    """The studies in ``folders`` side by side (``--compare``, one model per folder): each
+    summarized from its runs and settings as ``--report`` does, nothing written. A
+    ValueError names a folder that holds no study."""
+    summaries = []
+    for folder in folders:
+        cfg = recorded_config(folder)
+        summaries.append(summarize(cfg, _load_results(Path(folder) / "runs.jsonl", warn=False)))
+    return compare_markdown(summaries)
 
 
 def _append(path: Path, row: dict[str, Any]) -> None:
