@@ -93,13 +93,18 @@ def _compare(rows: list[dict[str, Any]], base: dict[str, Any] | None, target: fl
     """Each row's difference to ``base`` (of the means as shown: two decimals of a
     percent), its runs' steps to ``target``, and how many times fewer than ``base``'s."""
     for row in rows:
-        row["delta_vs_baseline"] = None if base is None else (
-            round(100 * row["accuracy_mean"], 2) - round(100 * base["accuracy_mean"], 2)) / 100
+        row["delta_vs_baseline"] = None if base is None else _points(row, base) / 100
         row["steps_to_target"] = [steps_to(c, target) for c in row["curves"]] if target is not None else []
     base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None
     for row in rows:
         mean_steps = _mean_steps(row["steps_to_target"])
         row["fewer_steps"] = None if base_steps is None or mean_steps is None else base_steps / mean_steps
+
+
+def _points(row: dict[str, Any], other: dict[str, Any]) -> float:
+    """``row``'s mean test accuracy minus ``other``'s, in points, of the means as shown (two
+    decimals of a percent), so that a difference is that of the numbers in the table."""
+    return round(100 * row["accuracy_mean"], 2) - round(100 * other["accuracy_mean"], 2)
 
 
 def _mean_steps(steps: Sequence[int | None]) -> float | None:
@@ -251,7 +256,7 @@ def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str
     difference from the two rows' seeds."""
     if row is None or other is None:
         return "-"
-    delta = round(100 * row["accuracy_mean"], 2) - round(100 * other["accuracy_mean"], 2)
+    delta = _points(row, other)
     error = 100 * math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
                             + other["accuracy_std"] ** 2 / other["seeds"])
     return f"{delta:+.2f} ± {error:.2f}"
@@ -263,7 +268,7 @@ def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
     if not rows or base is None:
         return "-"
     best = max(rows, key=lambda r: r["accuracy_mean"])
-    delta = round(100 * best["accuracy_mean"], 2) - round(100 * base["accuracy_mean"], 2)
+    delta = _points(best, base)
     verdict = "" if tolerance is None else (
         f", {'within' if delta >= -100 * tolerance - 1e-9 else 'beyond'} {100 * tolerance:.1f}")
     return f"{delta:+.2f} ({best['optimizer']}{verdict})"
