@@ -253,10 +253,12 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str:
     """``row``'s mean minus ``other``'s (of the means as shown), ± the standard error of that
-    difference from the two rows' seeds."""
+    difference from the two rows' seeds (when each has two or more)."""
     if row is None or other is None:
         return "-"
     delta = _points(row, other)
+    if min(row["seeds"], other["seeds"]) < 2:
+        return f"{delta:+.2f}"  # one seed has no spread to go by
     error = 100 * math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
                             + other["accuracy_std"] ** 2 / other["seeds"])
     return f"{delta:+.2f} ± {error:.2f}"
