@@ -334,7 +334,8 @@ def test_compare_puts_each_model_against_its_own_baseline_and_tuned_sgd():
 
 
 def test_compare_on_a_folder_without_a_study_is_one_line(tmp_path, capsys):
-    line = user_error(["study", "--compare", "docs/study/headline", str(tmp_path / "none")], capsys)
+    headline = Path(__file__).parents[1] / "docs" / "study" / "headline"
+    line = user_error(["study", "--compare", str(headline), str(tmp_path / "none")], capsys)
     assert line == f"largebatch study: --compare: {tmp_path / 'none'} holds no study: no such folder"
 
 
