@@ -759,6 +759,25 @@ def test_a_recorded_study_without_settings_reports_from_its_runs(tmp_path, monke
     assert not (tmp_path / study.SETTINGS).exists()
 
 
+_SETTLED = sorted(p.parent.name for p in
+                  (Path(__file__).parents[1] / "docs" / "study").glob("*/settings.json")
+                  if (p.parent / "study.md").exists() and p.parent.name not in _RECORDED)
+
+
+@pytest.mark.parametrize("folder", _SETTLED)
+def test_a_recorded_study_with_settings_reports_what_is_committed(tmp_path, monkeypatch, folder):
+    """``--report --out`` on a copy of a docs/study folder's runs and settings (a study
+    still running included) writes the committed tables: none is stale."""
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+    recorded = Path(__file__).parents[1] / "docs" / "study" / folder
+    for name in ("runs.jsonl", study.SETTINGS):
+        shutil.copy(recorded / name, tmp_path / name)
+    assert cli(["study", "--report", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "study.md").read_text() == (recorded / "study.md").read_text()
+    assert json.loads((tmp_path / "study.json").read_text()) == json.loads(
+        (recorded / "study.json").read_text())
+
+
 def test_the_model_families_table_in_the_docs_is_compare_of_its_folders():
     """docs/study.md's side-by-side table is ``--compare`` of the folders its marker names,
     as their runs stand."""
