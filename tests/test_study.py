@@ -745,37 +745,27 @@ _RECORDED = ["headline", "epochs-15", "adacomp-8", "adacomp-8-sgd", "adacomp-8-w
              "workers-8-frozen"]
 
 
-@pytest.mark.parametrize("folder", _RECORDED)
-def test_a_recorded_study_without_settings_reports_from_its_runs(tmp_path, monkeypatch, folder):
-    """``--report --out`` on a copy of a docs/study folder's runs alone (the older folders
-    have no settings.json) writes the committed tables."""
-    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
-    recorded = Path(__file__).parents[1] / "docs" / "study" / folder
-    shutil.copy(recorded / "runs.jsonl", tmp_path / "runs.jsonl")
-    assert cli(["study", "--report", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "study.md").read_text() == (recorded / "study.md").read_text()
-    assert json.loads((tmp_path / "study.json").read_text()) == json.loads(
-        (recorded / "study.json").read_text())
-    assert not (tmp_path / study.SETTINGS).exists()
-
-
 _SETTLED = sorted(p.parent.name for p in
                   (Path(__file__).parents[1] / "docs" / "study").glob("*/settings.json")
                   if (p.parent / "study.md").exists() and p.parent.name not in _RECORDED)
 
 
-@pytest.mark.parametrize("folder", _SETTLED)
-def test_a_recorded_study_with_settings_reports_what_is_committed(tmp_path, monkeypatch, folder):
-    """``--report --out`` on a copy of a docs/study folder's runs and settings (a study
-    still running included) writes the committed tables: none is stale."""
+@pytest.mark.parametrize(("folder", "with_settings"),
+                         [(f, False) for f in _RECORDED] + [(f, True) for f in _SETTLED])
+def test_a_recorded_study_reports_what_is_committed(tmp_path, monkeypatch, folder, with_settings):
+    """``--report --out`` on a copy of a docs/study folder's runs, with its settings.json
+    where it has one (the older folders do not; a study still running included), writes
+    the committed tables: none is stale."""
     monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
     recorded = Path(__file__).parents[1] / "docs" / "study" / folder
-    for name in ("runs.jsonl", study.SETTINGS):
+    for name in ("runs.jsonl", study.SETTINGS) if with_settings else ("runs.jsonl",):
         shutil.copy(recorded / name, tmp_path / name)
     assert cli(["study", "--report", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "study.md").read_text() == (recorded / "study.md").read_text()
     assert json.loads((tmp_path / "study.json").read_text()) == json.loads(
         (recorded / "study.json").read_text())
+    if not with_settings:
+        assert not (tmp_path / study.SETTINGS).exists()
 
 
 def test_the_model_families_table_in_the_docs_is_compare_of_its_folders():
