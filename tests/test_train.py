@@ -658,3 +658,22 @@ def test_a_bar_shows_the_runs_progress_on_a_terminal_only(tmp_path, monkeypatch,
         assert "epoch   2/2  train loss" in out
     else:
         assert bar == "" and "\r" not in out
+
+
+@pytest.mark.parametrize("name,world,local,index", [("cuda", "1", "0", 0), ("cuda", "2", "1", 1),
+                                                    ("cuda:1", "1", "0", 1)])
+def test_join_hands_set_device_a_device_with_an_index(monkeypatch, name, world, local, index):
+    """``torch.cuda.set_device`` refuses a bare ``cuda`` (no index): ``--device cuda`` in one
+    process must name the GPU, as under torchrun each rank names its ``LOCAL_RANK``."""
+    from torch.cuda._utils import _get_device_index
+
+    from largebatch.recipes import distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)  # no group joined here
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("RANK", local)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    assert distributed.join(name) == (int(local), int(world), torch.device("cuda", index))
+    assert chosen == [index]

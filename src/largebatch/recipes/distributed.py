@@ -60,7 +60,8 @@ def join(name: str) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}" if name == "cuda" and world > 1 else name)
+    # set_device needs an index: a bare ``cuda`` is this process's GPU, LOCAL_RANK's.
+    device = torch.device("cuda", local) if name == "cuda" else torch.device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
