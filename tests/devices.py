@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 _READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
 _UPLOADS = {"tensor", "as_tensor"}
-_SCALAR_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
+_SCALAR_OPS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero"}
 
 
 def _caller() -> str | None:

@@ -10,6 +10,7 @@ import re
 import os
 import subprocess
 import sys
+import warnings
 from fractions import Fraction
 from pathlib import Path
 
@@ -18,9 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from devices import HostSyncs
 from helpers import BAD_ADACOMP_OPTIONS
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import AdaCompState, SimulatedWorkers, compress
+from largebatch.comm.torch import _codec as codec
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 FORMS = ("allgather", "two_phase")
@@ -172,6 +175,54 @@ def test_torch_compress_equals_reference_float64(numel: int, bin_len: int) -> No
         np.testing.assert_allclose(got.sent.numpy(), want.sent, rtol=0, atol=ulps)
         np.testing.assert_allclose(got.residual.numpy(), want.residual, rtol=0, atol=ulps)
         r = want.residual
+
+
+def _as_on_a_gpu(monkeypatch) -> None:
+    """The exchange's code for a device the host waits for, on CPU tensors."""
+    monkeypatch.setattr(codec, "_waits", lambda device: True)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_exchange_for_a_gpu_sends_the_same_messages(monkeypatch, form) -> None:
+    shapes = [(8, 4, 3, 3), (8,), (10, 120), (2, 2, 3, 3)]
+    runs = []
+    for gpu in (False, True):
+        if gpu:
+            _as_on_a_gpu(monkeypatch)
+        sim = SimulatedWorkers([f"p{i}" for i in range(len(shapes))], shapes, 3, form=form)
+        runs.append([sim.exchange(step) for step in _grads(3, 3, shapes, seed=5)])
+    for cpu_step, gpu_step in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_compressed_exchange_syncs_no_more_with_more_layers(monkeypatch, form, device) -> None:
+    """The exchange took two host syncs per compressed layer (its ``nonzero`` and its
+    count), and on a GPU each makes the host wait for the device: inside a DDP hook, the
+    rest of the backward pass cannot be queued meanwhile. A bucket of 40 layers now waits
+    as often as one of 4 (``HostSyncs``, the GPU's code on CPU tensors; on a GPU, torch's
+    sync debug mode too)."""
+    _as_on_a_gpu(monkeypatch)
+
+    def syncs(layers: int) -> int:
+        shapes = [(8, 4, 3, 3), (8,)] * (layers // 2)
+        sim = SimulatedWorkers([f"p{i}" for i in range(layers)], shapes, 2, form=form)
+        grads = [[[g.to(device) for g in w] for w in step] for step in _grads(2, 2, shapes)]
+        sim.exchange(grads[0])
+        with HostSyncs() as seen, warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                sim.exchange(grads[1])
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        return len(seen.record) + len(warned)
+
+    assert syncs(40) == syncs(4)
 
 
 def _grads(n: int, steps: int, shapes, seed: int = 0):

@@ -147,15 +147,33 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+def _waits(device: torch.device) -> bool:
+    """Whether reading a value of ``device`` on the host waits for the device."""
+    return device.type != "cpu"
+
+
+def _selected(masks: Sequence[torch.Tensor], device: torch.device,
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each mask's selected indices, and their counts (int64 on ``device``). On a GPU a
+    ``nonzero`` makes the host wait for the device, once per mask; reading every count at
+    once and then ``nonzero_static`` waits once in all. The CPU has nothing to wait for,
+    and its ``nonzero`` is the cheaper."""
+    if not _waits(device) or not masks:
+        indices = [m.nonzero().view(-1) for m in masks]
+        return indices, torch.tensor([i.numel() for i in indices], dtype=torch.int64, device=device)
+    counts = torch.stack([m.sum() for m in masks])
+    sizes = counts.tolist()  # the one host sync
+    return [torch.nonzero_static(m, size=n).view(-1) for m, n in zip(masks, sizes)], counts
+
+
 def _encode(parts: Sequence[tuple[Compressed, int, int]], width: int, values: str) -> torch.Tensor:
     """One message: for each (compressed layer, lo, hi) its count (int64), its scale, then
     every layer's packed codes (index relative to ``lo`` times 2, plus 1 for a negative
     sign), then, for ``values="exact"``, the values."""
-    counts, scales, codes, vals = [], [], [], []
-    for c, lo, hi in parts:
-        mask = c.mask[lo:hi]
-        idx = mask.nonzero().view(-1)
-        counts.append(idx.numel())
+    device = parts[0][0].sent.device if parts else torch.device("cpu")
+    indices, counts = _selected([c.mask[lo:hi] for c, lo, hi in parts], device)
+    scales, codes, vals = [], [], []
+    for (c, lo, hi), idx in zip(parts, indices):
         scales.append(c.scale.view(1))
         picked = c.sent[lo:hi][idx]
         if values == "exact":
@@ -163,8 +181,7 @@ def _encode(parts: Sequence[tuple[Compressed, int, int]], width: int, values: st
             vals.append(picked)
         else:
             codes.append(idx * 2 + (picked < 0).to(torch.int64))
-    device = parts[0][0].sent.device if parts else torch.device("cpu")
-    pieces = [_as_bytes(torch.tensor(counts, dtype=torch.int64, device=device))]
+    pieces = [_as_bytes(counts)]
     if parts:
         pieces.append(_as_bytes(torch.cat(scales)))
         pieces.append(_pack(torch.cat(codes), width))
@@ -291,11 +308,14 @@ class _Exchange:
         return out
 
     def count(self, stats: dict[str, dict[str, int]], parts: dict[str, Compressed]) -> None:
+        layers = self.layout.compressed
+        sums = [parts[layer.name].mask.sum() for layer in layers]
+        selected = dict(zip((layer.name for layer in layers),
+                            torch.stack(sums).tolist() if sums else []))  # one host sync
         for layer in self.layout.layers:
             row = stats[layer.kind]
             row["elements"] += layer.numel
-            row["selected"] += (int(parts[layer.name].mask.sum()) if layer.bin_len is not None
-                                else layer.numel)
+            row["selected"] += selected.get(layer.name, layer.numel)
 
 
 def _new_stats() -> dict[str, Any]:
