@@ -148,8 +148,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _waits(device: torch.device) -> bool:
-    """Whether reading a value of ``device`` on the host waits for the device."""
-    return device.type != "cpu"
+    """Whether reading a value of ``device`` on the host waits for the device, and torch
+    has ``nonzero_static`` there (CUDA's since torch 2.6)."""
+    return device.type != "cpu" and torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
 
 
 def _selected(masks: Sequence[torch.Tensor], device: torch.device,
@@ -163,7 +164,9 @@ def _selected(masks: Sequence[torch.Tensor], device: torch.device,
         return indices, torch.tensor([i.numel() for i in indices], dtype=torch.int64, device=device)
     counts = torch.stack([m.sum() for m in masks])
     sizes = counts.tolist()  # the one host sync
-    return [torch.nonzero_static(m, size=n).view(-1) for m, n in zip(masks, sizes)], counts
+    # An empty mask's indices are known (CUDA's nonzero_static failed on one before 2.9).
+    return [torch.nonzero_static(m, size=n).view(-1) if m.numel() else
+            torch.zeros(0, dtype=torch.int64, device=device) for m, n in zip(masks, sizes)], counts
 
 
 def _encode(parts: Sequence[tuple[Compressed, int, int]], width: int, values: str) -> torch.Tensor:
