@@ -141,7 +141,7 @@ step "FSDP2 on the fused path (one NCCL rank per process) against an unsharded m
 PEERS="fused,foreach,timm,torch-optimizer,torch,apex,floor"
 step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 120 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
-    --providers "$PEERS,optax,(jax" --json "$DIR/step-resnet50-fp32.json"
+    --providers "$PEERS,optax,(jax,packed" --json "$DIR/step-resnet50-fp32.json"
 step "Optimizer step, ResNet-50 fp16 (our fp32 masters)" 90 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp16 \
     --providers "$PEERS" --json "$DIR/step-resnet50-fp16.json"

@@ -229,6 +229,15 @@ def _optax(name: str, **kwargs):
     return optax_jit(factory)
 
 
+def _packed_lars(**kwargs):
+    def factory():
+        from jax_packed import packed_lars
+
+        return packed_lars(LR, **kwargs)
+
+    return optax_jit(factory)
+
+
 def _ours_jax(name: str, **kwargs):
     def factory():
         from largebatch import jax as lb
@@ -262,6 +271,9 @@ PROVIDERS: list[Provider] = [
              _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
     Provider("ours lars (jax, jit)", "lars",
              _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
+    # An experiment: the same LARS on one packed buffer (benchmarks/jax_packed.py).
+    Provider("lars packed (jax, jit)", "lars",
+             _packed_lars(weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
