@@ -189,6 +189,27 @@ _COMPILED = dict(compiled=True, fused=False)
 _FUSED = dict(fused=True)
 
 
+def _graphed(make_eager):
+    """A provider's ``make`` that captures ``make_eager``'s step in a CUDA graph once (after
+    warm-up steps on a side stream: state, plan and kernels exist) and times its replay:
+    the kernels alone, without the host's share of a step (``benchmarks/fused_host.py``)."""
+
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
+        eager = make_eager(shapes, device, seed, precision)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                eager()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        return graph.replay
+
+    return make
+
+
 def _timm(name: str, **kwargs):
     def factory(params, precision):
         import timm.optim
@@ -266,6 +287,8 @@ PROVIDERS: list[Provider] = [
     Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, **_FOREACH)),
     Provider("ours LARS compiled", "lars", _ours("LARS", **_LARS, **_COMPILED)),
     Provider("ours LARS fused", "lars", _ours("LARS", **_LARS, **_FUSED), needs="triton", cuda_only=_TRITON),
+    Provider("ours LARS in a CUDA graph", "lars", _graphed(_ours("LARS", **_LARS, **_FUSED)),
+             needs="triton", cuda_only=_TRITON),
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
     Provider("optax lars (jit)", "lars",
              _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
@@ -278,6 +301,8 @@ PROVIDERS: list[Provider] = [
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
     Provider("ours LAMB fused", "lamb", _ours("LAMB", **_LAMB, **_FUSED), needs="triton", cuda_only=_TRITON),
+    Provider("ours LAMB in a CUDA graph", "lamb", _graphed(_ours("LAMB", **_LAMB, **_FUSED)),
+             needs="triton", cuda_only=_TRITON),
     Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
              needs="torch_optimizer"),
@@ -413,8 +438,15 @@ def run(
     for r in range(rounds):
         copy_bws.append(copy_bandwidth(device))
         for provider in runnable:
-            step = provider.make(shapes, device, seed, precision)
-            times[provider.name] += time_steps(step, device, warmup, steps)
+            if provider.name in skipped:  # failed in an earlier round
+                continue
+            try:
+                step = provider.make(shapes, device, seed, precision)
+                times[provider.name] += time_steps(step, device, warmup, steps)
+            except Exception as error:  # noqa: BLE001 - one provider failing is a row of the report
+                skipped[provider.name] = f"failed: {type(error).__name__}: {error}"
+                print(f"  {provider.name} failed: {error!r}", file=sys.stderr, flush=True)
+                continue
             if r == 0:
                 launches[provider.name] = (
                     launches_per_step(step, device) if provider.needs != "optax" else None
@@ -427,6 +459,8 @@ def run(
     copy_bw = statistics.median(copy_bws)
     rows = []
     for provider in runnable:
+        if provider.name in skipped:
+            continue
         seconds = statistics.median(times[provider.name])
         gb_s = BYTES_PER_PARAM[provider.family] * n_params / seconds / 1e9
         rows.append(dict(provider=provider.name, family=provider.family, ms=seconds * 1e3,

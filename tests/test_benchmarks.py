@@ -1,5 +1,5 @@
-"""The benchmarks' own transformations hold to the package's: what they time is what the
-package computes."""
+"""The benchmarks' own transformations hold to the package's (what they time is what the
+package computes), and a sweep reports a provider that fails instead of stopping."""
 
 from __future__ import annotations
 
@@ -37,3 +37,19 @@ def test_packed_lars_is_lars_on_every_leaf() -> None:
         p_ours, p_packed = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_packed, u_packed)
         for k in shapes:
             np.testing.assert_allclose(p_packed[k], p_ours[k], rtol=2e-6, atol=1e-7, err_msg=k)
+
+
+def test_a_provider_that_fails_is_reported_and_the_others_still_run(monkeypatch) -> None:
+    import optimizer_step as bench
+
+    def broken(shapes, device, seed, precision):
+        raise RuntimeError("no graph here")
+
+    monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(3, 4), (5,)]})
+    monkeypatch.setattr(bench, "PROVIDERS", [
+        bench.Provider("broken", "sgd", broken),
+        *[p for p in bench.PROVIDERS if p.name == "foreach SGD-momentum (floor)"],
+    ])
+    res = bench.run("tiny", "cpu", steps=2, warmup=1, names=None, rounds=2)
+    assert res["skipped"] == {"broken": "failed: RuntimeError: no graph here"}
+    assert [r["provider"] for r in res["rows"]] == ["foreach SGD-momentum (floor)"]
