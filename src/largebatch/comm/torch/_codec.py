@@ -147,10 +147,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+_STATIC_NONZERO_ON_GPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"  # CUDA's
+
+
 def _waits(device: torch.device) -> bool:
     """Whether reading a value of ``device`` on the host waits for the device, and torch
-    has ``nonzero_static`` there (CUDA's since torch 2.6)."""
-    return device.type != "cpu" and torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
+    has ``nonzero_static`` there."""
+    return device.type != "cpu" and _STATIC_NONZERO_ON_GPU
 
 
 def _selected(masks: Sequence[torch.Tensor], device: torch.device,
