@@ -9,8 +9,9 @@ as the fused Triton path chunks its tensors), takes each row's sums of squares a
 them per tensor, updates the momentum kept packed in the state, and slices the update
 back into the leaves. It computes ``largebatch.jax.lars`` with its defaults (every leaf
 adapted and decayed) but with plain sums of squares, without the rescaled pass for tiny
-or huge norms, so it is the cheaper of the two. ``optimizer_step.py`` times it as ``lars packed (jax, jit)``;
-``tests/test_benchmarks.py`` holds it to ``largebatch.jax.lars``.
+or huge norms, so it is the cheaper of the two. ``optimizer_step.py`` times it as
+``lars packed (jax, jit)``; ``tests/test_benchmarks.py`` holds it to
+``largebatch.jax.lars``.
 """
 
 from __future__ import annotations

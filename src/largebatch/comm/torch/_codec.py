@@ -147,7 +147,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-_STATIC_NONZERO_ON_GPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"  # CUDA's
+# CUDA has ``nonzero_static`` since torch 2.6.
+_STATIC_NONZERO_ON_GPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
 
 
 def _waits(device: torch.device) -> bool:
