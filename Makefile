@@ -62,7 +62,7 @@ clean:
 # the step's bandwidth against the copy and its peers, the AdaComp hook on NCCL, FSDP2,
 # the demo), from the source tree with the machine's own python3 (GPU_PYTHON), not
 # .venv. One report: $$OUT or runs/gpu-check (GPU_REPORT)/report.md. Without a GPU it
-# says so and exits 0.
+# says so and exits 0; a GPU_PYTHON that cannot import torch fails.
 .PHONY: gpu-check
 gpu-check:
 	@bash benchmarks/gpu_check.sh

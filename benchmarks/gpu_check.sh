@@ -14,6 +14,7 @@
 #   GPU_CHECK_BUDGET  seconds for all steps together (default 570); each step also has
 #                     its own limit, a failing or stopped step does not stop the others,
 #                     and a step left without time is reported as not run
+# Without a GPU it says so and exits 0; where GPU_PYTHON cannot import torch it fails.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -22,9 +23,17 @@ DIR=${GPU_REPORT:-${OUT:-runs/gpu-check}}
 DATA=${DATA:-/usr/share/datasets/fashion-mnist}
 BUDGET=${GPU_CHECK_BUDGET:-570}
 
-if ! why=$("$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
-             'torch.cuda.is_available() is False')" 2>&1); then
-    echo "make gpu-check: no CUDA GPU here ($PY: $(echo "$why" | tail -n 1)); nothing to run"
+# Exit 0 only where torch ran and saw no GPU; a Python that cannot run torch fails.
+errors=$(mktemp)
+if ! cuda=$("$PY" -c "import torch; print(torch.cuda.is_available())" 2>"$errors"); then
+    echo "make gpu-check: $PY cannot run torch ($(tail -n 1 "$errors")); set GPU_PYTHON to" \
+         "the interpreter that has the machine's torch" >&2
+    rm -f "$errors"
+    exit 1
+fi
+rm -f "$errors"
+if [ "$cuda" != True ]; then
+    echo "make gpu-check: no CUDA GPU here ($PY: torch.cuda.is_available() is False); nothing to run"
     exit 0
 fi
 

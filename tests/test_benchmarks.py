@@ -53,3 +53,40 @@ def test_a_provider_that_fails_is_reported_and_the_others_still_run(monkeypatch)
     res = bench.run("tiny", "cpu", steps=2, warmup=1, names=None, rounds=2)
     assert res["skipped"] == {"broken": "failed: RuntimeError: no graph here"}
     assert [r["provider"] for r in res["rows"]] == ["foreach SGD-momentum (floor)"]
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python3", "no-torch"])
+def test_gpu_check_fails_where_its_python_cannot_run_torch(python, tmp_path) -> None:
+    """``make gpu-check`` exits 0 without running anything only where torch ran and saw no
+    GPU; a ``GPU_PYTHON`` that does not exist or has no torch fails with the reason."""
+    import os
+    import subprocess
+
+    if python == "no-torch":  # an interpreter without torch: a venv of no packages
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                       check=True)
+        python = str(tmp_path / "venv" / "bin" / "python")
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "GPU_PYTHON": python, "GPU_REPORT": str(tmp_path / "report")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert f"{python} cannot run torch" in done.stderr, done.stderr
+    assert not (tmp_path / "report").exists()
+
+
+def test_gpu_check_without_a_gpu_says_so_and_passes(tmp_path) -> None:
+    import os
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: gpu-check would run its checks")
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "GPU_PYTHON": sys.executable, "GPU_REPORT": str(tmp_path / "report")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.stdout == (f"make gpu-check: no CUDA GPU here ({sys.executable}: "
+                           "torch.cuda.is_available() is False); nothing to run\n")

@@ -270,6 +270,35 @@ def test_a_recipe_that_clips_per_process_refuses_another_hook(monkeypatch, tmp_p
             cli([*lamb, *flag])
 
 
+@pytest.mark.parametrize(("saved_world", "world"), [(2, 1), (1, 2)])
+def test_a_resume_on_another_process_count_clips_as_its_own_set_up_does(saved_world, world):
+    """A ``clip_per_process`` recipe's LAMB clips on one process and leaves the clip to the
+    per-process hook on several: a checkpoint written on ``saved_world`` processes and
+    resumed on ``world`` keeps the clip of the run that resumes it (2 -> 1 would otherwise
+    train unclipped, 1 -> 2 clip twice)."""
+    from types import SimpleNamespace
+
+    from largebatch.recipes.train_run import restore
+
+    recipe = dataclasses.replace(get_recipe("fmnist-lamb-1536"), clip_per_process=1.0)
+
+    def optimizer(processes: int) -> torch.optim.Optimizer:
+        torch.manual_seed(0)
+        return build_optimizer(recipe, build_model(recipe.model, 10), 0.01, world=processes)
+
+    saved = optimizer(saved_world)
+    assert saved.max_grad_norm == (1.0 if saved_world == 1 else None)
+    state = {"model": {}, "optimizer": saved.state_dict(), "scheduler": {}, "epoch": 1,
+             "history": [], "rng": [(torch.get_rng_state(), None)]}
+    resumed = optimizer(world)
+    run = SimpleNamespace(fsdp=True, optimizer=resumed, recipe=recipe, world=world, rank=0,
+                          scaler=None, device=torch.device("cpu"),
+                          scheduler=SimpleNamespace(load_state_dict=lambda s: None))
+    assert restore(run, state) == (1, [])
+    assert resumed.max_grad_norm == (1.0 if world == 1 else None)
+    assert resumed.state_dict()["max_grad_norm"] == resumed.max_grad_norm
+
+
 def test_recipes_table_lists_every_recipe(capsys):
     assert cli(["recipes"]) == 0
     out = capsys.readouterr().out

@@ -19,7 +19,7 @@ from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
 __all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_schedule",
-           "decay_groups"]
+           "decay_groups", "setup_options"]
 
 # ``--precision`` -> the dtype of the model's params and inputs.
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -47,10 +47,9 @@ def build_optimizer(
 
     With a recipe's ``clip_per_process`` on ``world`` > 1 processes the optimizer does
     not clip: each process clips before the all-reduce (``comm.torch.local_clip_hook``).
-    On one process the two are the same clip, and the optimizer's ``max_grad_norm`` does it."""
-    kw, half = dict(recipe.optimizer_kwargs), precision != "fp32"
-    if recipe.clip_per_process is not None:
-        kw["max_grad_norm"] = None if world > 1 else recipe.clip_per_process
+    On one process the two are the same clip, and the optimizer's ``max_grad_norm`` does it
+    (:func:`setup_options`)."""
+    kw, half = {**recipe.optimizer_kwargs, **setup_options(recipe, world)}, precision != "fp32"
     groups = decay_groups(model, recipe.weight_decay, recipe.decay_exclude)
     if recipe.optimizer in ("lars", "lamb"):
         cls = LARS if recipe.optimizer == "lars" else LAMB
@@ -64,6 +63,17 @@ def build_optimizer(
         group.pop("trust_ratio", None)
     return torch.optim.SGD(groups, lr=lr, nesterov=recipe.optimizer == "nesterov",
                            **{"momentum": 0.9, **kw})
+
+
+def setup_options(recipe: Recipe, world: int) -> dict[str, Any]:
+    """The optimizer's options that the run's set-up decides, not the recipe alone: with a
+    recipe's ``clip_per_process``, ``max_grad_norm`` (None on ``world`` > 1 processes,
+    where each process clips before the all-reduce; the recipe's clip on one). A resume
+    keeps these from the optimizer built for its own set-up, never from the checkpoint,
+    which may have been written on another number of processes."""
+    if recipe.clip_per_process is None:
+        return {}
+    return {"max_grad_norm": None if world > 1 else recipe.clip_per_process}
 
 
 def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[dict[str, Any]]:

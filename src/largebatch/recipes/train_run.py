@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from largebatch.recipes import plots
-from largebatch.recipes.build import DTYPES, build_loss, build_model, build_optimizer, build_schedule
+from largebatch.recipes.build import (
+    DTYPES, build_loss, build_model, build_optimizer, build_schedule, setup_options,
+)
 from largebatch.recipes.checkpoint import to_device
 from largebatch.recipes.distributed import join, shard_model
 from largebatch.recipes.outputs import CommandError
@@ -125,10 +127,14 @@ def _build_model(recipe: Recipe, num_classes: int, device: torch.device, precisi
 
 def restore(run: Run, state: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
     """Loads the checkpoint ``state`` into the run (under FSDP the model is already loaded) and
-    this process's RNG states; the epochs done and their metrics."""
+    this process's RNG states; the epochs done and their metrics. The optimizer's options
+    that the set-up decides (:func:`~largebatch.recipes.build.setup_options`: the clip of a
+    ``clip_per_process`` recipe, by the number of processes) stay as built for this run."""
     if not run.fsdp:
         run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
+    for name, value in setup_options(run.recipe, run.world).items():
+        setattr(run.optimizer, name, value)
     run.scheduler.load_state_dict(state["scheduler"])
     if run.scaler is not None:
         run.scaler.load_state_dict(state["scaler"])
