@@ -156,6 +156,39 @@ def test_study_report_without_a_study_in_out(tmp_path, capsys):
     assert sorted(p.name for p in empty.iterdir()) == ["settings.json"]
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"lr_factors": ["a"]}, "Invalid lr_factors: 'a' (must be a finite number > 0)"),
+    ({"lr_factors": [0.0]}, "Invalid lr_factors: 0.0 (must be a finite number > 0)"),
+    ({"lr_factors": [3]}, "Invalid lr_factors: 3 (each must be a power of 2: the grid steps "
+                          "by factors of 2)"),
+    ({"lr_factors": []}, "Invalid lr_factors: [] (must be a non-empty list)"),
+    ({"batches": 1536}, "Invalid batches: 1536 (must be a non-empty list)"),
+    ({"quick": "no"}, "Invalid quick: 'no' (must be True or False)"),
+    ({"ablate": "no"}, "Invalid ablate: 'no' (must be True or False)"),
+    ({"scale_warmups": 0}, "Invalid scale_warmups: 0 (must be True or False)"),
+    ({"time_to_accuracy": None}, "Invalid time_to_accuracy: None (must be True or False)"),
+    ({"large_warmups": ["a"]}, "Invalid large_warmups: 'a' (must be a finite number >= 0)"),
+    ({"label_smoothing": "0.1"}, "Invalid label_smoothing: '0.1' (must be a finite number >= 0)"),
+    ({"extend": "2"}, "Invalid extend: '2' (must be an integer >= 0)"),
+    ({"target": "0.9"}, "Invalid target: '0.9' (must be a finite number > 0 and <= 1)"),
+    ({"only": [[1536]]}, "Invalid only: [[1536]] (must be null or a list of [batch, "
+                         "optimizer] pairs)"),
+], ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else "")
+def test_a_malformed_settings_field_is_one_line_for_report_and_compare(tmp_path, capsys,
+                                                                      setting, message):
+    """Every field of a study folder's ``settings.json`` is checked before anything uses it:
+    ``--report`` and ``--compare`` answer a bad one in one line, exit status 2."""
+    folder = tmp_path / "study"
+    folder.mkdir()
+    (folder / "settings.json").write_text(json.dumps(setting))
+    reason = f"cannot read the study's settings from {folder / 'settings.json'}: {message}"
+    line = user_error(["study", "--report", "--out", str(folder)], capsys)
+    assert line == f"largebatch study: --report: {reason}"
+    line = user_error(["study", "--compare", str(folder), str(folder)], capsys)
+    assert line == f"largebatch study: --compare: {reason}"
+    assert sorted(p.name for p in folder.iterdir()) == ["settings.json"]
+
+
 def test_a_closed_output_pipe_ends_the_command_quietly(monkeypatch):
     """``largebatch recipes | head -1``: the reader goes away; the command ends with the
     status of a process killed by SIGPIPE (141), not a traceback."""

@@ -154,7 +154,50 @@ class StudyConfig:
         return cls(**{k: value(v) for k, v in settings.items()}, **environment)
 
 
+# The StudyConfig fields that are True or False.
+_FLAGS = ("quick", "ablate", "report_only", "time_to_accuracy", "freeze_variance",
+          "scale_warmups")
+# The fields that are lists (tuples here), none of them empty.
+_LISTS = ("batches", "optimizers", "lr_factors", "small_warmups", "large_warmups")
+
+
+def _listed(value: Any) -> Any:
+    """``value`` with its tuples as lists, as settings.json writes them."""
+    return [_listed(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _check_kinds(cfg: StudyConfig) -> None:
+    """Each field's kind, before the checks that use it: a flag is a bool (the string "no"
+    is not False), a list is a non-empty list, ``only`` None or a list of ``[batch,
+    optimizer]`` pairs; the numbers of the lists are checked as numbers."""
+    for name in _FLAGS:
+        value = getattr(cfg, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"Invalid {name}: {value!r} (must be True or False)")
+    for name in _LISTS:
+        value = getattr(cfg, name)
+        if not isinstance(value, tuple) or not value:
+            raise ValueError(f"Invalid {name}: {_listed(value)!r} (must be a non-empty list)")
+    for f in cfg.lr_factors:
+        checks.number("lr_factors", f, 0.0)
+        if math.log2(f) != round(math.log2(f)):
+            raise ValueError(f"Invalid lr_factors: {f!r} (each must be a power of 2: the grid "
+                             "steps by factors of 2)")
+    for name in ("small_warmups", "large_warmups"):
+        for w in getattr(cfg, name):
+            checks.number(name, w, 0.0, strict=False)
+    checks.number("label_smoothing", cfg.label_smoothing, 0.0, strict=False)
+    checks.integer("extend", cfg.extend, 0)
+    if cfg.target is not None:
+        checks.number("target", cfg.target, 0.0, high=1.0)
+    if cfg.only is not None and not (isinstance(cfg.only, tuple) and all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], str) for p in cfg.only)):
+        raise ValueError(f"Invalid only: {_listed(cfg.only)!r} (must be null or a list of [batch, "
+                         "optimizer] pairs)")
+
+
 def _check(cfg: StudyConfig) -> None:
+    _check_kinds(cfg)
     for b in cfg.batches:
         if b not in FULL_BATCHES:
             raise ValueError(f"Invalid batch {b}: the study's recipes cover "
