@@ -30,11 +30,14 @@ def _corrected(momentum: float, lrs: Sequence[float]) -> list[float]:
 
 def mlperf_tf_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
                    wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
-    """mlcommons/training, image_classification/tensorflow2/lars_optimizer.py,
-    LARSOptimizer.compute_lr and _resource_apply_dense: the buffer holds negative
-    lr-scaled steps, ``mom = m * mom - lr * ratio * (g + wd * w); w += mom``; a param on
-    the skip list takes ``mom = m * mom - lr * g`` (no ratio, no decay). A zero norm
-    gives ratio 1, and the decay stays."""
+    """mlcommons/training, image_classification/tensorflow/official/resnet/
+    mlperf_lars_optimizer.py, MLPERF_LARSOptimizer.compute_lr and _resource_apply_dense
+    (TF's apply_momentum at rate 1 on ``lr * ratio * (g + wd * w)``): the buffer holds
+    lr-scaled steps, here negated, ``mom = m * mom - lr * ratio * (g + wd * w); w +=
+    mom``; a param on the skip list takes ``mom = m * mom - lr * g`` (no ratio, no decay).
+    A zero norm gives ratio 1, and the decay stays. ``eps`` as given; the TF2 copy
+    (image_classification/tensorflow2/lars_optimizer.py) takes the same steps with
+    ``eps=1e-7`` where it is given 0."""
     ws, moms = [p.copy() for p in params], [np.zeros_like(p) for p in params]
     for lr, gs in zip(lrs, grads):
         for i, g in enumerate(gs):
@@ -69,6 +72,44 @@ def nvidia_mxnet_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[flo
                     local = lr * eta * wn / (gn + wd_i * wn + eps)
             moms[i] = m * moms[i] - local * wd_i * w - local * g
             ws[i] = w + moms[i]
+    return ws
+
+
+def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *,
+                              adapt, decay, dtypes: Sequence[str], aggregate_num: int, wd: float,
+                              momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
+    """The same update as MXNet runs it: ``Updater.__call__`` (apache/mxnet,
+    python/mxnet/optimizer/optimizer.py, with aggregation) groups a step's params by
+    ``dtypes``, in the order each dtype first appears, and calls the optimizer on
+    ``aggregate_num`` params at a time; each call is one ``SGDwFASTLARS._update_impl``,
+    whose ``_get_lrs`` sets ``last_lr`` to the previous call's ``cur_lr`` (the first call
+    of all: to this one's) before ``cur_lr`` takes the step's rate, and whose momentum is
+    ``m * cur_lr / last_lr``. The first call of a step sees the rate change; the others
+    see their own step's rate twice and take plain ``m`` on the lr-scaled buffer."""
+    ws, moms = [p.copy() for p in params], [np.zeros_like(p) for p in params]
+    by_dtype: dict[str, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        by_dtype.setdefault(dtype, []).append(i)
+    calls = [ids[k:k + aggregate_num] for ids in by_dtype.values()
+             for k in range(0, len(ids), aggregate_num)]
+    last_lr = cur_lr = None
+    for lr, gs in zip(lrs, grads):
+        for call in calls:
+            if cur_lr is not None:
+                last_lr = cur_lr
+            if cur_lr is None:
+                last_lr = lr
+            cur_lr = lr
+            m = momentum * cur_lr / last_lr
+            for i in call:
+                w, g, wd_i = ws[i], gs[i], wd if decay[i] else 0.0
+                local = lr
+                if adapt[i]:
+                    wn, gn = _norm(w), _norm(g)
+                    if wn > 0 and gn > 0:
+                        local = lr * eta * wn / (gn + wd_i * wn + eps)
+                moms[i] = m * moms[i] - local * wd_i * w - local * g
+                ws[i] = w + moms[i]
     return ws
 
 

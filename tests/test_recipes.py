@@ -286,7 +286,8 @@ def test_the_fashion_recipes_carry_the_studys_choices():
 
 def test_nvidia_split_decays_the_fc_bias_without_the_trust_ratio():
     """decay_exclude='nvidia' (NVIDIA's MLPerf LARS, common/fit.py set_wd_mult and
-    _get_lars): weights adapted and decayed, batch norm neither, the fc bias decayed only."""
+    _get_lars): weights adapted and decayed, batch norm neither, the fc bias decayed only;
+    batch norm, outside MXNet's first update call, keeps the rate in its buffer."""
 
     from largebatch.recipes.build import decay_groups
 
@@ -294,7 +295,8 @@ def test_nvidia_split_decays_the_fc_bias_without_the_trust_ratio():
     adapted, excluded, decayed = decay_groups(model, 5e-5, "nvidia")
     conv, bn, fc = model[0], model[1], model[3]
     assert adapted == {"params": [conv.weight, fc.weight], "weight_decay": 5e-5}
-    assert excluded == {"params": [bn.weight, bn.bias], "weight_decay": 0.0, "trust_ratio": False}
+    assert excluded == {"params": [bn.weight, bn.bias], "weight_decay": 0.0, "trust_ratio": False,
+                        "lr_in_momentum": True}
     assert decayed == {"params": [fc.bias], "weight_decay": 5e-5, "trust_ratio": False}
 
 

@@ -202,6 +202,102 @@ def test_without_the_sources_keyword_the_update_differs(data, source, default):
     assert worst > 1e-3
 
 
+def test_mlperf_tf_keywords_reproduce_the_tf1_copy_and_eps_1e7_its_tf2_variant(data):
+    """The row's keywords (eps=0) take the steps of the TF1 reference, which uses eps as
+    given; its TF2 copy replaces a zero eps by Keras's 1e-7, whose steps eps=1e-7 takes."""
+    params, grads = data
+    adapt, decay = flags("mlperf-tf")
+
+    def tf(eps: float) -> list[np.ndarray]:
+        return ports.mlperf_tf_lars(params, grads, LRS, adapt=adapt, decay=decay,
+                                    wd=WD["lars"], momentum=MOMENTUM, eps=eps)
+
+    def ours(eps: float) -> list[np.ndarray]:
+        return run_spec("lars", params, grads, [{**h, "eps": eps} for h in hypers("mlperf-tf")],
+                        LRS, None).params
+
+    assert "tensorflow/official/resnet/mlperf_lars_optimizer.py" in SOURCES["mlperf-tf"].where
+    assert source_keywords("mlperf-tf")["eps"] == 0.0
+    assert_close(ours(0.0), tf(0.0), params)
+    assert_close(ours(1e-7), tf(1e-7), params)
+    with pytest.raises(AssertionError):  # the two copies are told apart at this tolerance
+        assert_close(ours(0.0), tf(1e-7), params)
+
+
+def _nvidia_model() -> torch.nn.Module:
+    """Conv, BN, conv, BN, then a classifier with a bias: MXNet's fp16 list (the convs and
+    the classifier) and fp32 list (the batch norms) interleave in this order."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, bias=False), nn.BatchNorm2d(3),
+                         nn.Conv2d(3, 2, 1, bias=False), nn.BatchNorm2d(2), nn.Flatten(),
+                         nn.Linear(2, 4))
+
+
+@pytest.mark.parametrize("aggregate_num", [2, 3, 54])
+@pytest.mark.parametrize("path", ["single_tensor", "foreach"])
+def test_the_nvidia_groups_take_mxnets_first_call_momentum_correction(aggregate_num, path):
+    """The NVIDIA recipes' groups (``decay_exclude="nvidia"``) take the steps of NVIDIA's
+    MXNet LARS called as MXNet's Updater calls it, ``aggregate_num`` params a call: the
+    momentum correction only in the first call of each step. 2 leaves a conv weight and
+    the classifier's weight out of it, 3 the classifier's bias, 54 (NVIDIA's) none of the
+    fp16 params; the batch norms are never in it."""
+    from largebatch.recipes.build import decay_groups, mxnet_first_update
+    from largebatch.torch import LARS
+
+    model = _nvidia_model().double()
+    named = list(model.named_parameters())
+    rng = np.random.default_rng(1)
+    start = [rng.standard_normal(p.shape) * 0.5 for _, p in named]
+    grads = [[rng.standard_normal(p.shape) * 0.05 for _, p in named] for _ in range(STEPS)]
+    with torch.no_grad():
+        for (_, p), value in zip(named, start):
+            p.copy_(torch.from_numpy(value))
+    is_bn = [name[0] in "13" for name, _ in named]
+    is_fc_bias = [name == "5.bias" for name, _ in named]
+    expected = ports.nvidia_mxnet_lars_chunked(
+        start, grads, LRS, adapt=[not (b or f) for b, f in zip(is_bn, is_fc_bias)],
+        decay=[not b for b in is_bn], dtypes=["float32" if b else "float16" for b in is_bn],
+        aggregate_num=aggregate_num, wd=WD["lars"], momentum=MOMENTUM)
+    first = {id(p) for p in mxnet_first_update(model, aggregate_num)}
+    assert [id(p) in first for _, p in named] == {
+        2: [True, False, False, True, False, False, False, False],
+        3: [True, False, False, True, False, False, True, False],
+        54: [True, False, False, True, False, False, True, True]}[aggregate_num]
+    groups = decay_groups(model, WD["lars"], "nvidia", aggregate_num=aggregate_num)
+    keywords = {**source_keywords("nvidia-mxnet"), "momentum": MOMENTUM}
+    opt = LARS(groups, lr=LRS[0], **keywords, **TORCH_PATHS[path])
+    params = [p for _, p in named]
+    drive(opt, params, grads, LRS)
+    got = [p.detach().numpy() for p in params]
+    assert_close(got, expected, start)
+    # Every group corrected (the source's keywords alone) is another run.
+    uniform = [{**g, "lr_in_momentum": False} for g in groups]
+    with torch.no_grad():
+        for p, value in zip(params, start):
+            p.copy_(torch.from_numpy(value))
+    drive(LARS(uniform, lr=LRS[0], **keywords, **TORCH_PATHS[path]), params, grads, LRS)
+    with pytest.raises(AssertionError):
+        assert_close([p.detach().numpy() for p in params], expected, start)
+
+
+def test_resnet50s_first_mxnet_call_is_the_54_params_lars_adapts():
+    """With NVIDIA's aggregation of 54, ResNet-50's first update call holds its 53 conv
+    weights and the fc weight, which the recipes' first group adapts and corrects; the
+    batch norms and the fc bias take lr_in_momentum=True."""
+    from largebatch.recipes.build import build_model, decay_groups, mxnet_first_update
+
+    model = build_model("resnet50", 1000)
+    first = mxnet_first_update(model)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.ndim > 1]
+    assert len(first) == 54 and [id(p) for p in first] == [id(p) for p in weights]
+    groups = decay_groups(model, 2.5e-5, "nvidia")
+    assert [(len(g["params"]), g.get("trust_ratio", True), g["weight_decay"],
+             g.get("lr_in_momentum")) for g in groups] == [
+        (54, True, 2.5e-5, None), (106, False, 0.0, True), (1, False, 2.5e-5, True)]
+
+
 def test_every_source_is_ported_or_says_why_not():
     # optax's own lamb is run against ours in test_jax_conventions.
     assert set(SOURCES) - set(PORTS) == {"optax-lamb"}

@@ -48,11 +48,13 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
     Source(
         "mlperf-tf", "lars",
         {"trust_coefficient": 0.001, "eps": 0.0, "lr_in_momentum": True},
-        "mlcommons/training, image_classification/tensorflow2/lars_optimizer.py, "
-        "LARSOptimizer._resource_apply_dense (and compute_lr)",
+        "mlcommons/training, image_classification/tensorflow/official/resnet/"
+        "mlperf_lars_optimizer.py, MLPERF_LARSOptimizer.compute_lr and "
+        "_resource_apply_dense (the TF1 reference, eps as given)",
         _PARAM_GROUPS + " (its skip list: batch_normalization, bias, bn)",
-        "its TF2 copy turns eps=0 into Keras's default 1e-7 (pass eps=1e-7 for that copy); "
-        "the TF1 copy uses eps as given"),
+        "the variant image_classification/tensorflow2/lars_optimizer.py, LARSOptimizer, "
+        "turns eps=0 into Keras's default 1e-7 (epsilon or backend_config.epsilon()): pass "
+        "eps=1e-7 for it"),
     Source(
         "nvidia-mxnet", "lars",
         {"trust_coefficient": 0.001, "eps": 0.0, "lr_in_momentum": False},
@@ -60,10 +62,12 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
         "common/fit.py, SGDwFASTLARS._update_impl, with MXNet's multi_lars and "
         "lars_multi_mp_sgd_mom_update kernels (momentum times lr_t / lr_t-1)",
         "LARS on every weight; BN gamma/beta neither adapted nor decayed; the classifier's "
-        "bias decayed without LARS (largebatch recipes: decay_exclude='nvidia')",
-        "the norms are of the fp16 weights, not the fp32 masters; the momentum correction "
-        "reaches only the first chunk of 54 params of each update call (an artefact of "
-        "MXNet's aggregation); one update before the first step, on zero gradients"),
+        "bias decayed without LARS; the momentum correction only in the first of MXNet's "
+        "update calls of a step (the fp16 params, 54 a call: ResNet-50's conv and fc "
+        "weights), the other params lr_in_momentum=True (largebatch recipes: "
+        "decay_exclude='nvidia', recipes.build.mxnet_first_update)",
+        "the norms are of the fp16 weights, not the fp32 masters; one update before the "
+        "first step, on zero gradients"),
     Source(
         "apex-larc", "lars",
         {"trust_coefficient": 0.02, "eps": 1e-8, "trust_clip": True, "zero_norm_skip": True,

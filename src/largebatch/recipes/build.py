@@ -13,16 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from largebatch import checks
 from largebatch.mixed_precision.torch import NORM_LAYERS
 from largebatch.recipes import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
-__all__ = ["DTYPES", "build_loss", "build_model", "build_optimizer", "build_schedule",
-           "decay_groups", "setup_options"]
+__all__ = ["DTYPES", "MXNET_AGGREGATION", "build_loss", "build_model", "build_optimizer",
+           "build_schedule", "decay_groups", "mxnet_first_update", "setup_options"]
 
 # ``--precision`` -> the dtype of the model's params and inputs.
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# MXNET_OPTIMIZER_AGGREGATION_SIZE of NVIDIA's MLPerf v0.7 ResNet-50 runs (every
+# config_*.sh of training_results_v0.7's NVIDIA/benchmarks/resnet/implementations/mxnet):
+# how many params one optimizer call of MXNet's Updater takes.
+MXNET_AGGREGATION = 54
 
 _MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
            "fmnist_cnn": models.fmnist_cnn, "fmnist_alexnet_bn": models.fmnist_alexnet_bn,
@@ -76,28 +82,65 @@ def setup_options(recipe: Recipe, world: int) -> dict[str, Any]:
     return {"max_grad_norm": None if world > 1 else recipe.clip_per_process}
 
 
-def decay_groups(model: nn.Module, weight_decay: float, exclude: str) -> list[dict[str, Any]]:
+def decay_groups(model: nn.Module, weight_decay: float, exclude: str,
+                 aggregate_num: int = MXNET_AGGREGATION) -> list[dict[str, Any]]:
     """``param_groups(model, weight_decay, ...)`` with the recipe's exclusion: ``"bn_bias"``
     (normalisation params and every bias: ``param_groups``' default), ``"bn"`` (only the
     normalisation layers' scale and shift; other biases are decayed and adapted),
-    ``"none"`` (nothing excluded) or ``"nvidia"`` (as ``"bn_bias"``, but the biases of the
-    fully connected layers decayed without the trust ratio, a third group)."""
+    ``"none"`` (nothing excluded) or ``"nvidia"``: NVIDIA's MLPerf MXNet LARS, as
+    ``"bn_bias"`` but the biases of the fully connected layers decayed without the trust
+    ratio (a third group), and each group split in two by :func:`mxnet_first_update`
+    (``aggregate_num`` params a call): its params in the first update call keep the
+    optimizer's ``lr_in_momentum`` (the recipes': False, the corrected momentum), the others
+    take ``lr_in_momentum=True`` (the buffer keeps the rate: no correction), empty parts
+    left out."""
+    norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
+            for p in m.parameters(recurse=False)}
     if exclude == "bn_bias":
         return param_groups(model, weight_decay)
     if exclude == "none":
         return param_groups(model, weight_decay, exclude=lambda name, p: False)
     if exclude == "bn":
-        norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
-                for p in m.parameters(recurse=False)}
         return param_groups(model, weight_decay, exclude=lambda name, p: id(p) in norm)
     if exclude == "nvidia":  # NVIDIA's MLPerf LARS: the fc biases decayed, not adapted
         fc_bias = {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
         adapted, excluded = param_groups(model, weight_decay)
         decayed = [p for p in excluded["params"] if id(p) in fc_bias]
         excluded["params"] = [p for p in excluded["params"] if id(p) not in fc_bias]
-        return [adapted, excluded,
-                {"params": decayed, "weight_decay": weight_decay, "trust_ratio": False}]
+        groups = [adapted, excluded,
+                  {"params": decayed, "weight_decay": weight_decay, "trust_ratio": False}]
+        first = {id(p) for p in mxnet_first_update(model, aggregate_num)}
+        split = []
+        for group in groups:
+            split.append({**group, "params": [p for p in group["params"] if id(p) in first]})
+            split.append({**group, "params": [p for p in group["params"] if id(p) not in first],
+                          "lr_in_momentum": True})
+        return [g for g in split if g["params"]]
     raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn, none or nvidia)")
+
+
+def mxnet_first_update(model: nn.Module, aggregate_num: int = MXNET_AGGREGATION) -> list[nn.Parameter]:
+    """The params that NVIDIA's MLPerf MXNet LARS updates in the first optimizer call of
+    each step, the only ones its momentum correction reaches.
+
+    MXNet's ``Updater.__call__`` (python/mxnet/optimizer/optimizer.py, with aggregation)
+    splits a step's params by dtype, in the order each dtype first appears, and hands each
+    dtype's list to the optimizer ``aggregate_num`` params a call. ``SGDwFASTLARS._update_impl``
+    (training_results_v0.7, NVIDIA/benchmarks/resnet/implementations/mxnet/common/fit.py)
+    runs ``_get_lrs`` on every call, which moves ``last_lr`` up to ``cur_lr``: the momentum
+    ``m * cur_lr / last_lr`` is corrected in the first call and plain ``m`` in the others.
+    NVIDIA trains in fp16, where MXNet keeps the normalisation layers' scale and shift in
+    fp32: the dtypes here are those, whatever the model's own. For ResNet-50 the first
+    call is the 53 conv weights and the fc weight (``aggregate_num`` 54), the params LARS
+    adapts; the fc bias and the batch norms' 106 params take plain momentum."""
+    checks.integer("aggregate_num", aggregate_num, 1)
+    norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
+            for p in m.parameters(recurse=False)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        return []
+    first_kind = id(trainable[0]) in norm
+    return [p for p in trainable if (id(p) in norm) == first_kind][:aggregate_num]
 
 
 def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, n_train: int, batch: int,
