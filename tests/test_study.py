@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import math
+import statistics
 import shutil
 import subprocess
 import sys
@@ -292,12 +293,17 @@ def test_summary_reports_mean_std_delta_and_steps_to_target():
     assert rows[128, "sgd"]["accuracy_mean"] == pytest.approx(0.91)
     assert rows[128, "sgd"]["accuracy_std"] == pytest.approx(math.sqrt(2) * 0.01)
     assert rows[3072, "lars"]["delta_vs_baseline"] == pytest.approx(-0.0075)
+    # The difference's own standard error, from both rows' seeds: not either row's spread.
+    se = math.sqrt(statistics.variance([0.905, 0.90]) / 2 + statistics.variance([0.90, 0.92]) / 2)
+    assert rows[3072, "lars"]["delta_vs_baseline_se"] == pytest.approx(se)
+    assert rows[128, "sgd"]["delta_vs_baseline_se"] is None
     assert rows[128, "sgd"]["steps_to_target"] == [30, 30]
     assert rows[3072, "lars"]["steps_to_target"] == [30, 30]
     assert rows[3072, "sgd"]["steps_to_target"] == [None, None]
     text = study.study_markdown(summary)
     assert "| 3,072 | 65,596 | lars | 3 | 30 |" in text
-    assert "90.25 ± 0.35 (2) | -0.75 | 30 |" in text
+    assert f"90.25 ± 0.35 (2) | -0.75 ± {100 * se:.2f} | 30 |" in text
+    assert "91.00 ± 1.41 (2) | +0.00 | 30 |" in text
     assert "not reached" in text
     assert "Run time: 6 runs, 3.5 h of training" in text
 
@@ -321,14 +327,16 @@ def test_compare_puts_each_model_against_its_own_baseline_and_tuned_sgd():
     # Exactly half a point below the baseline is within the 32K-equivalent tolerance; the
     # difference to SGD carries the standard error of the two means.
     se_lars, se_lamb = (100 * math.sqrt(0.003 ** 2 / 2 + std ** 2 / 3) for std in (0.001, 0.004))
+    se_base = 100 * math.sqrt(0.002 ** 2 / 3 + 0.004 ** 2 / 3)
     assert lines[2] == (
         "| fmnist_cnn | 1,536 (32,798) | 92.00 ± 0.20 | 91.50 ± 0.30 | 91.40 ± 0.10 | "
-        f"91.50 ± 0.40 | -0.50 (lamb, within 0.5) | -0.10 ± {se_lars:.2f} "
+        f"91.50 ± 0.40 | -0.50 ± {se_base:.2f} (lamb, within 0.5) | -0.10 ± {se_lars:.2f} "
         f"| +0.00 ± {se_lamb:.2f} | 12.0x (lars) |")
     # A missing optimizer is a dash, 1.11 points is beyond the 64K-equivalent's one, and a
     # row of one seed has no spread to give a standard error.
+    se_far = 100 * math.sqrt(0.002 ** 2 / 3 + 0.001 ** 2 / 3)
     assert lines[3] == ("| fmnist_cnn | 3,072 (65,596) | 92.00 ± 0.20 | 90.00 | 90.89 ± 0.10 | - | "
-                        "-1.11 (lars, beyond 1.0) | +0.89 | - | - |")
+                        f"-1.11 ± {se_far:.2f} (lars, beyond 1.0) | +0.89 | - | - |")
     assert len(lines) == 4 + 1 + 4  # a model with only its baseline has no batch to compare
     assert lines[-2:] == ["| fmnist_cnn | 10 | 1.5 |", "| small_resnet | 2 | 0.1 |"]
 
@@ -766,6 +774,28 @@ def test_a_recorded_study_reports_what_is_committed(tmp_path, monkeypatch, folde
         (recorded / "study.json").read_text())
     if not with_settings:
         assert not (tmp_path / study.SETTINGS).exists()
+
+
+def test_the_docs_state_each_difference_to_the_baseline_with_its_own_standard_error():
+    """docs/choosing.md's table and the README's summary give each headline row's
+    difference to the baseline as the report has it: the difference of the shown means ±
+    the standard error of that difference (not the row's seed spread)."""
+    root = Path(__file__).parents[1]
+    summary = json.loads((root / "docs" / "study" / "headline" / "study.json").read_text())
+    rows = {(r["batch"], r["optimizer"]): r for r in summary["rows"]}
+
+    def stated(batch: int, optimizer: str) -> str:
+        row = rows[batch, optimizer]
+        return f"{100 * row['delta_vs_baseline']:+.2f} ± {100 * row['delta_vs_baseline_se']:.2f}"
+
+    choosing = (root / "docs" / "choosing.md").read_text()
+    for batch, label in ((1536, "32K (B = 1,536)"), (3072, "64K (B = 3,072)")):
+        assert (f"| {label} | {stated(batch, 'lamb')} | {stated(batch, 'sgd')} | "
+                f"{stated(batch, 'lars')} |") in choosing
+    readme = " ".join((root / "README.md").read_text().split())
+    for batch in (1536, 3072):
+        for optimizer in ("lamb", "sgd", "lars"):
+            assert stated(batch, optimizer) in readme, (batch, optimizer)
 
 
 def test_the_model_families_table_in_the_docs_is_compare_of_its_folders():

@@ -91,9 +91,13 @@ def _row(batch: int, optimizer: str, tune: list[Any], final: list[Any],
 
 def _compare(rows: list[dict[str, Any]], base: dict[str, Any] | None, target: float | None) -> None:
     """Each row's difference to ``base`` (of the means as shown: two decimals of a
-    percent), its runs' steps to ``target``, and how many times fewer than ``base``'s."""
+    percent) and that difference's standard error (:func:`_standard_error`; None for
+    ``base`` itself), its runs' steps to ``target``, and how many times fewer than
+    ``base``'s."""
     for row in rows:
         row["delta_vs_baseline"] = None if base is None else _points(row, base) / 100
+        row["delta_vs_baseline_se"] = (None if base is None or row is base
+                                       else _standard_error(row, base))
         row["steps_to_target"] = [steps_to(c, target) for c in row["curves"]] if target is not None else []
     base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None
     for row in rows:
@@ -147,12 +151,14 @@ def _table(rows: list[dict[str, Any]], reach: str) -> list[str]:
     """The results table's lines: one per pair's row."""
     lines = [
         "| batch | ImageNet-eq. | optimizer | epochs | steps | peak lr | warmup (epochs) "
-        f"| label smoothing, decay | test acc. (mean ± std, seeds) | vs baseline "
+        f"| label smoothing, decay | test acc. (mean ± std, seeds) | vs baseline (± s.e.) "
         f"| steps to {reach} | fewer steps than baseline |",
         "|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
         delta = "-" if r["delta_vs_baseline"] is None else f"{100 * r['delta_vs_baseline']:+.2f}"
+        if r["delta_vs_baseline"] is not None and r.get("delta_vs_baseline_se") is not None:
+            delta += f" ± {100 * r['delta_vs_baseline_se']:.2f}"
         div = f", {r['diverged']} diverged" if r["diverged"] else ""
         lines.append(
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
@@ -251,29 +257,38 @@ def _cell(row: dict[str, Any] | None) -> str:
     return "-" if row is None else _mean_std(row)
 
 
+def _standard_error(row: dict[str, Any], other: dict[str, Any]) -> float | None:
+    """The standard error of ``row``'s mean minus ``other``'s, from each row's seeds
+    (independent runs: ``sqrt(s1^2 / n1 + s2^2 / n2)``); None where a row has one seed,
+    which has no spread to go by."""
+    if min(row["seeds"], other["seeds"]) < 2:
+        return None
+    return math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
+                     + other["accuracy_std"] ** 2 / other["seeds"])
+
+
 def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str:
     """``row``'s mean minus ``other``'s (of the means as shown), ± the standard error of that
-    difference from the two rows' seeds (when each has two or more)."""
+    difference (:func:`_standard_error`, where both rows have two seeds or more)."""
     if row is None or other is None:
         return "-"
-    delta = _points(row, other)
-    if min(row["seeds"], other["seeds"]) < 2:
-        return f"{delta:+.2f}"  # one seed has no spread to go by
-    error = 100 * math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
-                            + other["accuracy_std"] ** 2 / other["seeds"])
-    return f"{delta:+.2f} ± {error:.2f}"
+    error = _standard_error(row, other)
+    delta = f"{_points(row, other):+.2f}"
+    return delta if error is None else f"{delta} ± {100 * error:.2f}"
 
 
 def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
                       tolerance: float | None) -> str:
-    """The best row's difference to ``base``, and whether it is within ``tolerance``."""
+    """The best row's difference to ``base`` ± its standard error, and whether it is within
+    ``tolerance`` by the one rule of every table: the difference of the means as shown
+    (two decimals) at least ``-tolerance``."""
     if not rows or base is None:
         return "-"
     best = max(rows, key=lambda r: r["accuracy_mean"])
     delta = _points(best, base)
     verdict = "" if tolerance is None else (
         f", {'within' if delta >= -100 * tolerance - 1e-9 else 'beyond'} {100 * tolerance:.1f}")
-    return f"{delta:+.2f} ({best['optimizer']}{verdict})"
+    return f"{_difference(best, base)} ({best['optimizer']}{verdict})"
 
 
 def _pct(value: float | None) -> str:
