@@ -63,16 +63,22 @@ def nvidia_mxnet_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[flo
     momentum correction. Decay per param (``wd_i``) apart from LARS: the fc bias."""
     ws, moms = [p.copy() for p in params], [np.zeros_like(p) for p in params]
     for lr, m, gs in zip(lrs, _corrected(momentum, lrs), grads):
-        for i, g in enumerate(gs):
-            w, wd_i = ws[i], wd if decay[i] else 0.0
-            local = lr
-            if adapt[i]:
-                wn, gn = _norm(w), _norm(g)
-                if wn > 0 and gn > 0:
-                    local = lr * eta * wn / (gn + wd_i * wn + eps)
-            moms[i] = m * moms[i] - local * wd_i * w - local * g
-            ws[i] = w + moms[i]
+        for i in range(len(gs)):
+            _mxnet_lars_update(ws, moms, gs, i, lr, m, adapt[i], wd if decay[i] else 0.0, eta, eps)
     return ws
+
+
+def _mxnet_lars_update(ws: Arrays, moms: Arrays, gs: Arrays, i: int, lr: float, m: float,
+                       adapt: bool, wd_i: float, eta: float, eps: float) -> None:
+    """One param's update by multi_lars and lars_multi_mp_sgd_mom_update, in place."""
+    w, g = ws[i], gs[i]
+    local = lr
+    if adapt:
+        wn, gn = _norm(w), _norm(g)
+        if wn > 0 and gn > 0:
+            local = lr * eta * wn / (gn + wd_i * wn + eps)
+    moms[i] = m * moms[i] - local * wd_i * w - local * g
+    ws[i] = w + moms[i]
 
 
 def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *,
@@ -102,14 +108,8 @@ def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequ
             cur_lr = lr
             m = momentum * cur_lr / last_lr
             for i in call:
-                w, g, wd_i = ws[i], gs[i], wd if decay[i] else 0.0
-                local = lr
-                if adapt[i]:
-                    wn, gn = _norm(w), _norm(g)
-                    if wn > 0 and gn > 0:
-                        local = lr * eta * wn / (gn + wd_i * wn + eps)
-                moms[i] = m * moms[i] - local * wd_i * w - local * g
-                ws[i] = w + moms[i]
+                _mxnet_lars_update(ws, moms, gs, i, lr, m, adapt[i], wd if decay[i] else 0.0,
+                                   eta, eps)
     return ws
 
 

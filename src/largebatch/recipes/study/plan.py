@@ -221,14 +221,6 @@ def _check(cfg: StudyConfig) -> None:
     if not 0 <= cfg.label_smoothing < 1:
         raise ValueError(f"Invalid label_smoothing: {cfg.label_smoothing} (must be in [0, 1))")
     checks.number("power", cfg.power, 0.0)
-    for name in ("small_warmups", "large_warmups"):
-        values = getattr(cfg, name)
-        if not values or any(not (math.isfinite(w) and w >= 0) for w in values):
-            raise ValueError(f"Invalid {name}: {values} (epochs, each finite and >= 0)")
-    if cfg.extend < 0:
-        raise ValueError(f"Invalid extend: {cfg.extend} (must be >= 0)")
-    if cfg.target is not None and not 0 < cfg.target <= 1:
-        raise ValueError(f"Invalid target: {cfg.target} (an accuracy in (0, 1])")
     checks.choice("device", cfg.device, ("cpu", "cuda"))
     checks.choice("model", cfg.model, STUDY_MODELS)
     if cfg.time_to_accuracy not in (True, False):
