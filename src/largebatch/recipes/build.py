@@ -94,13 +94,12 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: str,
     optimizer's ``lr_in_momentum`` (the recipes': False, the corrected momentum), the others
     take ``lr_in_momentum=True`` (the buffer keeps the rate: no correction), empty parts
     left out."""
-    norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
-            for p in m.parameters(recurse=False)}
     if exclude == "bn_bias":
         return param_groups(model, weight_decay)
     if exclude == "none":
         return param_groups(model, weight_decay, exclude=lambda name, p: False)
     if exclude == "bn":
+        norm = _norm_params(model)
         return param_groups(model, weight_decay, exclude=lambda name, p: id(p) in norm)
     if exclude == "nvidia":  # NVIDIA's MLPerf LARS: the fc biases decayed, not adapted
         fc_bias = {id(m.bias) for m in model.modules() if isinstance(m, nn.Linear) and m.bias is not None}
@@ -134,13 +133,18 @@ def mxnet_first_update(model: nn.Module, aggregate_num: int = MXNET_AGGREGATION)
     call is the 53 conv weights and the fc weight (``aggregate_num`` 54), the params LARS
     adapts; the fc bias and the batch norms' 106 params take plain momentum."""
     checks.integer("aggregate_num", aggregate_num, 1)
-    norm = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
-            for p in m.parameters(recurse=False)}
+    norm = _norm_params(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         return []
     first_kind = id(trainable[0]) in norm
     return [p for p in trainable if (id(p) in norm) == first_kind][:aggregate_num]
+
+
+def _norm_params(model: nn.Module) -> set[int]:
+    """The ids of the normalisation layers' own params (scale and shift)."""
+    return {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
+            for p in m.parameters(recurse=False)}
 
 
 def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, n_train: int, batch: int,

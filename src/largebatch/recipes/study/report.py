@@ -156,9 +156,8 @@ def _table(rows: list[dict[str, Any]], reach: str) -> list[str]:
         "|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        delta = "-" if r["delta_vs_baseline"] is None else f"{100 * r['delta_vs_baseline']:+.2f}"
-        if r["delta_vs_baseline"] is not None and r.get("delta_vs_baseline_se") is not None:
-            delta += f" ± {100 * r['delta_vs_baseline_se']:.2f}"
+        delta = "-" if r["delta_vs_baseline"] is None else _shown(
+            100 * r["delta_vs_baseline"], r.get("delta_vs_baseline_se"))
         div = f", {r['diverged']} diverged" if r["diverged"] else ""
         lines.append(
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
@@ -272,9 +271,12 @@ def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str
     difference (:func:`_standard_error`, where both rows have two seeds or more)."""
     if row is None or other is None:
         return "-"
-    error = _standard_error(row, other)
-    delta = f"{_points(row, other):+.2f}"
-    return delta if error is None else f"{delta} ± {100 * error:.2f}"
+    return _shown(_points(row, other), _standard_error(row, other))
+
+
+def _shown(points: float, error: float | None) -> str:
+    """A difference in ``points``, ± its standard ``error`` (a fraction) where there is one."""
+    return f"{points:+.2f}" if error is None else f"{points:+.2f} ± {100 * error:.2f}"
 
 
 def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
