@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from devices import FUSED_DEVICES, HostSyncs
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 from largebatch.lars.kernels import FusedGroup, fused_lamb_step_, fused_lars_step_
 from largebatch.lars.kernels import plan as kplan
 from largebatch.torch import LAMB, LARS
@@ -53,7 +54,7 @@ def _group(kind: str, device: str, dtype: torch.dtype, masters: bool) -> FusedGr
         masters=[p.float() for p in params] if masters else None,
         state={k: [torch.zeros_like(p, dtype=math) for p in params] for k in names},
         steps=[torch.zeros((), device=device) for _ in params],
-        lr=torch.tensor(0.1, device=device), hyper={},
+        lr=torch.tensor(0.1, device=device), hyper=(LARS_SPEC if kind == "lars" else LAMB_SPEC).make({}),
     )
 
 

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from largebatch.lars.torch import _paths
+from largebatch.lars.spec import LARS_SPEC
+from largebatch.lars.torch import _compiled
+from largebatch.lars.torch._group import GroupStep
 from largebatch.lars.torch import COMPILE_MIN_NUMEL
 from largebatch.torch import LAMB, LARS
 from cases import CASES, SHAPES, make_problem, run_torch
@@ -26,7 +28,7 @@ from cases import CASES, SHAPES, make_problem, run_torch
                          ids=lambda c: c.id)
 def test_compiled_path_takes_every_tensor_of_two_or_more_elements(case, compiled_calls):
     """The compiled body runs for each such tensor and step (its match with the spec is
-    tests/test_reference_paths.py), the size-0 and size-1 ones go through the eager body."""
+    tests/test_reference_compiled.py), the size-0 and size-1 ones go through the eager body."""
     params, grads = make_problem(np.float32)
     run_torch(case, params, grads, dtype=torch.float32, compiled=True)
     n_compiled = sum(1 for s in SHAPES if np.prod(s) >= 2)
@@ -38,9 +40,9 @@ def compiled_calls(monkeypatch):
     """Send every tensor of 2+ elements to the compiled body (by default only tensors of
     COMPILE_MIN_TENSOR+ elements go there, the rest through foreach), and count the
     calls of the compiled bodies."""
-    monkeypatch.setattr(_paths, "COMPILE_MIN_TENSOR", 2)
+    monkeypatch.setattr(_compiled, "COMPILE_MIN_TENSOR", 2)
     calls = []
-    real = _paths.compiled_body
+    real = _compiled.compiled_body
 
     def counting(body, *flags):
         compiled = real(body, *flags)
@@ -51,7 +53,7 @@ def compiled_calls(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(_paths, "compiled_body", counting)
+    monkeypatch.setattr(_compiled, "compiled_body", counting)
     return calls
 
 
@@ -83,10 +85,12 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_call
 
 
 def test_split_sends_small_and_strided_tensors_to_foreach(monkeypatch):
-    monkeypatch.setattr(_paths, "COMPILE_MIN_TENSOR", 100)
+    monkeypatch.setattr(_compiled, "COMPILE_MIN_TENSOR", 100)
     ps = [torch.zeros(100), torch.zeros(99), torch.zeros(10, 20).t(), torch.zeros(300)]
-    large, small = _paths.split_for_compile((ps, list(range(4))))
-    assert large[1] == [0, 3] and small[1] == [1, 2]
+    group = GroupStep(params=ps, grads=list(range(4)), state={}, masters=[None] * 4, steps=[None] * 4,
+                      lr=0.1, hyper=LARS_SPEC.make({}))
+    large, small = _compiled.split_for_compile(group)
+    assert large.grads == [0, 3] and small.grads == [1, 2]
 
 
 def test_compiled_is_the_default_for_large_cpu_models_only():

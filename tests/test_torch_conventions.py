@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from largebatch.lars.torch import _paths
+from largebatch.lars.torch import _compiled
 from cases import TORCH_PATHS, group_hyper, run_spec
 from largebatch.torch import LAMB, LARS, ScheduleLR, param_groups
 
@@ -41,7 +41,7 @@ def _compile_small_tensors(monkeypatch):
     Each structural variant of a body (flags, dtype, master or not) is one compiled graph;
     this table runs more variants in one process than a training run does, so the
     recompile limit is raised for it."""
-    monkeypatch.setattr(_paths, "COMPILE_MIN_TENSOR", 2)
+    monkeypatch.setattr(_compiled, "COMPILE_MIN_TENSOR", 2)
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
 

@@ -9,6 +9,8 @@ compiles the kernels for sm_80 and sm_90, without the interpreter and without a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -91,7 +93,7 @@ def make_group(kind, shapes, dtype, masters, hyper, seed, zero=()):
         state={k: [torch.zeros(p.shape, dtype=state_dtype) for p in params] for k in STATE[kind]},
         steps=[torch.zeros((), dtype=torch.float32) for _ in params],
         lr=torch.tensor(LRS[0], dtype=torch.float32),
-        hyper=dict(hyper),
+        hyper=SPEC[kind].make(hyper),
     )
 
 
@@ -132,7 +134,7 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
     tensor at its group's lr and its own step count: (inputs, outputs), per group."""
     before, hypers, steps = [], [], []
     for g in groups:
-        h = group_hyper(SPEC[kind], g.hyper, override, {"lr": float(g.lr)})
+        h = group_hyper(SPEC[kind], dataclasses.asdict(g.hyper), override, {"lr": float(g.lr)})
         before.append([[x.double().numpy() for x in weights(g)],
                        *([x.double().numpy() for x in g.state[k]] for k in STATE[kind])])
         hypers += [h] * len(g.params)
@@ -445,15 +447,19 @@ def test_views_at_unaligned_offsets(kind):
 
 def test_invalid_inputs_are_named():
     g = two_groups("lars", {})[0]
-    with pytest.raises(ValueError, match=r"Unknown hyperparameters \['betas'\]"):
-        fused_lars_step_([FusedGroup(**{**vars(g), "hyper": {"betas": (0.9, 0.99)}})])
     lamb = two_groups("lamb", {})[0]
-    with pytest.raises(ValueError, match=r"Unknown hyperparameters \['beta1', 'beta2'\]"):
-        fused_lamb_step_([FusedGroup(**{**vars(lamb), "hyper": {"beta1": 0.9, "beta2": 0.99}})])
+    with pytest.raises(TypeError, match="group 0: hyper must be a LarsHyperparams"):
+        fused_lars_step_([FusedGroup(**{**vars(g), "hyper": lamb.hyper})])
+    with pytest.raises(TypeError, match="group 0: hyper must be a LambHyperparams .* got dict"):
+        fused_lamb_step_([FusedGroup(**{**vars(lamb), "hyper": {"betas": (0.9, 0.99)}})])
+    with pytest.raises(TypeError, match=r"LAMB group hyperparameters are .*, not \['beta1', 'beta2'\]"):
+        LAMB_SPEC.make({"beta1": 0.9, "beta2": 0.99})
     with pytest.raises(ValueError, match=r"Invalid group 0 betas\[1\]: 1\.0"):
-        fused_lamb_step_([FusedGroup(**{**vars(lamb), "hyper": {"betas": (0.9, 1.0)}})])
+        LAMB_SPEC.make({"betas": (0.9, 1.0)}, group=0)
     with pytest.raises(ValueError, match="Invalid group 0 momentum: 1.0"):
-        fused_lars_step_([FusedGroup(**{**vars(g), "hyper": {"momentum": 1.0}})])
+        LARS_SPEC.make({"momentum": 1.0}, group=0)
+    with pytest.raises(ValueError, match=r"Invalid momentum: 1.0 \(must be in \[0, 1\)\)"):
+        dataclasses.replace(g.hyper, momentum=1.0)  # made directly: checked as well
     g.grads[2] = g.grads[2].half()
     with pytest.raises(ValueError, match=r"grads\[2\]"):
         fused_lars_step_([g], grad_scale=None, found_inf=None)
@@ -465,8 +471,12 @@ def test_lamb_eps_zero_is_refused_before_anything_changes():
     from largebatch.torch import LAMB
 
     p = torch.nn.Parameter(torch.ones(5))
-    opt = LAMB([p], lr=0.1, eps=0.0, fused=True)
+    refused = r"Invalid group 0 eps: 0 \(the fused LAMB kernels need eps > 0"
+    with pytest.raises(ValueError, match=refused):
+        LAMB([p], lr=0.1, eps=0.0, fused=True)
+    opt = LAMB([p], lr=0.1, fused=True)
+    opt.param_groups[0]["eps"] = 0.0  # changed after the group was added: refused at the step
     p.grad = torch.full((5,), 1e-3)
-    with pytest.raises(ValueError, match=r"Invalid group 0 eps: 0 \(the fused LAMB kernels need eps > 0"):
+    with pytest.raises(ValueError, match=refused):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(5)) and not opt.state[p]

@@ -22,10 +22,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+import functools
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, cast
 
-__all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "UNKNOWN", "as_number"]
+__all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "LarsHyperparams", "LambHyperparams",
+           "UNKNOWN", "as_number"]
 
 
 class _Unknown:
@@ -135,6 +137,7 @@ class OptimizerSpec:
     hypers: tuple[Hyper, ...]
     options: tuple[Hyper, ...]
     state: tuple[str, ...]
+    hyperparams: type[Hyperparams]  # a group's values but lr, typed (below)
     rules: Callable[[Mapping[str, Any]], None] = lambda values: None  # checks across values
 
     @property
@@ -177,6 +180,22 @@ class OptimizerSpec:
         self.rules(out)
         return out
 
+    def make(self, values: Mapping[str, Any], group: int | None = None) -> Hyperparams:
+        """A group's hyperparameters but ``lr`` as this optimizer's typed object:
+        ``values`` (missing ones take their defaults; ``lr``, options and unknown keys are
+        refused) checked once, here; messages name ``group`` where given."""
+        keys = self.group_keys[1:]
+        extra = set(values) - set(keys)
+        if extra:
+            raise TypeError(f"{self.name} group hyperparameters are {list(keys)}, not {sorted(extra)}")
+        values = {**{k: self.defaults[k] for k in keys}, **values}
+        try:
+            return self.hyperparams(**values)
+        except (TypeError, ValueError):
+            if group is not None:  # the same check again, to name the group
+                self.check(values, {k: f"group {group} {k}" for k in keys})
+            raise
+
     def row(self, values: Mapping[str, Any]) -> tuple[float, ...]:
         """A group's numbers in :attr:`columns` order (a flag as 0 or 1, an optional
         one's None as its ``none_as``)."""
@@ -188,6 +207,74 @@ class OptimizerSpec:
             flat.update(zip(h.parts, value) if h.parts else [(h.name, value)])
         return tuple(float(flat[c]) for c in self.columns)
 
+
+
+@dataclass(frozen=True)
+class Hyperparams:
+    """One group's hyperparameters but ``lr`` (which changes every step and travels
+    beside them), typed and frozen: every path of a step reads them from here, and the
+    fused kernels' table row is :attr:`row`. The values are checked against the
+    optimizer's spec once, when the object is made (:meth:`OptimizerSpec.make` fills in
+    the defaults and names the group in messages)."""
+
+    SPEC: ClassVar[OptimizerSpec]
+
+    def __post_init__(self) -> None:
+        checked = self.SPEC.check(asdict(self))
+        for name, value in checked.items():  # normalized: floats, bools, a pair as a tuple
+            object.__setattr__(self, name, value)
+
+    @property
+    def adapts(self) -> bool:
+        """Whether the group takes the trust ratio."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def row(self) -> tuple[float, ...]:
+        """The fused kernels' per-group row (:meth:`OptimizerSpec.row`)."""
+        return self.SPEC.row(asdict(self))
+
+
+@dataclass(frozen=True)
+class LarsHyperparams(Hyperparams):
+    """A LARS group's hyperparameters (``LARS_SPEC``: meaning, defaults, ranges)."""
+
+    momentum: float
+    weight_decay: float
+    trust_coefficient: float
+    eps: float
+    nesterov: bool
+    trust_clip: bool
+    trust_ratio: bool
+    lr_in_momentum: bool
+    zero_norm_skip: bool
+    decayed_norm: bool
+
+    @property
+    def adapts(self) -> bool:
+        """Whether the group takes the trust ratio."""
+        return self.trust_ratio
+
+
+@dataclass(frozen=True)
+class LambHyperparams(Hyperparams):
+    """A LAMB group's hyperparameters (``LAMB_SPEC``: meaning, defaults, ranges)."""
+
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+    trust_ratio: bool
+    adam_w_mode: bool
+    grad_averaging: bool
+    adapt_without_decay: bool
+    freeze_step: int | None
+
+    @property
+    def adapts(self) -> bool:
+        """Whether the group takes the trust ratio: its flag, and its weight decay unless
+        ``adapt_without_decay``."""
+        return self.trust_ratio and (self.adapt_without_decay or self.weight_decay != 0)
 
 
 def _lars_rules(values: Mapping[str, Any]) -> None:
@@ -236,6 +323,7 @@ LARS_SPEC = OptimizerSpec(
     ),
     options=(),
     state=("momentum_buffer",),
+    hyperparams=LarsHyperparams,
     rules=_lars_rules,
 )
 
@@ -264,4 +352,18 @@ LAMB_SPEC = OptimizerSpec(
               optional=True),
     ),
     state=("exp_avg", "exp_avg_sq"),
+    hyperparams=LambHyperparams,
 )
+
+
+def _bind(spec: OptimizerSpec) -> None:
+    """Tie a spec to its typed hyperparameters, whose fields must be its group keys but lr."""
+    spec.hyperparams.SPEC = spec
+    names = tuple(f.name for f in fields(spec.hyperparams))
+    if names != spec.group_keys[1:]:
+        raise AssertionError(f"{spec.hyperparams.__name__}'s fields {names} are not {spec.name}'s "
+                             f"group keys but lr, {spec.group_keys[1:]}")
+
+
+_bind(LARS_SPEC)
+_bind(LAMB_SPEC)

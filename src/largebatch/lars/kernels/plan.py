@@ -6,7 +6,7 @@ launches and the plan cache)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter
@@ -26,7 +26,7 @@ from largebatch.lars.kernels.common import (
 )
 from largebatch.lars.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel
 from largebatch.lars.kernels.lars import _lars_apply_kernel, _lars_norms_kernel
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, OptimizerSpec
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, Hyperparams, LambHyperparams, OptimizerSpec
 
 BLOCK = 1024  # elements a program handles at once (at most)
 TILES = 4  # blocks per program (at most): a chunk is BLOCK * TILES elements
@@ -42,7 +42,7 @@ class FusedGroup:
     state: dict[str, list[torch.Tensor]]
     steps: list[torch.Tensor]
     lr: torch.Tensor
-    hyper: dict
+    hyper: Hyperparams  # LarsHyperparams or LambHyperparams, as the entry point
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -87,35 +87,14 @@ _MAX_PLANS = 8
 # ----------------------------------------------------------------------------- inputs
 
 
-def _hyper_values(spec: OptimizerSpec, hyper: Mapping[str, Any]) -> dict[str, Any]:
-    """A group's hyperparameters by the spec's names (lr apart), defaults for the missing."""
-    names = spec.group_keys[1:]  # lr is FusedGroup.lr
-    unknown = set(hyper) - set(names)
-    if unknown:
-        raise ValueError(f"Unknown hyperparameters {sorted(unknown)}; expected {list(names)}")
-    return {**{k: spec.defaults[k] for k in names}, **hyper}
-
-
-def check_hyper(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> None:
-    """spec.check on a group's values; messages name the group. LAMB's eps must be > 0
-    here: compiled for a GPU, fp32 sqrt and division flush denormals to zero, so a v_hat
-    below 2**-126 would give u = m / 0 = inf where the other paths give a finite u."""
-    values = _hyper_values(spec, hyper)
-    spec.check(values, names={k: f"group {i} {k}" for k in values})
-    if spec.name == "LAMB" and values["eps"] == 0:
+def check_fused(hyper: Hyperparams, i: int) -> None:
+    """What the kernels need of group ``i``'s hyperparameters beyond the spec: LAMB's eps
+    > 0 (compiled for a GPU, fp32 sqrt and division flush denormals to zero, so a v_hat
+    below 2**-126 would give u = m / 0 = inf where the other paths give a finite u)."""
+    if isinstance(hyper, LambHyperparams) and hyper.eps == 0:
         raise ValueError(f"Invalid group {i} eps: 0 (the fused LAMB kernels need eps > 0: on a "
                          "GPU, sqrt(v_hat) of a denormal v_hat flushes to 0; use foreach=True "
                          "for eps=0)")
-
-
-def _hyper_row(spec: OptimizerSpec, i: int, hyper: Mapping[str, Any]) -> tuple[float, ...]:
-    """Group i's row of the fp64 table, in spec.columns order (spec.row)."""
-    values = _hyper_values(spec, hyper)
-    try:
-        return spec.row(values)
-    except (TypeError, ValueError, KeyError):  # a malformed value: let the check name it
-        check_hyper(spec, i, values)
-        raise
 
 
 def _describe(x: torch.Tensor) -> str:
@@ -176,12 +155,15 @@ def _key(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | 
                       None if counter is None else counter.data_ptr()]
     ptr = torch.Tensor.data_ptr
     for i, g in enumerate(groups):
+        if type(g.hyper) is not spec.hyperparams:  # its values were checked when it was made
+            raise TypeError(f"group {i}: hyper must be a {spec.hyperparams.__name__} (e.g. "
+                            f"{spec.name}_SPEC.make({{...}})), got {type(g.hyper).__name__}")
         names = tuple(g.state)
         lists = (g.params, g.grads, g.steps, *(g.state[k] for k in names))
         masters = None if g.masters is None else tuple(
             [None if m is None else m.data_ptr() for m in g.masters])
         key += [
-            (_hyper_row(spec, i, g.hyper), names, tuple(map(len, lists))),
+            (g.hyper, names, tuple(map(len, lists))),
             tuple(map(_DTYPE, g.params)), tuple(map(torch.Tensor.numel, g.params)), masters,
             tuple(map(ptr, chain.from_iterable(lists))),
         ]
@@ -221,7 +203,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     device = groups[0].params[0].device
     for i, g in enumerate(groups):
         _check_group(i, g, spec.state, device)
-        check_hyper(spec, i, g.hyper)
+        check_fused(g.hyper, i)
     if counter is not None:
         _check_scalar("counter", counter, device)
     rows: dict[tuple, list[list[int]]] = {}  # (param dtype, has masters) -> meta rows
@@ -273,7 +255,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             num_warps=_num_warps(block, aligned),
         )))
 
-    hyper = [_hyper_row(spec, i, g.hyper) for i, g in enumerate(groups)]
+    hyper = [g.hyper.row for g in groups]
     # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
     steps = [x.data_ptr() for g in groups for x in g.steps]
     steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))

@@ -30,7 +30,8 @@ from largebatch.lars.torch import _sharded
 from largebatch.lars.torch._common import default_exclude, param_groups
 from largebatch.lars.torch._lamb import LAMB, lamb
 from largebatch.lars.torch._lars import LARS, lars, lars_ratio
-from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL, COMPILE_MIN_TENSOR
+from largebatch.lars.torch._compiled import COMPILE_MIN_TENSOR
+from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL
 
 __all__ = ["LARS", "LAMB", "lars", "lamb", "param_groups", "default_exclude", "trust_ratios",
            "COMPILE_MIN_NUMEL", "COMPILE_MIN_TENSOR"]

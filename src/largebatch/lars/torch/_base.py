@@ -1,8 +1,10 @@
-"""What LARS and LAMB share as ``torch.optim.Optimizer``\\ s: validation from the spec,
-master weights, the GradScaler contract, state dicts and the count of applied steps."""
+"""What LARS and LAMB share as ``torch.optim.Optimizer``\\ s: groups checked once into
+typed hyperparameters, master weights, the GradScaler contract, state dicts, the count of
+applied steps, and the step itself."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -11,8 +13,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from largebatch.lars.spec import OptimizerSpec, as_flag
-from largebatch.lars.torch import _fused, _paths, _sharded
+from largebatch.lars.spec import Hyperparams, OptimizerSpec, as_flag
+from largebatch.lars.torch import _fused, _paths, _sharded, _step
 from largebatch.lars.torch._common import (
     LOW_PRECISION,
     SUPPORTED_DTYPES,
@@ -24,6 +26,7 @@ from largebatch.lars.torch._common import (
     skipped,
     tensors_of,
 )
+from largebatch.lars.torch._group import Bodies, GroupStep
 
 # Chosen by the constructor, kept by load_state_dict: which path runs and whether fp16/bf16
 # params get fp32 masters are settings of this optimizer, not of the checkpoint.
@@ -38,13 +41,14 @@ def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
 
 class LayerwiseOptimizer(Optimizer):
     """The base of :class:`LARS` and :class:`LAMB`. A subclass names its ``spec`` and the
-    bodies of its unfused paths; the path of each group is resolved when the group is
-    added (``_paths.resolve``, in :meth:`add_param_group`) and a step hands every group
-    to ``_paths.run``, the dispatch point that the functionals share."""
+    bodies of its unfused paths. When a group is added its settings are checked and its
+    path resolved (:meth:`add_param_group`); a step turns each group into a
+    :class:`GroupStep` (its hyperparameters made again only where a value changed) and
+    hands them all to ``_step.run``, which the functionals share."""
 
     _step_supports_amp_scaling = True
     spec: OptimizerSpec
-    bodies: dict[str, Callable[..., None]]  # the unfused paths' bodies, by path
+    bodies: Bodies  # the unfused paths
     _extra_state: tuple[str, ...] = ("_applied",)  # pickled with the optimizer
 
     def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
@@ -57,6 +61,7 @@ class LayerwiseOptimizer(Optimizer):
         _sharded.check_not_flat(tensors_of(params))
         paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
         self._applied = torch.zeros((), dtype=torch.float32)
+        self._hyperparams: dict[int, tuple[tuple, Hyperparams]] = {}
         super().__init__(params, {**hyper, "master_weights": master_weights, **paths})
 
     # Validation runs on every group, including those added later, before it is stored
@@ -66,10 +71,12 @@ class LayerwiseOptimizer(Optimizer):
             raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
         param_group = {**param_group, "params": group_params(param_group["params"])}
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        self._validate(merged)
+        hyper = self._validate(merged)
         # The group's path, resolved once: the step reads it back with _paths.pick.
         param_group.update(_paths.resolve(merged["foreach"], merged["fused"], merged["compiled"],
                                           tensors_of([param_group])))
+        if param_group["fused"]:
+            _fused.check(hyper, len(self.param_groups))
         for p in param_group["params"]:
             if isinstance(p, Tensor) and p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
@@ -77,18 +84,32 @@ class LayerwiseOptimizer(Optimizer):
                     f"got a {p.dtype} param of shape {tuple(p.shape)}"
                 )
         super().add_param_group(param_group)
+        stored = self.param_groups[-1]  # its missing keys filled from the defaults
+        values = tuple(stored[k] for k in self.spec.group_keys[1:])
+        self._hyperparams[len(self.param_groups) - 1] = (values, hyper)
 
-    def _validate(self, group: dict[str, Any]) -> None:
-        values = {k: group[k] for k in self.spec.group_keys}
-        self.spec.check({**values, "lr": lr_number(group["lr"])})
+    def _validate(self, group: dict[str, Any]) -> Hyperparams:
+        """Every check of a group's settings; returns its typed hyperparameters."""
+        self.spec.check({"lr": lr_number(group["lr"])})
+        hyper = self.spec.make({k: group[k] for k in self.spec.group_keys[1:]})
         as_flag("master_weights", group["master_weights"])
         check_paths(group["foreach"], group["fused"], group["compiled"])
         if group["fused"] and group["foreach"]:
             raise ValueError("foreach=True and fused=True cannot both be set")
+        return hyper
 
-    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
-        """A group's hyperparameters for the functional, in the spec's names."""
-        return {**{k: group[k] for k in self.spec.group_keys}, "lr": lr_value(group["lr"])}
+    def _group_hyperparams(self, i: int, group: dict[str, Any]) -> Hyperparams:
+        """Group ``i``'s typed hyperparameters: made when the group is first stepped and
+        again only when one of its values changed since (a user or a scheduler may write
+        any group key, as with torch's optimizers), checked then."""
+        values = tuple(group[k] for k in self.spec.group_keys[1:])
+        cached = self._hyperparams.get(i)
+        if cached is None or cached[0] != values:
+            hyper = self.spec.make(dict(zip(self.spec.group_keys[1:], values)))
+            if group["fused"]:
+                _fused.check(hyper, i)
+            cached = self._hyperparams[i] = (values, hyper)
+        return cached[1]
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles defaults, state and groups only: keep the count of applied
@@ -98,6 +119,7 @@ class LayerwiseOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_applied", torch.zeros((), dtype=torch.float32))
+        self.__dict__.setdefault("_hyperparams", {})
         for group in self.param_groups:
             for key in (*self.spec.group_keys, *CONSTRUCTOR_KEYS):
                 group.setdefault(key, self.defaults[key])
@@ -220,12 +242,12 @@ class LayerwiseOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the step
 
-    def _gather(self, group: dict[str, Any]) -> dict[str, list]:
-        """The params of ``group`` that have grads and their state (created lazily), as the
-        lists ``_paths.list_names`` names."""
-        names = _paths.list_names(self.spec)
-        out: dict[str, list] = {name: [] for name in names}
-        state_lists = [out[name] for name in names[2:-2]]
+    def _group_step(self, i: int, group: dict[str, Any], path: str) -> GroupStep:
+        """Group ``i``'s params that have grads, with their state (created here, when a
+        param first has a grad), its lr and its hyperparameters."""
+        out = GroupStep(params=[], grads=[], state={key: [] for key in self.spec.state}, masters=[],
+                        steps=[], lr=lr_value(group["lr"]), hyper=self._group_hyperparams(i, group),
+                        path=path, key=id(group))
         use_masters = group["master_weights"]
         for p in group["params"]:
             if p.grad is None:
@@ -240,11 +262,11 @@ class LayerwiseOptimizer(Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=_step_device(p, group))
                 for key in self.spec.state:
                     state[key] = torch.zeros_like(like, memory_format=torch.preserve_format)
-            out["params"].append(p)
-            out["grads"].append(p.grad)
-            out["masters"].append(master)
-            out["state_steps"].append(state["step"])
-            for key, values in zip(self.spec.state, state_lists):
+            out.params.append(p)
+            out.grads.append(p.grad)
+            out.masters.append(master)
+            out.steps.append(state["step"])
+            for key, values in out.state.items():
                 values.append(state[key])
         return out
 
@@ -272,27 +294,56 @@ class LayerwiseOptimizer(Optimizer):
         fused = "fused" in paths
         if fused and set(paths) != {"fused"}:
             raise ValueError("fused must be the same in every param group")
+        # Every group's hyperparameters, checked where they changed, before any state is made.
+        for i, group in enumerate(self.param_groups):
+            self._group_hyperparams(i, group)
         reducer = _sharded.reducer_for(self._params_with_grads())
         if reducer is not None:  # sharded grads: every rank checked only its own shard
             found_inf = reducer.found_inf(found_inf)
-        if fused:  # the kernels decide the skip on the device, from found_inf
-            for i, group in enumerate(self.param_groups):
-                _fused.check_group(self.spec, i, self._hyper(group))
-        elif skipped(found_inf):  # decided before any state is created or changed
+        if not fused and skipped(found_inf):  # the kernels decide the skip on the device
             return loss
-        work = [_paths.Work(self._gather(g), self._hyper(g), path, key=id(g))
-                for g, path in zip(self.param_groups, paths)]
+        groups = [self._group_step(i, g, path) for i, (g, path) in enumerate(zip(self.param_groups, paths))]
         if fused:
-            self._applied = _paths.run(
-                self.spec, self.bodies, work, grad_scale=grad_scale, found_inf=found_inf,
-                counter=self._applied, fused_options=self._fused_options(work, reducer),
+            self._applied = _step.run(
+                self.bodies, groups, grad_scale=grad_scale, found_inf=found_inf, counter=self._applied,
+                fused_options=self._fused_options(groups, reducer),
                 lr_buffers=self.__dict__.setdefault("_fused_lr", {}),
             )
         else:  # found_inf was read above
-            grads = [g for w in work for g in w.tensors["grads"]]
-            _paths.run(self.spec, self.bodies, work, grad_scale=self._grad_scale(grads, grad_scale),
-                       found_inf=None, counter=self._applied)
+            grads = [g for group in groups for g in group.grads]
+            _step.run(self.bodies, groups, grad_scale=self._grad_scale(grads, grad_scale), found_inf=None,
+                      counter=self._applied)
         return loss
+
+    @torch.no_grad()
+    def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
+        """The trust ratio the next step would apply to each adapted tensor with a grad,
+        in group order, nothing changed: each tensor's update runs on copies of its weight
+        and state, through the same single-tensor code as a step (``grad_scale``: what the
+        grads carry, e.g. the GradScaler scale)."""
+        scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32)
+        divisor = self._grad_scale([p.grad for p in self._params_with_grads() if p.grad is not None], scale)
+        out: list[float] = []
+        for i, group in enumerate(self.param_groups):
+            hyper = self._group_hyperparams(i, group)
+            if not hyper.adapts:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p, {})
+                saved = [state.get("master_param", p), p.grad, *(state.get(k) for k in self.spec.state)]
+                (w, grad, *moments), _ = _sharded.local(tuple([x] for x in saved))  # local blocks
+                trial = GroupStep(
+                    params=[w[0].clone()], grads=grad, masters=[None],
+                    state={k: [torch.zeros_like(w[0]) if x[0] is None else x[0].clone()]
+                           for k, x in zip(self.spec.state, moments)},
+                    steps=[state["step"].clone() if state else torch.zeros(())],
+                    lr=lr_value(group["lr"]), hyper=hyper,
+                )
+                ratio = self.bodies.one_tensor(trial, divisor, functools.partial(_sharded.whole_norm, p))
+                out.append(float(ratio))
+        return out
 
     def _device(self) -> torch.device:
         """Where this optimizer's params live (the first one's device)."""
@@ -309,12 +360,12 @@ class LayerwiseOptimizer(Optimizer):
         """The kernels' reduction hooks (none unless params are sharded)."""
         return {} if reducer is None else reducer.fused_kwargs(self.spec)
 
-    def _fused_options(self, work: list[_paths.Work], reducer: _sharded.Reducer | None) -> dict[str, Any]:
+    def _fused_options(self, groups: list[GroupStep], reducer: _sharded.Reducer | None) -> dict[str, Any]:
         """The kernels' keywords beyond the groups: this optimizer's options and, for
         sharded params, the reductions of their norms."""
         options = {o.name: getattr(self, o.name) for o in self.spec.options}
         reductions = self._fused_reductions(reducer)
-        has_grads = any(w.tensors["params"] for w in work)
+        has_grads = any(g.params for g in groups)
         if not has_grads and options.get("max_grad_norm") is not None and "reduce_global" in reductions:
             # No grads here, but the other ranks' global norm waits for this rank's share.
             reductions["reduce_global"](torch.zeros(1, dtype=torch.float64, device=self._device()))

@@ -3,7 +3,7 @@ and the small tensor helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,14 +106,14 @@ def lr_value(lr: float | Tensor) -> float | Tensor:
 # --------------------------------------------------------------------------- norms
 
 
-def stacked_norms(tensors: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+def stacked_norms(tensors: Sequence[Tensor]) -> Tensor:
     """Per-tensor L2 norms as one vector (fp64 for fp64 tensors, else fp32) that cannot
     overflow for finite inputs: a sum of squares past the fp32 range (||x|| > ~1.8e19) is
     recomputed with fp64 accumulation. The common case costs one fp32 pass."""
     if not tensors:
         return torch.zeros(0)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype))
+    norms = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=dtype))
     if dtype == torch.float32 and not bool(torch.isfinite(norms).all()):
         for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist():
             norms[i] = torch.linalg.vector_norm(tensors[i], 2, dtype=torch.float64)

@@ -1,10 +1,6 @@
-"""The fused path's glue: torch tensors and groups in, one call of the Triton kernels.
-
-One call takes every group of an optimizer, so a step's launch count does not grow with
-the number of groups and LAMB's global gradient norm spans all of them. The kernels
-(``largebatch.lars.kernels``) advance each param's step count, and the optimizer's count
-of applied steps, on the device unless GradScaler's ``found_inf`` skips the step.
-"""
+"""The fused path: every group of a step in one call of the Triton kernels
+(``largebatch.lars.kernels``), which count the steps on the device unless GradScaler's
+``found_inf`` skips the step."""
 
 from __future__ import annotations
 
@@ -13,49 +9,33 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import OptimizerSpec
-from largebatch.lars.torch._paths import list_names
+from largebatch.lars.spec import Hyperparams, LambHyperparams
+from largebatch.lars.torch._group import GroupStep
 
 
-def fused_group(spec: OptimizerSpec, tensors: dict[str, list], hyper: dict[str, Any], lr: Tensor) -> Any:
-    """One ``FusedGroup`` from a group's lists (keyed by ``_paths.list_names``), its
-    hyperparameters (the spec's names) and its lr on the device. Built here only, for
-    ``_paths.run``."""
-    from largebatch.lars.kernels import FusedGroup
+def check(hyper: Hyperparams, group: int) -> None:
+    """What the kernels need beyond the spec (LAMB's eps > 0), checked when a fused
+    group's hyperparameters are made, before any state exists."""
+    from largebatch.lars.kernels.plan import check_fused
 
-    _params, _grads, *state, _masters, _steps = list_names(spec)
-    return FusedGroup(
-        params=tensors["params"], grads=tensors["grads"], masters=tensors["masters"],
-        state={key: tensors[name] for key, name in zip(spec.state, state)},
-        steps=tensors["state_steps"], lr=lr, hyper={k: hyper[k] for k in spec.group_keys[1:]},
-    )
-
-
-def check_group(spec: OptimizerSpec, i: int, hyper: dict[str, Any]) -> None:
-    """Group ``i``'s hyperparameters as the fused kernels take them (LAMB's eps > 0 among
-    them), checked before the optimizer creates any state."""
-    from largebatch.lars.kernels.plan import check_hyper
-
-    check_hyper(spec, i, {k: hyper[k] for k in spec.group_keys[1:]})
+    check_fused(hyper, group)
 
 
 @overload
-def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor,
-               found_inf: Tensor | None, **kwargs: Any) -> Tensor: ...
+def step(groups: list[GroupStep], *, counter: Tensor, found_inf: Tensor | None,
+         lr_buffers: dict | None = None, **kwargs: Any) -> Tensor: ...
 @overload
-def fused_step(spec: OptimizerSpec, groups: list, *, counter: None,
-               found_inf: Tensor | None, **kwargs: Any) -> None: ...
-def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
-               found_inf: Tensor | None, **kwargs: Any) -> Tensor | None:
-    """One step of the kernels on ``groups``; returns ``counter``, moved to the params'
-    device if it was elsewhere (it is counted where the kernels run). ``kwargs`` go to the
-    kernels' entry (``reduce_norms``/``reduce_global`` for sharded params). Nothing here
-    reads a device value on the host: the skip is decided on the device, also when no
-    param has a grad."""
+def step(groups: list[GroupStep], *, counter: None, found_inf: Tensor | None,
+         lr_buffers: dict | None = None, **kwargs: Any) -> None: ...
+def step(groups: list[GroupStep], *, counter: Tensor | None, found_inf: Tensor | None,
+         lr_buffers: dict | None = None, **kwargs: Any) -> Tensor | None:
+    """One step of the kernels on ``groups`` (each with params); returns ``counter``,
+    moved to the params' device if it was elsewhere (it is counted where the kernels
+    run). ``kwargs`` go to the kernels' entry (``grad_scale``, ``max_grad_norm``,
+    ``reduce_norms``/``reduce_global`` for sharded params). Nothing here reads a device
+    value on the host: the skip is decided on the device, also when no param has a grad."""
     from largebatch.lars import kernels
 
-    step = {"LARS": kernels.fused_lars_step_, "LAMB": kernels.fused_lamb_step_}[spec.name]
-    groups = [g for g in groups if g.params]
     if not groups:  # nothing to update: count the step unless GradScaler skips it
         if counter is None:
             return counter
@@ -67,7 +47,14 @@ def fused_step(spec: OptimizerSpec, groups: list, *, counter: Tensor | None,
     device = groups[0].params[0].device
     if counter is not None and counter.device != device:
         counter = counter.to(device, non_blocking=True)
-    step(groups, counter=counter, found_inf=found_inf, **kwargs)
+    fused = [
+        kernels.FusedGroup(params=g.params, grads=g.grads, masters=g.masters, state=g.state,
+                           steps=g.steps, lr=device_lr(g.lr, device, lr_buffers, g.key), hyper=g.hyper)
+        for g in groups
+    ]
+    lamb = isinstance(groups[0].hyper, LambHyperparams)
+    entry = kernels.fused_lamb_step_ if lamb else kernels.fused_lars_step_
+    entry(fused, counter=counter, found_inf=found_inf, **kwargs)
     return counter
 
 

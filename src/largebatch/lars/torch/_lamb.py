@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LAMB_SPEC, as_flag
-from largebatch.lars.torch import _paths, _sharded
+from largebatch.lars.spec import LAMB_SPEC, LambHyperparams, as_flag
+from largebatch.lars.torch import _compiled, _sharded, _step
 from largebatch.lars.torch._base import LayerwiseOptimizer
-from largebatch.lars.torch._common import (
-    norm,
-    safe_ratio,
-    stacked_norms,
-    unscaled,
-    weights,
-    write_back,
-)
-
+from largebatch.lars.torch._common import norm, safe_ratio, stacked_norms, unscaled, weights, write_back
+from largebatch.lars.torch._group import Bodies, GroupStep
 
 
 def lamb(
@@ -53,20 +46,15 @@ def lamb(
     is never written; a nonzero ``found_inf`` makes the step a no-op.
     ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
     """
-    hyper = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                 bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
-                 grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay,
-                 freeze_step=freeze_step)
-    tensors: dict[str, list] = dict(params=params, grads=grads, exp_avgs=exp_avgs,
-                                    exp_avg_sqs=exp_avg_sqs, masters=masters, state_steps=state_steps)
-    _paths.dispatch(LAMB_SPEC, BODIES, tensors, foreach=foreach, fused=fused, compiled=compiled,
-                    grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
-
-
-def adapts(trust_ratio: bool, weight_decay: float, adapt_without_decay: bool) -> bool:
-    """Whether a group takes the trust ratio: its flag, and its weight decay unless
-    ``adapt_without_decay``."""
-    return trust_ratio and (adapt_without_decay or weight_decay != 0)
+    hyper = LambHyperparams(
+        betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+        trust_ratio=trust_ratio, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
+        adapt_without_decay=adapt_without_decay, freeze_step=freeze_step,
+    )
+    group = GroupStep(params=params, grads=grads, state={"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs},
+                      masters=masters, steps=state_steps, lr=lr, hyper=hyper)
+    _step.run_functional(LAMB_SPEC, BODIES, group, foreach=foreach, fused=fused, compiled=compiled,
+                         grad_scale=grad_scale, found_inf=found_inf)
 
 
 def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
@@ -101,11 +89,11 @@ def _lamb_one(
     *, p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2,  # noqa: ANN001
     trust_ratio, adam_w_mode=True, grad_averaging=True, freeze=False, norm=norm,  # noqa: ANN001
     plain_norm=norm,  # noqa: ANN001
-) -> Tensor | None:
+) -> tuple[Tensor | float, Tensor | None]:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already the applied one); ``freeze``: v stays as it is. The numbers are floats, or
-    0-dim tensors when this body runs compiled. Returns ``||u||`` (None without trust
-    ratio).
+    0-dim tensors when this body runs compiled. Returns the trust ratio it applied and
+    ``||u||`` (None without trust ratio).
 
     ``norm`` never overflows. ``plain_norm`` (for ``||u||``, which a compiled body then
     forms in the same pass as ``||w||``) may: an infinite ``||u||`` gives ratio 0 and
@@ -128,7 +116,7 @@ def _lamb_one(
     w.sub_(u.mul_(lr * ratio))
     if master is not None:
         p.copy_(master)
-    return u_norm
+    return ratio, u_norm
 
 
 def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> None:  # noqa: ANN001
@@ -143,26 +131,40 @@ def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> No
         p.copy_(master)
 
 
-def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,  # noqa: ANN001
-                        grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    betas: tuple[float, float] = hyper["betas"]
-    trust_ratio = adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"])
-    flags = dict(trust_ratio=trust_ratio, adam_w_mode=hyper["adam_w_mode"],
-                 grad_averaging=hyper["grad_averaging"])
-    numbers = dict(lr=hyper["lr"], b1=betas[0], b2=betas[1], eps=hyper["eps"],
-                   weight_decay=hyper["weight_decay"])
-    compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
+def _numbers(group: GroupStep) -> dict[str, Any]:
+    """The numbers ``_lamb_one`` takes, by its keywords."""
+    h = group.hyper
+    assert isinstance(h, LambHyperparams)
+    return dict(lr=group.lr, b1=h.betas[0], b2=h.betas[1], eps=h.eps, weight_decay=h.weight_decay)
+
+
+def _flags(h: LambHyperparams) -> dict[str, bool]:
+    """The flags ``_lamb_one`` takes but ``freeze`` (each set compiles its own graph)."""
+    return dict(trust_ratio=h.adapts, adam_w_mode=h.adam_w_mode, grad_averaging=h.grad_averaging)
+
+
+def _counted(h: LambHyperparams, step: Tensor) -> tuple[float, float, bool]:
+    """A tensor's step counted: its bias corrections and whether its v is frozen."""
+    step.add_(1)
+    bc1, bc2 = bias_corrections(step, h.betas, h.bias_correction, h.freeze_step)
+    return bc1, bc2, frozen(step, h.freeze_step)
+
+
+def _single_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None,
+                        compiled: bool = False) -> None:
+    h = group.hyper
+    assert isinstance(h, LambHyperparams)
+    flags, numbers = _flags(h), _numbers(group)
+    compiled_numbers = dict(zip(numbers, _compiled.as_tensors(*numbers.values()))) if compiled else {}
     # One compiled body per value of the per-tensor freeze flag (each compiles on first use).
-    bodies = {f: _paths.compiled_body(_lamb_one, tuple(sorted({**flags, "freeze": f}.items())))
+    bodies = {f: _compiled.compiled_body(_lamb_one, tuple(sorted({**flags, "freeze": f}.items())))
               for f in (False, True)} if compiled else {}
-    lists = zip(params, grads, exp_avgs, exp_avg_sqs, masters, state_steps)
-    freeze_step = hyper["freeze_step"]
+    lists = zip(group.params, group.grads, group.state["exp_avg"], group.state["exp_avg_sq"],
+                group.masters, group.steps)
     for i, (p, grad, m, v, master, step) in enumerate(lists):
-        step.add_(1)
-        bc1, bc2 = bias_corrections(step, betas, hyper["bias_correction"], freeze_step)
-        freeze = frozen(step, freeze_step)
-        chosen, tensors = _paths.pick_body(_lamb_one, bodies.get(freeze),
-                                           dict(p=p, grad=grad, m=m, v=v, master=master))
+        bc1, bc2, freeze = _counted(h, step)
+        chosen, tensors = _compiled.pick_body(_lamb_one, bodies.get(freeze),
+                                              dict(p=p, grad=grad, m=m, v=v, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
             _lamb_one(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags,
@@ -170,23 +172,34 @@ def _single_tensor_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_
         elif chosen is _lamb_one:
             chosen(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags, freeze=freeze)
         else:
-            bc1_t, bc2_t = _paths.as_tensors(bc1, bc2)
-            u_norm = chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, bc1=bc1_t, bc2=bc2_t,
-                            **flags, freeze=freeze, **_paths.COMPILED_NORMS)
+            bc1_t, bc2_t = _compiled.as_tensors(bc1, bc2)
+            _, u_norm = chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, bc1=bc1_t, bc2=bc2_t,
+                               **flags, freeze=freeze, **_compiled.COMPILED_NORMS)
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
-                u_decay = numbers["weight_decay"] if hyper["adam_w_mode"] else 0.0
-                _lamb_after_overflow(p, m, v, master, numbers["lr"], numbers["eps"], u_decay, bc1, bc2)
+                u_decay = h.weight_decay if h.adam_w_mode else 0.0
+                _lamb_after_overflow(p, m, v, master, numbers["lr"], h.eps, u_decay, bc1, bc2)
 
 
-def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,  # noqa: ANN001
-                  grad_scale, lr, betas, eps, weight_decay, bias_correction, trust_ratio,  # noqa: ANN001
-                  adam_w_mode=True, grad_averaging=True, adapt_without_decay=True,  # noqa: ANN001
-                  freeze_step=None, reduce=None) -> None:  # noqa: ANN001
+def _one_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, norm: Callable[[Tensor], Tensor]) -> Tensor:
+    h = group.hyper
+    assert isinstance(h, LambHyperparams)
+    bc1, bc2, freeze = _counted(h, group.steps[0])
+    ratio, _ = _lamb_one(p=group.params[0], grad=group.grads[0], m=group.state["exp_avg"][0],
+                         v=group.state["exp_avg_sq"][0], master=group.masters[0], grad_scale=grad_scale,
+                         **_numbers(group), bc1=bc1, bc2=bc2, **_flags(h), freeze=freeze, norm=norm,
+                         plain_norm=norm)
+    return torch.as_tensor(ratio)
+
+
+def _foreach_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None) -> None:
+    h = group.hyper
+    assert isinstance(h, LambHyperparams)
+    params, grads, masters, state_steps, lr = group.params, group.grads, group.masters, group.steps, group.lr
+    exp_avgs, exp_avg_sqs = group.state["exp_avg"], group.state["exp_avg_sq"]
     if not params:
         return
+    betas, eps, wd, freeze_step, adam_w_mode = h.betas, h.eps, h.weight_decay, h.freeze_step, h.adam_w_mode
     b1, b2 = betas
-    wd = weight_decay
-    trust_ratio = adapts(trust_ratio, wd, adapt_without_decay)
     ws = weights(params, masters)
     gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
@@ -195,7 +208,7 @@ def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
         gs = torch._foreach_add(gs, ws, alpha=wd)
     torch._foreach_add_(state_steps, 1)
     torch._foreach_mul_(exp_avgs, b1)
-    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1 if grad_averaging else 1.0)
+    torch._foreach_add_(exp_avgs, gs, alpha=1.0 - b1 if h.grad_averaging else 1.0)
     # Each param's own count: params that start late (frozen, then trained) have fewer,
     # and their v may still change when the others' is frozen.
     if freeze_step is None:
@@ -206,7 +219,7 @@ def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
     if vs:
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, g_vs, g_vs, value=1.0 - b2)
-    bc1s, bc2s = zip(*(bias_corrections(s, betas, bias_correction, freeze_step) for s in state_steps))
+    bc1s, bc2s = zip(*(bias_corrections(s, betas, h.bias_correction, freeze_step) for s in state_steps))
     denom = torch._foreach_div(exp_avg_sqs, list(bc2s))
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
@@ -214,7 +227,7 @@ def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
     torch._foreach_div_(us, denom)
     if wd != 0 and adam_w_mode:
         torch._foreach_add_(us, ws, alpha=wd)
-    if trust_ratio:
+    if h.adapts:
         norms = stacked_norms if reduce is None else reduce.norms
         coefs = (lamb_ratio(norms(ws), norms(us)) * lr).unbind()
         torch._foreach_mul_(us, coefs)
@@ -224,9 +237,10 @@ def _foreach_lamb(*, params, grads, exp_avgs, exp_avg_sqs, masters, state_steps,
     write_back(params, masters)
 
 
-# The unfused paths, for _paths.run (the fused one is the kernels).
-BODIES = {"single_tensor": _single_tensor_lamb, "foreach": _foreach_lamb,
-          "compiled": _paths.compiled_path(LAMB_SPEC, _single_tensor_lamb, _foreach_lamb)}
+# The unfused paths, for _step.run (the fused one is the kernels).
+BODIES = Bodies(single_tensor=_single_tensor_lamb, foreach=_foreach_lamb,
+                compiled=_compiled.compiled_path(_single_tensor_lamb, _foreach_lamb),
+                one_tensor=_one_tensor_lamb)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -368,38 +382,3 @@ class LAMB(LayerwiseOptimizer):
         if grad_scale is not None:
             divisor = grad_scale if divisor is None else divisor * grad_scale
         return divisor
-
-    @torch.no_grad()
-    def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
-        """The trust ratio the next step would apply to each adapted tensor with a grad,
-        in group order, from the moments that step would form (nothing is changed).
-        ``grad_scale``: what the grads carry, e.g. the GradScaler scale."""
-        scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32)
-        divisor = self._grad_scale([p.grad for p in self._params_with_grads() if p.grad is not None], scale)
-        out: list[float] = []
-        for group in self.param_groups:
-            hyper = self._hyper(group)
-            if not adapts(hyper["trust_ratio"], hyper["weight_decay"], hyper["adapt_without_decay"]):
-                continue
-            (b1, b2), wd = hyper["betas"], hyper["weight_decay"]
-            b3 = 1 - b1 if hyper["grad_averaging"] else 1.0
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state.get(p, {})
-                lists = ([state.get("master_param", p)], [p.grad], [state.get("exp_avg")],
-                         [state.get("exp_avg_sq")])
-                (ws, grads, ms, vs), _ = _sharded.local(lists)  # a sharded param's local block
-                w, grad, m, v = ws[0], grads[0], ms[0], vs[0]
-                g = unscaled(grad, w, divisor)
-                if not hyper["adam_w_mode"]:
-                    g = g + wd * w
-                m = m * b1 + g * b3 if state else g * b3
-                step = state["step"] + 1 if state else torch.tensor(1.0)
-                if not frozen(step, hyper["freeze_step"]):
-                    v = v * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
-                bcs = bias_corrections(step, hyper["betas"], hyper["bias_correction"],
-                                       hyper["freeze_step"])
-                u = lamb_direction(w, m, v, hyper["eps"], wd if hyper["adam_w_mode"] else 0.0, *bcs)
-                out.append(float(lamb_ratio(_sharded.whole_norm(p, w), _sharded.whole_norm(p, u))))
-        return out

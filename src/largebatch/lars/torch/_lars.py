@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LARS_SPEC
-from largebatch.lars.torch import _paths, _sharded
+from largebatch.lars.spec import LARS_SPEC, LarsHyperparams
+from largebatch.lars.torch import _compiled, _sharded, _step
 from largebatch.lars.torch._base import LayerwiseOptimizer
-from largebatch.lars.torch._common import (
-    norm,
-    safe_ratio,
-    stacked_norms,
-    unscaled,
-    weights,
-    write_back,
-)
-
+from largebatch.lars.torch._common import norm, safe_ratio, stacked_norms, unscaled, weights, write_back
+from largebatch.lars.torch._group import Bodies, GroupStep
 
 
 def lars(
@@ -53,14 +46,15 @@ def lars(
     ``found_inf`` makes the step a no-op. ``foreach``/``fused``/``compiled`` pick the
     path, as in :class:`LARS` (``largebatch.lars.torch._paths``).
     """
-    hyper = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                 trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
-                 zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
-    tensors: dict[str, list] = dict(params=params, grads=grads, momentum_buffers=momentum_buffers,
-                                    masters=masters, state_steps=state_steps)
-    _paths.dispatch(LARS_SPEC, BODIES, tensors, foreach=foreach, fused=fused, compiled=compiled,
-                    grad_scale=grad_scale, found_inf=found_inf, hyper=hyper)
+    hyper = LarsHyperparams(
+        momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
+        nesterov=nesterov, trust_clip=trust_clip, trust_ratio=trust_ratio,
+        lr_in_momentum=lr_in_momentum, zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm,
+    )
+    group = GroupStep(params=params, grads=grads, state={"momentum_buffer": momentum_buffers},
+                      masters=masters, steps=state_steps, lr=lr, hyper=hyper)
+    _step.run_functional(LARS_SPEC, BODIES, group, foreach=foreach, fused=fused, compiled=compiled,
+                         grad_scale=grad_scale, found_inf=found_inf)
 
 
 def lars_ratio(w_norm: Tensor, g_norm: Tensor, *, lr: Any, weight_decay: Any, trust_coefficient: Any,
@@ -99,9 +93,10 @@ def _lars_one(
     *, p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
     nesterov, trust_clip, trust_ratio, lr_in_momentum=True, zero_norm_skip=False,  # noqa: ANN001
     decayed_norm=False, norm=norm, plain_norm=norm,  # noqa: ANN001
-) -> None:
-    """LARS on one tensor (``weight_decay`` already the applied one). The numbers are
-    floats, or 0-dim tensors when this body runs compiled."""
+) -> Tensor | None:
+    """LARS on one tensor (``weight_decay`` already the applied one); returns the trust
+    ratio it applied (None without one). The numbers are floats, or 0-dim tensors when
+    this body runs compiled."""
     del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
@@ -125,76 +120,103 @@ def _lars_one(
     w.sub_(step if lr_in_momentum else step * lr)
     if master is not None:
         p.copy_(master)
+    return ratio
 
 
-def _single_tensor_lars(*, params, grads, momentum_buffers, masters, state_steps,  # noqa: ANN001
-                        grad_scale, compiled=False, reduce=None, **hyper) -> None:  # noqa: ANN001, ANN003
-    flags = {k: hyper[k] for k in FLAGS}
-    numbers = {k: hyper[k] for k in ("lr", "momentum", "weight_decay", "trust_coefficient", "eps")}
-    body = _paths.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
-    compiled_numbers = dict(zip(numbers, _paths.as_tensors(*numbers.values()))) if compiled else {}
-    lists = zip(params, grads, momentum_buffers, masters, state_steps)
+def _numbers(group: GroupStep) -> dict[str, Any]:
+    """The numbers ``_lars_one`` takes, by its keywords."""
+    h = group.hyper
+    assert isinstance(h, LarsHyperparams)
+    return dict(lr=group.lr, momentum=h.momentum, weight_decay=h.weight_decay,
+                trust_coefficient=h.trust_coefficient, eps=h.eps)
+
+
+def _flags(h: LarsHyperparams) -> dict[str, bool]:
+    """The flags ``_lars_one`` takes, by its keywords (each set compiles its own graph)."""
+    return dict(nesterov=h.nesterov, trust_clip=h.trust_clip, trust_ratio=h.trust_ratio,
+                lr_in_momentum=h.lr_in_momentum, zero_norm_skip=h.zero_norm_skip,
+                decayed_norm=h.decayed_norm)
+
+
+def _single_tensor_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None,
+                        compiled: bool = False) -> None:
+    assert isinstance(group.hyper, LarsHyperparams)
+    flags, numbers = _flags(group.hyper), _numbers(group)
+    body = _compiled.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
+    compiled_numbers = dict(zip(numbers, _compiled.as_tensors(*numbers.values()))) if compiled else {}
+    lists = zip(group.params, group.grads, group.state["momentum_buffer"], group.masters, group.steps)
     for i, (p, grad, buf, master, step) in enumerate(lists):
-        chosen, tensors = _paths.pick_body(_lars_one, body, dict(p=p, grad=grad, buf=buf, master=master))
+        chosen, tensors = _compiled.pick_body(_lars_one, body, dict(p=p, grad=grad, buf=buf, master=master))
         if reduce is not None:  # a sharded param: norms summed over its shards
             _lars_one(**tensors, grad_scale=grad_scale, **numbers, **flags, norm=reduce.norm_of(i))
         elif chosen is _lars_one:
             chosen(**tensors, grad_scale=grad_scale, **numbers, **flags)
         else:
-            chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, **flags, **_paths.COMPILED_NORMS)
+            chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, **flags, **_compiled.COMPILED_NORMS)
         step.add_(1)
 
 
-def _foreach_lars(*, params, grads, momentum_buffers, masters, state_steps,  # noqa: ANN001
-                  grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
-                  nesterov, trust_clip, trust_ratio, lr_in_momentum=True,  # noqa: ANN001
-                  zero_norm_skip=False, decayed_norm=False, reduce=None) -> None:  # noqa: ANN001
+def _foreach_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None) -> None:
+    h = group.hyper
+    assert isinstance(h, LarsHyperparams)
+    params, grads, masters, lr = group.params, group.grads, group.masters, group.lr
+    momentum_buffers, momentum = group.state["momentum_buffer"], h.momentum
     if not params:
         return
-    wd = weight_decay
+    wd = h.weight_decay
     ws = weights(params, masters)
     gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
     ratios = None
     ds: list[Tensor] | tuple[Tensor, ...] | None = None
-    if trust_ratio and decayed_norm and wd != 0:  # optax: the norm of d = g + wd * w
+    if h.trust_ratio and h.decayed_norm and wd != 0:  # optax: the norm of d = g + wd * w
         ds = torch._foreach_add(gs, ws, alpha=wd)
-    if trust_ratio:
+    if h.trust_ratio:
         norms = stacked_norms if reduce is None else reduce.norms
         w_norms, g_norms = norms(ws), norms(gs if ds is None else ds)
         ratios = lars_ratio(w_norms, g_norms, lr=lr, weight_decay=wd,
-                            trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
-                            zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
+                            trust_coefficient=h.trust_coefficient, eps=h.eps, trust_clip=h.trust_clip,
+                            zero_norm_skip=h.zero_norm_skip, decayed_norm=h.decayed_norm)
     if ds is None:  # (with decayed_norm, formed above for its norm)
         if wd == 0:
             ds = gs
-        elif ratios is not None and zero_norm_skip:  # no decay where a norm is zero
+        elif ratios is not None and h.zero_norm_skip:  # no decay where a norm is zero
             decays = _decay(wd, w_norms, g_norms, True).unbind()
             ds = torch._foreach_add(gs, torch._foreach_mul(ws, decays))
         else:
             ds = torch._foreach_add(gs, ws, alpha=wd)
-    inner = lr if lr_in_momentum else 1.0
+    inner = lr if h.lr_in_momentum else 1.0
     if ratios is not None:
         scaled = torch._foreach_mul(ds, (ratios * inner).unbind())
     else:
         scaled = torch._foreach_mul(ds, inner)
     torch._foreach_mul_(momentum_buffers, momentum)
     torch._foreach_add_(momentum_buffers, scaled)
-    if nesterov:
+    step: list[Tensor] | tuple[Tensor, ...]
+    if h.nesterov:
         torch._foreach_add_(scaled, momentum_buffers, alpha=momentum)
         step = scaled
     else:
         step = momentum_buffers
-    torch._foreach_sub_(ws, step if lr_in_momentum else torch._foreach_mul(step, lr))
+    torch._foreach_sub_(ws, step if h.lr_in_momentum else torch._foreach_mul(step, lr))
     write_back(params, masters)
-    torch._foreach_add_(state_steps, 1)
+    torch._foreach_add_(group.steps, 1)
 
 
-FLAGS = ("nesterov", "trust_clip", "trust_ratio", "lr_in_momentum", "zero_norm_skip", "decayed_norm")
-# The unfused paths, for _paths.run (the fused one is the kernels).
-BODIES = {"single_tensor": _single_tensor_lars, "foreach": _foreach_lars,
-          "compiled": _paths.compiled_path(LARS_SPEC, _single_tensor_lars, _foreach_lars)}
+def _one_tensor_lars(group: GroupStep, grad_scale: Tensor | None, norm: Callable[[Tensor], Tensor]) -> Tensor:
+    assert isinstance(group.hyper, LarsHyperparams)
+    ratio = _lars_one(p=group.params[0], grad=group.grads[0], buf=group.state["momentum_buffer"][0],
+                      master=group.masters[0], grad_scale=grad_scale, **_numbers(group),
+                      **_flags(group.hyper), norm=norm)
+    group.steps[0].add_(1)
+    return torch.ones(()) if ratio is None else ratio
+
+
+# The unfused paths, for _step.run (the fused one is the kernels).
+BODIES = Bodies(single_tensor=_single_tensor_lars, foreach=_foreach_lars,
+                compiled=_compiled.compiled_path(_single_tensor_lars, _foreach_lars),
+                one_tensor=_one_tensor_lars)
 
 
 class LARS(LayerwiseOptimizer):
@@ -301,30 +323,3 @@ class LARS(LayerwiseOptimizer):
             zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm, master_weights=master_weights,
             foreach=foreach, fused=fused, compiled=compiled,
         )
-
-    @torch.no_grad()
-    def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
-        """The trust ratio the next step would apply to each adapted tensor with a grad,
-        in group order (``grad_scale``: what the grads carry, e.g. the GradScaler scale)."""
-        out: list[float] = []
-        for group in self.param_groups:
-            if not group["trust_ratio"]:
-                continue
-            hyper = self._hyper(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                w = self.state.get(p, {}).get("master_param", p)
-                (w, grad), _ = _sharded.local(([w], [p.grad]))  # a sharded param's local block
-                w, grad = w[0], grad[0]
-                g = unscaled(grad, w, None if grad_scale is None else torch.as_tensor(grad_scale))
-                if hyper["decayed_norm"]:
-                    g = _direction(g, w, hyper["weight_decay"])
-                w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
-                ratio = lars_ratio(w_norm, g_norm, lr=hyper["lr"], weight_decay=hyper["weight_decay"],
-                                   trust_coefficient=hyper["trust_coefficient"], eps=hyper["eps"],
-                                   trust_clip=hyper["trust_clip"],
-                                   zero_norm_skip=hyper["zero_norm_skip"],
-                                   decayed_norm=hyper["decayed_norm"])
-                out.append(float(ratio))
-        return out

@@ -17,7 +17,7 @@ all) pass through and are never reduced.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -109,7 +109,7 @@ class Reducer:
                 squares.index_copy_(0, index, chosen)
         return squares
 
-    def norms(self, local: list[Tensor]) -> Tensor:
+    def norms(self, local: Sequence[Tensor]) -> Tensor:
         """The norms of the whole tensors whose local blocks are ``local`` (in order):
         the local norms (safe from overflow), squared in fp64, summed over the shards."""
         if not local:
