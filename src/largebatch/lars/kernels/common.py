@@ -1,6 +1,6 @@
 """What the LARS and LAMB kernels share: the per-tensor table's columns, the chunk and
 pointer helpers, the sums-of-squares pass, and the kernel that sums each tensor's
-per-chunk partial sums in order and counts the step (package docstring: tables, passes
+per-chunk partial sums in order and counts the step (docs/design.md §3: tables, passes
 and launches)."""
 
 from __future__ import annotations

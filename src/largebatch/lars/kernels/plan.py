@@ -1,7 +1,6 @@
-"""The host side of the fused step: FusedGroup, its checks, the launch plan (tables,
-workspace, launch shapes) and its LRU cache, and the two entry points, which launch the
-kernels of ``common.py``, ``lars.py`` and ``lamb.py`` (package docstring: semantics,
-launches and the plan cache)."""
+"""The host side of the fused step: FusedGroup and its checks, the launch plan (tables,
+workspace, launch shapes) and its cache, and the two entry points, which launch the
+kernels of ``common.py``, ``lars.py`` and ``lamb.py`` (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,17 @@ TILES = 4  # blocks per program (at most): a chunk is BLOCK * TILES elements
 
 @dataclass
 class FusedGroup:
-    """One param group for the fused step (see the package docstring for each field)."""
+    """One param group for the fused step, already filtered to params with grads.
+
+    ``params``: fp32 / fp16 / bf16 model params, updated in place. ``grads``: their
+    dtypes, never written. ``masters``: fp32 master copies (the math then runs on the
+    master and the param is rewritten as its cast), None for the list or an entry: no
+    master. ``state``: LARS ``{"momentum_buffer"}``, LAMB ``{"exp_avg", "exp_avg_sq"}``,
+    fp32 for a param with a master, else its dtype. ``steps``: one fp32 0-dim count per
+    param (params may share one), +1 on the device unless the step is skipped. ``lr``:
+    fp32 0-dim, read by the kernels (a schedule may change it in place). ``hyper``: the
+    group's hyperparameters, a ``LarsHyperparams`` or ``LambHyperparams``
+    (``LARS_SPEC.make({...})``), checked when it was made."""
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -350,7 +359,7 @@ def fused_lars_step_(
     counter: torch.Tensor | None = None,
     reduce_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """One LARS step on every group, in place (package docstring: semantics and launches)."""
+    """One LARS step on every group, in place (docs/design.md §3: semantics and launches)."""
     plan = _plan(LARS_SPEC, groups, counter)
     if plan is None:
         return
@@ -384,7 +393,7 @@ def fused_lamb_step_(
     reduce_norms: Callable[[torch.Tensor], None] | None = None,
     reduce_global: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """One LAMB step on every group, in place (package docstring: semantics and launches)."""
+    """One LAMB step on every group, in place (docs/design.md §3: semantics and launches)."""
     plan = _plan(LAMB_SPEC, groups, counter)
     if plan is None:
         return

@@ -93,7 +93,7 @@ def split_for_compile(group: GroupStep) -> tuple[GroupStep, GroupStep]:
 
 
 def pick_body(body: Callable, compiled: Callable | None,
-              tensors: dict[str, Tensor | None]) -> tuple[Callable, dict[str, Tensor | None]]:
+              tensors: dict[str, Tensor | None]) -> tuple[Callable, dict[str, Any]]:
     """The compiled body on flat views of contiguous tensors of 2+ elements, else the
     eager one (sizes 0 and 1 would each cost a compile of their own); ``tensors`` are
     the body's tensor keywords (None where a param has no master)."""

@@ -14,6 +14,9 @@ from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import norm, safe_ratio, stacked_norms, unscaled, weights, write_back
 from largebatch.lars.torch._group import Bodies, GroupStep
 
+Number = float | Tensor  # a float, or a 0-dim tensor in a compiled body
+Norm = Callable[[Tensor], Tensor]
+
 
 def lamb(
     params: list[Tensor],
@@ -77,7 +80,8 @@ def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: 
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** (min(t, freeze_step) if freeze_step else t)
 
 
-def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN001
+def lamb_direction(w: Tensor, m: Tensor, v: Tensor, eps: Number, weight_decay: Number, bc1: Number,
+                   bc2: Number) -> Tensor:
     """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor."""
     u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
@@ -86,9 +90,10 @@ def lamb_direction(w, m, v, eps, weight_decay, bc1, bc2) -> Tensor:  # noqa: ANN
 
 
 def _lamb_one(
-    *, p, grad, m, v, master, grad_scale, lr, b1, b2, eps, weight_decay, bc1, bc2,  # noqa: ANN001
-    trust_ratio, adam_w_mode=True, grad_averaging=True, freeze=False, norm=norm,  # noqa: ANN001
-    plain_norm=norm,  # noqa: ANN001
+    *, p: Tensor, grad: Tensor, m: Tensor, v: Tensor, master: Tensor | None, grad_scale: Tensor | None,
+    lr: Number, b1: Number, b2: Number, eps: Number, weight_decay: Number, bc1: Number, bc2: Number,
+    trust_ratio: bool, adam_w_mode: bool = True, grad_averaging: bool = True, freeze: bool = False,
+    norm: Norm = norm, plain_norm: Norm = norm,
 ) -> tuple[Tensor | float, Tensor | None]:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already the applied one); ``freeze``: v stays as it is. The numbers are floats, or
@@ -119,7 +124,8 @@ def _lamb_one(
     return ratio, u_norm
 
 
-def _lamb_after_overflow(p, m, v, master, lr, eps, weight_decay, bc1, bc2) -> None:  # noqa: ANN001
+def _lamb_after_overflow(p: Tensor, m: Tensor, v: Tensor, master: Tensor | None, lr: Number, eps: Number,
+                         weight_decay: Number, bc1: Number, bc2: Number) -> None:
     # ``weight_decay`` is the one in u: 0 in L2 mode.
     """The update of a tensor whose ``||u||`` overflowed an fp32 sum of squares (finite u,
     ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
@@ -138,7 +144,7 @@ def _numbers(group: GroupStep) -> dict[str, Any]:
     return dict(lr=group.lr, b1=h.betas[0], b2=h.betas[1], eps=h.eps, weight_decay=h.weight_decay)
 
 
-def _flags(h: LambHyperparams) -> dict[str, bool]:
+def _flags(h: LambHyperparams) -> dict[str, Any]:
     """The flags ``_lamb_one`` takes but ``freeze`` (each set compiles its own graph)."""
     return dict(trust_ratio=h.adapts, adam_w_mode=h.adam_w_mode, grad_averaging=h.grad_averaging)
 

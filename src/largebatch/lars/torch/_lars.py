@@ -14,6 +14,9 @@ from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import norm, safe_ratio, stacked_norms, unscaled, weights, write_back
 from largebatch.lars.torch._group import Bodies, GroupStep
 
+Number = float | Tensor  # a float, or a 0-dim tensor in a compiled body
+Norm = Callable[[Tensor], Tensor]
+
 
 def lars(
     params: list[Tensor],
@@ -90,9 +93,10 @@ def _direction(g: Tensor, w: Tensor, weight_decay: Any) -> Tensor:
 
 
 def _lars_one(
-    *, p, grad, buf, master, grad_scale, lr, momentum, weight_decay, trust_coefficient, eps,  # noqa: ANN001
-    nesterov, trust_clip, trust_ratio, lr_in_momentum=True, zero_norm_skip=False,  # noqa: ANN001
-    decayed_norm=False, norm=norm, plain_norm=norm,  # noqa: ANN001
+    *, p: Tensor, grad: Tensor, buf: Tensor, master: Tensor | None, grad_scale: Tensor | None,
+    lr: Number, momentum: Number, weight_decay: Number, trust_coefficient: Number, eps: Number,
+    nesterov: bool, trust_clip: bool, trust_ratio: bool, lr_in_momentum: bool = True,
+    zero_norm_skip: bool = False, decayed_norm: bool = False, norm: Norm = norm, plain_norm: Norm = norm,
 ) -> Tensor | None:
     """LARS on one tensor (``weight_decay`` already the applied one); returns the trust
     ratio it applied (None without one). The numbers are floats, or 0-dim tensors when
@@ -100,7 +104,8 @@ def _lars_one(
     del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
-    ratio = d = None
+    ratio: Tensor | None = None
+    d: Tensor | None = None
     if trust_ratio:
         if decayed_norm:  # the norm of the direction itself (optax)
             d = _direction(g, w, weight_decay)
@@ -131,7 +136,7 @@ def _numbers(group: GroupStep) -> dict[str, Any]:
                 trust_coefficient=h.trust_coefficient, eps=h.eps)
 
 
-def _flags(h: LarsHyperparams) -> dict[str, bool]:
+def _flags(h: LarsHyperparams) -> dict[str, Any]:
     """The flags ``_lars_one`` takes, by its keywords (each set compiles its own graph)."""
     return dict(nesterov=h.nesterov, trust_clip=h.trust_clip, trust_ratio=h.trust_ratio,
                 lr_in_momentum=h.lr_in_momentum, zero_norm_skip=h.zero_norm_skip,
