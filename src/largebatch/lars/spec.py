@@ -23,7 +23,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 import functools
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
 
 __all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "LarsHyperparams", "LambHyperparams",
@@ -220,7 +220,7 @@ class Hyperparams:
     SPEC: ClassVar[OptimizerSpec]
 
     def __post_init__(self) -> None:
-        checked = self.SPEC.check(asdict(self))
+        checked = self.SPEC.check(self.values())
         for name, value in checked.items():  # normalized: floats, bools, a pair as a tuple
             object.__setattr__(self, name, value)
 
@@ -229,10 +229,14 @@ class Hyperparams:
         """Whether the group takes the trust ratio."""
         raise NotImplementedError
 
+    def values(self) -> dict[str, Any]:
+        """The values by the spec's names, as a param group holds them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     @functools.cached_property
     def row(self) -> tuple[float, ...]:
         """The fused kernels' per-group row (:meth:`OptimizerSpec.row`)."""
-        return self.SPEC.row(asdict(self))
+        return self.SPEC.row(self.values())
 
 
 @dataclass(frozen=True)

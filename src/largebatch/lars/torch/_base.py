@@ -51,18 +51,18 @@ class LayerwiseOptimizer(Optimizer):
     bodies: Bodies  # the unfused paths
     _extra_state: tuple[str, ...] = ("_applied",)  # pickled with the optimizer
 
-    def __init__(self, params: Any, *, master_weights: bool, foreach: Any, fused: Any,
-                 compiled: Any, **hyper: Any) -> None:
-        # Every default is checked here, as torch's optimizers check theirs, whether or not
-        # a group uses it, and before any group is.
-        self._validate({**hyper, "master_weights": master_weights, "foreach": foreach,
-                        "fused": fused, "compiled": compiled})
+    def __init__(self, params: Any, lr: float | Tensor, hyper: Hyperparams, *, master_weights: bool,
+                 foreach: Any, fused: Any, compiled: Any) -> None:
+        # Every default is checked here (``hyper`` when it was made), as torch's optimizers
+        # check theirs, whether or not a group uses it, and before any group is.
+        defaults = {"lr": lr, **hyper.values(), "master_weights": master_weights}
+        self._check_settings({**defaults, "foreach": foreach, "fused": fused, "compiled": compiled})
         params = param_list(params)
         _sharded.check_not_flat(tensors_of(params))
         paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
         self._applied = torch.zeros((), dtype=torch.float32)
         self._hyperparams: dict[int, tuple[tuple, Hyperparams]] = {}
-        super().__init__(params, {**hyper, "master_weights": master_weights, **paths})
+        super().__init__(params, {**defaults, **paths})
 
     # Validation runs on every group, including those added later, before it is stored
     # (the defaults were checked by the constructor).
@@ -89,14 +89,18 @@ class LayerwiseOptimizer(Optimizer):
         self._hyperparams[len(self.param_groups) - 1] = (values, hyper)
 
     def _validate(self, group: dict[str, Any]) -> Hyperparams:
-        """Every check of a group's settings; returns its typed hyperparameters."""
-        self.spec.check({"lr": lr_number(group["lr"])})
+        """Every check of a group; returns its typed hyperparameters."""
         hyper = self.spec.make({k: group[k] for k in self.spec.group_keys[1:]})
+        self._check_settings(group)
+        return hyper
+
+    def _check_settings(self, group: dict[str, Any]) -> None:
+        """A group's settings beside its hyperparameters: lr, master_weights, the paths."""
+        self.spec.check({"lr": lr_number(group["lr"])})
         as_flag("master_weights", group["master_weights"])
         check_paths(group["foreach"], group["fused"], group["compiled"])
         if group["fused"] and group["foreach"]:
             raise ValueError("foreach=True and fused=True cannot both be set")
-        return hyper
 
     def _group_hyperparams(self, i: int, group: dict[str, Any]) -> Hyperparams:
         """Group ``i``'s typed hyperparameters: made when the group is first stepped and

@@ -52,9 +52,10 @@ def step(groups: list[GroupStep], *, counter: Tensor | None, found_inf: Tensor |
                            steps=g.steps, lr=device_lr(g.lr, device, lr_buffers, g.key), hyper=g.hyper)
         for g in groups
     ]
-    lamb = isinstance(groups[0].hyper, LambHyperparams)
-    entry = kernels.fused_lamb_step_ if lamb else kernels.fused_lars_step_
-    entry(fused, counter=counter, found_inf=found_inf, **kwargs)
+    if isinstance(groups[0].hyper, LambHyperparams):
+        kernels.fused_lamb_step_(fused, counter=counter, found_inf=found_inf, **kwargs)
+    else:
+        kernels.fused_lars_step_(fused, counter=counter, found_inf=found_inf, **kwargs)
     return counter
 
 

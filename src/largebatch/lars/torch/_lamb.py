@@ -349,13 +349,13 @@ class LAMB(LayerwiseOptimizer):
         self.partitioned = as_flag("partitioned", partitioned)
         if self.partitioned:
             _sharded.check_default_group("partitioned=True")
-        super().__init__(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            bias_correction=bias_correction, trust_ratio=trust_ratio, adam_w_mode=adam_w_mode,
-            grad_averaging=grad_averaging, adapt_without_decay=adapt_without_decay,
-            freeze_step=freeze_step, master_weights=master_weights, foreach=foreach, fused=fused,
-            compiled=compiled,
+        hyper = LambHyperparams(
+            betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            trust_ratio=trust_ratio, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
+            adapt_without_decay=adapt_without_decay, freeze_step=freeze_step,
         )
+        super().__init__(params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused,
+                         compiled=compiled)
 
     def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
         """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""

@@ -321,10 +321,10 @@ class LARS(LayerwiseOptimizer):
         fused: bool | None = None,
         compiled: bool | None = None,
     ) -> None:
-        super().__init__(
-            params, lr=lr, momentum=momentum, weight_decay=weight_decay,
-            trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-            trust_clip=trust_clip, trust_ratio=trust_ratio, lr_in_momentum=lr_in_momentum,
-            zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm, master_weights=master_weights,
-            foreach=foreach, fused=fused, compiled=compiled,
+        hyper = LarsHyperparams(
+            momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
+            nesterov=nesterov, trust_clip=trust_clip, trust_ratio=trust_ratio,
+            lr_in_momentum=lr_in_momentum, zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm,
         )
+        super().__init__(params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused,
+                         compiled=compiled)
