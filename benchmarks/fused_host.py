@@ -5,7 +5,7 @@
 
 On a GPU the fused step costs the kernels' time plus the host's: gathering each group's
 tensors and state, checking the grads, keying the plan cache, and the launches' Python
-(``src/largebatch/lars/kernels/__init__.py``). A benchmark that waits for the device after
+(docs/design.md §3). A benchmark that waits for the device after
 every step (``optimizer_step.py``) pays both in series, so on a small model the host's part
 bounds the step. This script measures that part alone: it replaces every kernel launch of
 ``largebatch.lars.kernels.plan`` by a call that does nothing and times ``step()`` on CPU
