@@ -15,7 +15,7 @@ from torch import nn
 
 from largebatch import checks
 from largebatch.mixed_precision.torch import NORM_LAYERS
-from largebatch.recipes import models
+from largebatch import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
@@ -38,7 +38,7 @@ _MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
 def build_model(name: str, num_classes: int) -> nn.Module:
     """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn``, ``fmnist_cnn``,
     ``fmnist_alexnet_bn``, ``small_cnn`` or ``small_resnet``
-    (:mod:`largebatch.recipes.models`), initialised from torch's global RNG."""
+    (:mod:`largebatch.models`), initialised from torch's global RNG."""
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
     return _MODELS[name](num_classes)

@@ -21,13 +21,15 @@ from largebatch import checks
 from largebatch.lars.sources import SOURCES, source_keywords
 
 __all__ = [
-    "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
+    "COMPRESSIONS", "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
     "RECIPES", "get_recipe", "imagenet_equivalent", "recipes_markdown", "recipes_table",
 ]
 
 DATA_SETS = ("imagenet", "fashion-mnist")
 OPTIMIZERS = ("lars", "lamb", "sgd", "nesterov")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# How data-parallel workers exchange gradients (``largebatch train`` and ``largebatch study``).
+COMPRESSIONS = ("none", "adacomp")
 MODELS = ("resnet50", "alexnet_bn", "fmnist_cnn", "fmnist_alexnet_bn", "small_cnn", "small_resnet")
 DECAY_EXCLUDES = ("bn_bias", "bn", "none", "nvidia")
 # How a source turns epochs into steps (``Recipe.epoch_steps``):
@@ -392,12 +394,3 @@ def recipes_markdown() -> str:
             f"{r.epochs} | {r.precision} | {top1} |")
     return "\n".join(lines) + "\n"
 
-
-def add_arguments(parser: Any) -> None:
-    """``largebatch recipes`` takes no flags."""
-
-
-def main(args: Any) -> int:
-    """Print the recipes table."""
-    print(recipes_table())
-    return 0

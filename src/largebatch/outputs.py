@@ -6,7 +6,7 @@
 - :func:`lock_folder` takes an exclusive ``flock`` on ``FOLDER/.lock`` for as long as a run
   writes there; a second run on the same folder is refused.
 - :class:`CommandError` is a user error: ``largebatch COMMAND: message`` on one line,
-  exit status 2, no traceback (``largebatch.recipes.cli.main`` prints it).
+  exit status 2, no traceback (``largebatch.cli.main`` prints it).
 
 This module imports no framework.
 """

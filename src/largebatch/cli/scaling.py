@@ -26,7 +26,7 @@ from typing import Any
 
 from largebatch.comm import published
 from largebatch.comm import scaling as model
-from largebatch.recipes.outputs import CommandError, atomic_write, figure, require, writable_folder
+from largebatch.outputs import CommandError, atomic_write, figure, require, writable_folder
 
 __all__ = ["add_arguments", "default_workers", "main"]
 
