@@ -1,10 +1,7 @@
-"""The recipes' models: :func:`small_cnn` and :func:`small_resnet` for the embedded
-Fashion-MNIST data set, and the ImageNet models :func:`resnet50` and :func:`alexnet_bn`
-(torchvision's, imported when built).
-
-The Fashion-MNIST recipes and ``largebatch study`` use ``small_cnn`` with a 128-unit hidden
-layer (:func:`fmnist_cnn`), chosen by measurement among the candidates docs/study.md lists.
-``largebatch.recipes.build.build_model`` builds any of them by its recipe name.
+"""The recipes' models: :func:`small_cnn`, :func:`fmnist_cnn` (the Fashion-MNIST recipes' and
+the study's, chosen by measurement, docs/study.md), :func:`fmnist_alexnet_bn` and
+:func:`small_resnet` for Fashion-MNIST, and the ImageNet models :func:`resnet50` and
+:func:`alexnet_bn` (torchvision's, imported when built). ``recipes.build`` builds them by name.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Named training recipes as data: model, data set, optimizer, schedule, precision, batch.
 
-A :class:`Recipe` is one row; :data:`RECIPES` holds them by name. ``largebatch train
---recipe NAME`` runs one, ``largebatch recipes`` prints the table. This module imports
-no framework.
-
-ImageNet rows restate their source: every hyperparameter and ``published_top1`` come from
-the paper's table or section, or from the reference code, and ``source`` cites exactly
-where (arXiv id and table or section, or repository and file). What the source leaves
-open is named in ``unstated``, with the value this package uses in its place.
-Fashion-MNIST rows are ours: their settings are those the tuned batch-size study found
-(``largebatch study``, docs/study.md).
+A :class:`Recipe` is one row; :data:`RECIPES` holds them by name, each with its source
+(docs/design.md §6, docs/recipes.md). This module imports no framework.
 """
 
 from __future__ import annotations

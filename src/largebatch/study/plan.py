@@ -1,11 +1,7 @@
-"""The study's plan, pure (no framework, no files): what to run, and what a set of finished
-runs still leaves to run.
-
-:class:`StudyConfig` says what to run; :class:`RunSpec` is one training run (its
-:attr:`~RunSpec.key` identifies it in ``runs.jsonl``). :func:`pair_plan` gives one
-(batch, optimizer) pair's tuning grid and final runs as far as the finished results
-settle them; :func:`plan` every run still needed. The same results give the same plan,
-which is what lets an interrupted study continue where it stopped.
+"""The study's plan, pure (no framework, no files): :class:`StudyConfig` says what to run,
+:class:`RunSpec` is one run (its :attr:`~RunSpec.key` names it in ``runs.jsonl``), and
+:func:`plan` gives every run a set of finished runs still leaves to run: the same results,
+the same plan, so an interrupted study continues where it stopped.
 """
 
 from __future__ import annotations

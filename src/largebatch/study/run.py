@@ -1,11 +1,7 @@
-"""Running the study, the sweep (:func:`run_study`; one run is
-``largebatch.study.worker.run_one``):
-the study's settings written to ``OUT/settings.json``, the planned runs on a pool of worker
-processes, each finished run appended to ``OUT/runs.jsonl`` (which an interrupted study
-resumes from), SIGTERM and a killed parent handled, then the report. :func:`recorded_config`
-reads a study's settings back from its folder (``--report``).
-
-Runs need torch, imported by the worker that trains them; this module imports none.
+"""The study's sweep (:func:`run_study`): its settings in ``OUT/settings.json``, the planned
+runs on a pool of worker processes, each finished run appended to ``OUT/runs.jsonl`` (an
+interrupted study resumes from it), then the report; :func:`recorded_config` reads the
+settings back (``--report``). Imports no framework: the workers do.
 """
 
 from __future__ import annotations
