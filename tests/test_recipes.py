@@ -42,7 +42,7 @@ def test_small_resnet_blocks_start_as_their_shortcut():
     initialisation is ReLU(shortcut(x))."""
     torch.manual_seed(0)
     model = models.small_resnet().eval()
-    blocks = [m for m in model if isinstance(m, models._BasicBlock)]
+    blocks = [m for m in model if isinstance(m, models.BasicBlock)]
     assert len(blocks) == 3
     x = torch.randn(2, 16, 14, 14)
     for block in blocks:
@@ -65,7 +65,7 @@ def test_fmnist_alexnet_bn_is_alexnet_bn_scaled_down():
     assert [m.out_features for m in linears] == [256, 256, 10]
     head = sum(p.numel() for m in linears for p in m.parameters())
     assert head > 0.75 * sum(p.numel() for p in model.parameters())
-    assert not any(isinstance(m, models._BasicBlock) for m in model.modules())
+    assert not any(isinstance(m, models.BasicBlock) for m in model.modules())
 
 
 @pytest.mark.parametrize("call, message", [

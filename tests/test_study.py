@@ -628,7 +628,7 @@ def test_freeze_variance_freezes_lambs_v_when_the_plain_exchange_ends():
     for optimizer, frozen in (("lamb", True), ("lamb", False), ("lars", True)):
         spec = study.RunSpec(**common, optimizer=optimizer, freeze_variance=frozen)
         recipe = study.pair_recipe(1536, optimizer)
-        opt = worker._optimizer(spec, recipe, build_model(recipe.model, 10), steps_per_epoch=39)
+        opt = worker.run_optimizer(spec, recipe, build_model(recipe.model, 10), steps_per_epoch=39)
         steps = {g.get("freeze_step", "none") for g in opt.param_groups}
         expected = {117} if (optimizer, frozen) == ("lamb", True) else \
             ({None} if optimizer == "lamb" else {"none"})

@@ -18,7 +18,7 @@ from typing import Any
 
 from largebatch.study.plan import RunSpec, pair_recipe, held_out
 
-__all__ = ["WORKER", "exit_with_parent", "init_worker", "phase_tensors", "run_one"]
+__all__ = ["WORKER", "exit_with_parent", "init_worker", "phase_tensors", "run_one", "run_optimizer"]
 
 _SPLIT_SEED = 2017  # the permutation that holds out the tuning split's validation images
 _EVAL_CHUNK = 2000
@@ -102,7 +102,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
         device, memory_format=torch.channels_last)
-    optimizer = _optimizer(spec, recipe, model, steps_per_epoch)
+    optimizer = run_optimizer(spec, recipe, model, steps_per_epoch)
     scheduler = ScheduleLR(optimizer, build_schedule(
         recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
         warmup_epochs=spec.warmup_epochs))
@@ -169,7 +169,7 @@ class _Progress:
         self.sent = time.monotonic()
 
 
-def _optimizer(spec: RunSpec, recipe: Any, model: Any, steps_per_epoch: int) -> Any:
+def run_optimizer(spec: RunSpec, recipe: Any, model: Any, steps_per_epoch: int) -> Any:
     """The recipe's optimizer at the spec's lr; with ``spec.freeze_variance``, LAMB's
     ``freeze_step`` at the end of the plain exchange (``compression_warmup`` epochs)."""
     from largebatch.recipes.build import build_optimizer
