@@ -23,9 +23,9 @@ import torch
 
 from largebatch import models
 from largebatch.recipes.build import build_optimizer
-from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 from largebatch.recipes.registry import get_recipe
 from largebatch.torch import ScheduleLR, make_schedule
+from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 
 CANDIDATES = {
     "small_cnn (width 8, pooled head)": models.small_cnn,

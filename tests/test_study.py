@@ -16,8 +16,8 @@ import pytest
 
 from helpers import user_error
 from largebatch import study
-from largebatch.cli import study as study_cli
 from largebatch.cli import main as cli
+from largebatch.cli import study as study_cli
 from largebatch.recipes.registry import RECIPES, get_recipe, imagenet_equivalent
 from largebatch.study import RunSpec, StudyConfig, plan, summarize
 

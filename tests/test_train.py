@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from largebatch.recipes.build import build_model, build_optimizer
 from largebatch.cli import main as cli
+from largebatch.recipes.build import build_model, build_optimizer
 from largebatch.recipes.registry import (
     FASHION_SETTINGS, RECIPES, Recipe, get_recipe, imagenet_equivalent,
 )
@@ -326,8 +326,7 @@ def test_registry_rows():
 
 
 def test_lars_trust_ratios_are_the_ratios_the_optimizer_applies():
-    from largebatch.torch import trust_ratios
-    from largebatch.torch import LARS
+    from largebatch.torch import LARS, trust_ratios
 
     torch.manual_seed(0)
     params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]
@@ -373,8 +372,7 @@ def test_imagefolder_tree_and_alexnet_bn(tmp_path):
 
 
 def test_lamb_trust_ratios_are_the_ratios_the_optimizer_applies():
-    from largebatch.torch import trust_ratios
-    from largebatch.torch import LAMB
+    from largebatch.torch import LAMB, trust_ratios
 
     torch.manual_seed(0)
     params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from largebatch import checks
+from largebatch import checks, models
 from largebatch.mixed_precision.torch import NORM_LAYERS
-from largebatch import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 

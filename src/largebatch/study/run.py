@@ -23,7 +23,7 @@ from typing import Any
 
 from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
 from largebatch.study.plan import (
-    RunSpec, StudyConfig, check_config, pair_recipe, config_from_runs, plan, run_steps,
+    RunSpec, StudyConfig, check_config, config_from_runs, pair_recipe, plan, run_steps,
     runs_left,
 )
 from largebatch.study.report import compare_markdown, plot, study_markdown, summarize

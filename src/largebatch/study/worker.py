@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from largebatch.study.plan import RunSpec, pair_recipe, held_out
+from largebatch.study.plan import RunSpec, held_out, pair_recipe
 
 __all__ = ["WORKER", "exit_with_parent", "init_worker", "phase_tensors", "run_one", "run_optimizer"]
 
@@ -89,8 +89,8 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     import torch
 
     from largebatch.recipes.build import build_loss, build_model, build_schedule
-    from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
     from largebatch.torch import ScheduleLR
+    from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 
     if not WORKER:
         init_worker(torch.get_num_threads(), None, "cpu")

@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import torch
 
-from largebatch.training.loop import Batches, tensor_chunks
 from largebatch.outputs import CommandError
 from largebatch.recipes.registry import Recipe
+from largebatch.training.loop import Batches, tensor_chunks
 
 __all__ = ["StreamSampler", "TrainData", "batches", "epoch_sampler", "eval_chunks", "load_data"]
 

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from largebatch import plots
+from largebatch.outputs import CommandError
 from largebatch.recipes.build import (
     DTYPES, build_loss, build_model, build_optimizer, build_schedule, setup_options,
 )
-from largebatch.training.checkpoint import to_device
-from largebatch.training.distributed import join, shard_model
-from largebatch.outputs import CommandError
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, imagenet_equivalent
-from largebatch.training.data import TrainData, load_data
 from largebatch.torch import ScheduleLR, to_half
+from largebatch.training.checkpoint import to_device
+from largebatch.training.data import TrainData, load_data
+from largebatch.training.distributed import join, shard_model
 
 __all__ = ["Run", "build_run", "restore", "distribute", "fail"]
 
