@@ -43,7 +43,7 @@ test-fast: $(STAMP) data
 
 # The gate CI runs before the tests: ruff (style, errors, annotations), mypy (types).
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks tools
 	$(PY) -m mypy
 
 demo: $(STAMP) data
@@ -69,8 +69,8 @@ gpu-check:
 
 # The fused kernels compiled for sm_80 and sm_90, no GPU needed: every launch the fused
 # path makes (recorded on the CPU), failing on a spill, more than 128 registers a thread
-# or an fp64 instruction per element (src/largebatch/lars/kernels/compile_check.py;
+# or an fp64 instruction per element (tools/compile_check.py;
 # make test runs a sample). About 8 minutes on 2 cores.
 .PHONY: check-kernels
 check-kernels: $(STAMP)
-	env -u TRITON_INTERPRET $(PY) -m largebatch.lars.kernels.compile_check
+	env -u TRITON_INTERPRET $(PY) tools/compile_check.py

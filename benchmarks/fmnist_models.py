@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from largebatch.recipes import models
+from largebatch import models
 from largebatch.recipes.build import build_optimizer
-from largebatch.recipes.loop import evaluate, tensor_chunks, train_epoch
 from largebatch.recipes.registry import get_recipe
 from largebatch.torch import ScheduleLR, make_schedule
+from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 
 CANDIDATES = {
     "small_cnn (width 8, pooled head)": models.small_cnn,
@@ -58,10 +58,10 @@ def seconds_per_epoch(factory, batch: int, steps: int) -> float:
 
 
 def validation_accuracy(factory, epochs: int) -> float:
-    from largebatch.recipes.study.worker import _init_worker, _tensors
+    from largebatch.study.worker import init_worker, phase_tensors
 
-    _init_worker(1, None, "cpu")
-    x, y, x_val, y_val = _tensors("tune", None)
+    init_worker(1, None, "cpu")
+    x, y, x_val, y_val = phase_tensors("tune", None)
     torch.manual_seed(0)
     model = factory().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=5e-4)

@@ -24,7 +24,7 @@ from largebatch.comm import reference as ref
 from largebatch.comm.torch import (
     AdaCompState, LocalClipState, SimulatedWorkers, adacomp_hook, local_clip_hook, simulate_step,
 )
-from largebatch.recipes.distributed import exit_process
+from largebatch.training.distributed import exit_process
 
 SHAPES = {"conv": (6, 3, 3, 3), "conv_bias": (6,), "fc": (10, 131), "fc_bias": (10,),
           "norm": (7,), "zero": (4, 2, 3, 3), "small": (3, 17)}

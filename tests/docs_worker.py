@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from largebatch.recipes.distributed import exit_process
+from largebatch.training.distributed import exit_process
 from test_docs_examples import ON_PROCESSES, blocks
 
 _GROUP = """

@@ -23,7 +23,7 @@ BAD_ADACOMP_OPTIONS = [
 def user_error(argv: list[str], capsys: Any) -> str:
     """Run ``largebatch ARGV`` in this process; its one stderr line, after checking the rest:
     exit status 2, one line naming the command, no traceback."""
-    from largebatch.recipes.cli import main as cli
+    from largebatch.cli import main as cli
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as err:

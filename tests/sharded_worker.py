@@ -28,7 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from largebatch.lars.torch import _sharded
 from largebatch.torch import LAMB, LARS, param_groups
 from cases import torch_paths
-from largebatch.recipes.distributed import exit_process
+from largebatch.training.distributed import exit_process
 
 STEPS = 4
 TOL = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}  # torch's (rtol, atol)

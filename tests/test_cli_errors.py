@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from largebatch.recipes.cli import main as cli
+from largebatch.cli import main as cli
 from helpers import user_error
-from largebatch.recipes.data import FASHION_MNIST_FILES, fashion_mnist_dir
+from largebatch.fashion_mnist import FASHION_MNIST_FILES, fashion_mnist_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -119,7 +119,7 @@ def test_missing_matplotlib_is_named_before_any_training(tmp_path, capsys, monke
 
 def test_a_failing_plot_is_a_warning_and_the_run_keeps_its_outputs(tmp_path, capsys,
                                                                     monkeypatch):
-    from largebatch.recipes import plots
+    from largebatch import plots
 
     def broken_plot(*args, **kwargs):
         raise RuntimeError("no display backend")

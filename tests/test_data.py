@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from largebatch.recipes.data import FASHION_MNIST_FILES, fashion_mnist_dir, load_fashion_mnist
+from largebatch.fashion_mnist import FASHION_MNIST_FILES, fashion_mnist_dir, load_fashion_mnist
 
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def test_cli_help_lists_every_command():
 
 def test_import_largebatch_loads_no_framework():
     code = (
-        "import sys, largebatch, largebatch.recipes.cli; "
+        "import sys, largebatch, largebatch.cli; "
         "loaded = [m for m in ('torch', 'jax') if m in sys.modules]; "
         "assert not loaded, loaded"
     )

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from largebatch.recipes.data import fashion_mnist_dir
+from largebatch.fashion_mnist import fashion_mnist_dir
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "jax_fashion_mnist.py"
 

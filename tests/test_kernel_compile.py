@@ -1,4 +1,4 @@
-"""The compile check of the fused kernels (``largebatch.lars.kernels.compile_check``).
+"""The compile check of the fused kernels (``tools/compile_check.py``).
 
 Launches are recorded here, under the interpreter (tests/conftest.py); compiling needs
 the kernels defined without it, so the tests that compile start a subprocess. ``make
@@ -12,14 +12,19 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from largebatch.lars.kernels import compile_check as cc
-from largebatch.lars.kernels import compile_launches as cl
-from largebatch.lars.kernels import plan as kplan
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # the check is a script there, not in the package
+sys.path.insert(0, str(TOOLS))
+
+import compile_check as cc  # noqa: E402
+import compile_launches as cl  # noqa: E402
+
+from largebatch.lars.kernels import plan as kplan  # noqa: E402
 
 TILE_KERNELS = {"_grad_check_kernel", "_lars_norms_kernel", "_lars_apply_kernel",
                 "_lamb_moments_kernel", "_lamb_apply_kernel"}
@@ -29,7 +34,7 @@ def compiler_env(tmp_path, *paths):
     """The environment of a subprocess that compiles: no interpreter, its own cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(TOOLS), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -73,12 +78,12 @@ def test_launches_are_recorded_as_triton_specializes_them():
 
 @pytest.mark.slow
 def test_quick_compile_check_passes(tmp_path):
-    """``python -m largebatch.lars.kernels.compile_check --quick``: every sampled
+    """``python tools/compile_check.py --quick``: every sampled
     specialization compiles for sm_80 and sm_90 without spills, within 128 registers, with
     no fp64 instruction per element and 16-byte loads where aligned."""
     pytest.importorskip("triton.backends.nvidia")
     run = subprocess.run(
-        [sys.executable, "-m", "largebatch.lars.kernels.compile_check", "--quick", "--jobs", "2"],
+        [sys.executable, str(TOOLS / "compile_check.py"), "--quick", "--jobs", "2"],
         env=compiler_env(tmp_path), capture_output=True, text=True,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -115,8 +120,8 @@ def _fp64_per_tile(x, out, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
 
 SEES = """
 import json, sys
-from largebatch.lars.kernels import compile_check as cc
-from largebatch.lars.kernels import compile_launches as cl
+import compile_check as cc
+import compile_launches as cl
 
 out = {}
 moments = cl.Launch.from_json(json.loads(sys.argv[1]))

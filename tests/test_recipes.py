@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from largebatch.recipes import build, models, study
+from largebatch import models, study
+from largebatch.recipes import build
 from largebatch.recipes.registry import RECIPES, Recipe, get_recipe
-from largebatch.recipes.study import RunSpec
+from largebatch.study import RunSpec
 
 # --------------------------------------------------------------------------- the models
 
@@ -41,7 +42,7 @@ def test_small_resnet_blocks_start_as_their_shortcut():
     initialisation is ReLU(shortcut(x))."""
     torch.manual_seed(0)
     model = models.small_resnet().eval()
-    blocks = [m for m in model if isinstance(m, models._BasicBlock)]
+    blocks = [m for m in model if isinstance(m, models.BasicBlock)]
     assert len(blocks) == 3
     x = torch.randn(2, 16, 14, 14)
     for block in blocks:
@@ -64,7 +65,7 @@ def test_fmnist_alexnet_bn_is_alexnet_bn_scaled_down():
     assert [m.out_features for m in linears] == [256, 256, 10]
     head = sum(p.numel() for m in linears for p in m.parameters())
     assert head > 0.75 * sum(p.numel() for p in model.parameters())
-    assert not any(isinstance(m, models._BasicBlock) for m in model.modules())
+    assert not any(isinstance(m, models.BasicBlock) for m in model.modules())
 
 
 @pytest.mark.parametrize("call, message", [
@@ -128,12 +129,12 @@ def test_a_run_gets_its_specs_label_smoothing_warmup_and_power(monkeypatch):
     spy("build_schedule", build.build_schedule)
     threads = torch.get_num_threads()
     try:
-        study._init_worker(1, None, "cpu")
+        study.init_worker(1, None, "cpu")
         # 1,200 images at B=384: 3 steps an epoch, 2 epochs.
         study.run_one(RunSpec("final", 384, "lars", 4.0, 1.0, seed=0, epochs=2, subset=1200,
                               label_smoothing=0.2, power=3.0))
     finally:
-        study._WORKER.clear()
+        study.WORKER.clear()
         torch.set_num_threads(threads)
     assert seen["build_loss"].label_smoothing == 0.2
     sched = seen["build_schedule"]
@@ -242,7 +243,7 @@ def test_every_imagenet_recipe_is_in_the_cited_table_and_nothing_is_provisional(
 
 
 def test_largebatch_recipes_prints_every_source(capsys):
-    from largebatch.recipes.cli import main as cli
+    from largebatch.cli import main as cli
 
     assert cli(["recipes"]) == 0
     out = capsys.readouterr().out

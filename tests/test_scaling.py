@@ -14,7 +14,7 @@ from helpers import user_error
 
 from largebatch.comm import published
 from largebatch.comm import scaling as sc
-from largebatch.recipes.cli import main as cli
+from largebatch.cli import main as cli
 
 MB = 1e6
 GB = 1e9
@@ -390,7 +390,7 @@ def test_the_command_loads_no_framework_and_exits_2_in_a_subprocess():
     import subprocess
     import sys
 
-    code = ("import sys; from largebatch.recipes.cli import main; "
+    code = ("import sys; from largebatch.cli import main; "
             "main(['scaling', '--workers', '1', '16']); "
             "assert not [m for m in ('torch', 'jax') if m in sys.modules]; "
             "main(['scaling', '--inter-gbps', '-1'])")

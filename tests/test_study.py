@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from helpers import user_error
-from largebatch.recipes import study
-from largebatch.recipes.cli import main as cli
+from largebatch import study
+from largebatch.cli import main as cli
+from largebatch.cli import study as study_cli
 from largebatch.recipes.registry import RECIPES, get_recipe, imagenet_equivalent
-from largebatch.recipes.study import RunSpec, StudyConfig, plan, summarize
+from largebatch.study import RunSpec, StudyConfig, plan, summarize
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -55,7 +56,7 @@ def test_every_study_pair_has_a_recipe_and_a_grid_centre():
 def test_first_plan_is_the_lr_grid_times_the_warmups_with_the_techniques_on():
     specs = plan(LARS_3072, {})
     assert {(s.lr, s.warmup_epochs) for s in specs} == {
-        (study._lr(CENTRE * f), w) for f in (0.5, 1, 2) for w in (2.0, 5.0)}
+        (study.round_lr(CENTRE * f), w) for f in (0.5, 1, 2) for w in (2.0, 5.0)}
     assert {(s.phase, s.seed, s.epochs) for s in specs} == {("tune", 0, 30)}
     assert {(s.label_smoothing, s.power) for s in specs} == {(0.1, 2.0)}
     # The baseline batch tunes over its own warmups; the switches reach every run.
@@ -66,7 +67,7 @@ def test_first_plan_is_the_lr_grid_times_the_warmups_with_the_techniques_on():
 
 
 def test_an_interior_best_goes_straight_to_three_final_seeds():
-    centre = study._lr(CENTRE)
+    centre = study.round_lr(CENTRE)
     grid = plan(LARS_3072, {})
     results = _finish(grid, lambda s: 0.9 if (s.lr, s.warmup_epochs) == (centre, 5.0) else 0.5)
     finals = plan(LARS_3072, results)
@@ -85,8 +86,8 @@ def test_time_to_accuracy_runs_again_the_tuning_run_that_reaches_the_target_firs
     differ from the most accurate one, and the report gets a second table."""
     cfg = StudyConfig(batches=(128, 3072), optimizers=("sgd", "lars"), ablate=False, extend=0,
                       time_to_accuracy=True)
-    centre = study._lr(CENTRE)
-    fast = (study._lr(CENTRE * 2), 2.0)  # reaches 0.9 at epoch 3, ends below the best
+    centre = study.round_lr(CENTRE)
+    fast = (study.round_lr(CENTRE * 2), 2.0)  # reaches 0.9 at epoch 3, ends below the best
 
     def curve(s):
         if s.batch == 128:  # the baseline: best 0.91 -> validation target 0.9
@@ -124,7 +125,7 @@ def test_time_to_accuracy_runs_again_the_tuning_run_that_reaches_the_target_firs
     assert "fast_rows" not in summarize(plain, results)
     assert study.fastest_plan(plain, results, 3072, "lars") == ([], [])
     with pytest.raises(ValueError, match="Invalid time_to_accuracy with quick"):
-        study._check(dataclasses.replace(cfg, quick=True))
+        study.check_config(dataclasses.replace(cfg, quick=True))
 
 
 def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_run():
@@ -133,7 +134,7 @@ def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_ru
     those of the accuracy grid."""
     cfg = StudyConfig(batches=(128, 3072), optimizers=("sgd", "lars"), ablate=False, extend=1,
                       time_to_accuracy=True)
-    low = study._lr(CENTRE / 2)
+    low = study.round_lr(CENTRE / 2)
 
     def curve(s):
         if s.batch == 128:  # the baseline: best 0.91 at lr 0.2 -> validation target 0.9
@@ -154,11 +155,11 @@ def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_ru
     # The accuracy grid (1/2, 1, 2 x centre) does not grow: its best is inside. The fast
     # grid grows once below its edge, to 1/4 x centre, and stops there (extend 1), though
     # the fastest is on the edge again.
-    assert lars_lrs == [study._lr(CENTRE / 4), low, CENTRE, study._lr(CENTRE * 2)]
+    assert lars_lrs == [study.round_lr(CENTRE / 4), low, CENTRE, study.round_lr(CENTRE * 2)]
     extra, fast = study.fastest_plan(cfg, results, 3072, "lars")
-    assert {(s.lr, s.warmup_epochs) for s in extra} == {(study._lr(CENTRE / 4), 2.0),
-                                                         (study._lr(CENTRE / 4), 5.0)}
-    assert {(s.lr, s.warmup_epochs, s.phase) for s in fast} == {(study._lr(CENTRE / 4), 2.0, "final")}
+    assert {(s.lr, s.warmup_epochs) for s in extra} == {(study.round_lr(CENTRE / 4), 2.0),
+                                                         (study.round_lr(CENTRE / 4), 5.0)}
+    assert {(s.lr, s.warmup_epochs, s.phase) for s in fast} == {(study.round_lr(CENTRE / 4), 2.0, "final")}
     _, final = study.pair_plan(cfg, results, 3072, "lars")
     assert {(s.lr, s.warmup_epochs) for s in final} == {(CENTRE, 2.0)}
     # The baseline's fastest run, inside its grid, is its most accurate: no growth there.
@@ -166,7 +167,7 @@ def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_ru
     # The finals run, the report marks the fast row as on the edge.
     results |= {s.key: _result(s, 0, curve(s)) for s in plan(cfg, results)}
     (row,) = [r for r in summarize(cfg, results)["fast_rows"] if r["optimizer"] == "lars"]
-    assert row["lr_on_grid_edge"] and row["lr"] == study._lr(CENTRE / 4)
+    assert row["lr_on_grid_edge"] and row["lr"] == study.round_lr(CENTRE / 4)
 
 
 @pytest.mark.parametrize("winner, expected", [
@@ -176,7 +177,7 @@ def test_time_to_accuracy_grows_its_own_grid_past_an_edge_holding_the_fastest_ru
 ])
 def test_each_technique_is_switched_off_at_the_best_grid_point(winner, expected):
     cfg = dataclasses.replace(LARS_3072, ablate=True)
-    centre = study._lr(CENTRE)
+    centre = study.round_lr(CENTRE)
     grid = plan(cfg, {})
 
     def score(s):
@@ -213,27 +214,27 @@ def test_a_best_on_the_edge_grows_the_grid_once_on_that_side():
     grid = plan(LARS_3072, {})
     results = _finish(grid, lambda s: s.lr)  # larger lr, better: the top edge wins
     grown = plan(LARS_3072, results)
-    assert {(s.lr, s.warmup_epochs) for s in grown} == {(study._lr(4 * CENTRE), 2.0),
-                                                        (study._lr(4 * CENTRE), 5.0)}
+    assert {(s.lr, s.warmup_epochs) for s in grown} == {(study.round_lr(4 * CENTRE), 2.0),
+                                                        (study.round_lr(4 * CENTRE), 5.0)}
     results |= _finish(grown, lambda s: s.lr)
     finals = plan(LARS_3072, results)  # still on the edge, but extend=1 is spent
-    assert {(s.phase, s.lr) for s in finals} == {("final", study._lr(4 * CENTRE))}
+    assert {(s.phase, s.lr) for s in finals} == {("final", study.round_lr(4 * CENTRE))}
     results |= _finish(finals, lambda s: 0.9)
     (row,) = summarize(LARS_3072, results)["rows"]
     assert row["lr_on_grid_edge"] and row["seeds"] == 3
     assert f"| {4 * CENTRE:g} (edge) |" in study.study_markdown(summarize(LARS_3072, results))
     # With extend=0 the first grid is final; with extend=2 it grows again.
     assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 0}),
-                               _finish(grid, lambda s: s.lr))} == {study._lr(2 * CENTRE)}
+                               _finish(grid, lambda s: s.lr))} == {study.round_lr(2 * CENTRE)}
     assert {s.lr for s in plan(StudyConfig(**{**vars(LARS_3072), "extend": 2}), results)} == {
-        study._lr(8 * CENTRE)}
+        study.round_lr(8 * CENTRE)}
 
 
 def test_a_bottom_edge_best_grows_downwards():
     centre = study.GRID_CENTRES["sgd", 1536]
     cfg = StudyConfig(batches=(1536,), optimizers=("sgd",))
     results = _finish(plan(cfg, {}), lambda s: -s.lr)
-    assert {s.lr for s in plan(cfg, results)} == {study._lr(centre / 4)}
+    assert {s.lr for s in plan(cfg, results)} == {study.round_lr(centre / 4)}
 
 
 def test_the_grid_does_not_move_with_the_recipes(monkeypatch):
@@ -261,19 +262,19 @@ def _args(*argv: str):
     import argparse
 
     parser = argparse.ArgumentParser()
-    study.add_arguments(parser)
+    study_cli.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_quick_runs_the_quick_pairs_unless_told_otherwise():
-    cfg = study.config(_args("--quick"))
+    cfg = study_cli.config(_args("--quick"))
     assert cfg.pairs() == list(study.QUICK_PAIRS) and cfg.seeds == 1
     assert [(s.batch, s.optimizer, s.phase) for s in plan(cfg, {})] == [
         (b, o, "final") for b, o in study.QUICK_PAIRS]
-    told = study.config(_args("--quick", "--optimizers", "sgd,lars"))
+    told = study_cli.config(_args("--quick", "--optimizers", "sgd,lars"))
     assert told.pairs() == [(128, "sgd"), (1536, "sgd"), (1536, "lars"), (3072, "sgd"),
                             (3072, "lars")]
-    full = study.config(_args())
+    full = study_cli.config(_args())
     assert full.pairs() == StudyConfig().pairs() and full.seeds == 3 and not full.quick
 
 
@@ -427,15 +428,15 @@ def test_pool_and_single_process_runs_agree_bit_for_bit(tmp_path):
     import torch
 
     recipe = get_recipe("fmnist-lars-384").with_epochs(1)  # the study's run of 1 epoch
-    spec = RunSpec("final", 384, "lars", study._lr(recipe.peak_lr), recipe.warmup_epochs,
+    spec = RunSpec("final", 384, "lars", study.round_lr(recipe.peak_lr), recipe.warmup_epochs,
                    seed=1, epochs=1, subset=1200, label_smoothing=recipe.label_smoothing,
                    power=recipe.power)
     threads = torch.get_num_threads()
     try:
-        study._init_worker(1, None, "cpu")
+        study.init_worker(1, None, "cpu")
         here = study.run_one(spec)
     finally:
-        study._WORKER.clear()
+        study.WORKER.clear()
         torch.set_num_threads(threads)
     cfg = StudyConfig(quick=True, batches=(384,), optimizers=("lars",), seeds=2, epochs=1,
                       subset=1200, jobs=2, threads=1, out=str(tmp_path))
@@ -465,13 +466,13 @@ def test_a_run_follows_its_recipes_step_schedule_and_milestones(monkeypatch):
         lambda optimizer, args, kwargs: lrs.append(optimizer.param_groups[0]["lr"]))
     threads = torch.get_num_threads()
     try:
-        study._init_worker(1, None, "cpu")
+        study.init_worker(1, None, "cpu")
         # 1,200 images at B=384: 3 steps an epoch; milestones at steps 3 and 6.
         run = study.run_one(RunSpec("final", 384, "sgd", 0.5, 0.0, seed=0, epochs=3,
                                     subset=1200))
     finally:
         hook.remove()
-        study._WORKER.clear()
+        study.WORKER.clear()
         torch.set_num_threads(threads)
     assert run["steps_per_epoch"] == 3 and len(run["curve"]) == 3
     assert lrs == pytest.approx([0.5] * 3 + [0.05] * 3 + [0.005] * 3)
@@ -492,7 +493,7 @@ def test_report_writes_the_tables_of_a_part_finished_study_and_trains_nothing(tm
     assert "2 runs are planned next" in proc.stdout  # the grid grows past its top edge
     assert log.read_bytes() == before  # nothing trained, nothing appended
     text = (tmp_path / "study.md").read_text()
-    assert f"lr {study._lr(2 * CENTRE):g} **" in text  # the grid's best, in bold
+    assert f"lr {study.round_lr(2 * CENTRE):g} **" in text  # the grid's best, in bold
     assert json.loads((tmp_path / "study.json").read_text())["rows"] == []  # no finals yet
     assert not (tmp_path / "study.png").exists() and "Warning" not in proc.stderr
 
@@ -503,13 +504,13 @@ def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, caps
     log = tmp_path / "runs.jsonl"
     whole, cut = json.dumps(rows[0]), json.dumps(rows[1])
     log.write_text(whole + "\n" + cut[: len(cut) // 2])  # killed in the middle of a write
-    assert list(study._load_results(log)) == [specs[0].key]
+    assert list(study.load_results(log)) == [specs[0].key]
     err = capsys.readouterr().err
     assert err.startswith(f"largebatch study: warning: {log}, line 2: not a complete run record")
     assert err.count("\n") == 1 and "Traceback" not in err
     # The next run appended starts a line of its own; the broken line stays skipped.
-    study._append(log, rows[2])
-    assert list(study._load_results(log)) == [specs[0].key, specs[2].key]
+    study.append_run(log, rows[2])
+    assert list(study.load_results(log)) == [specs[0].key, specs[2].key]
     assert f"{log}, line 2:" in capsys.readouterr().err
 
 
@@ -555,8 +556,8 @@ def test_a_worker_exits_when_its_parent_is_killed():
 
     import psutil
 
-    child = ("import threading, time; from largebatch.recipes.study import _exit_with_parent; "
-             "threading.Thread(target=_exit_with_parent, args=(PARENT, 0.05), daemon=True)"
+    child = ("import threading, time; from largebatch.study import exit_with_parent; "
+             "threading.Thread(target=exit_with_parent, args=(PARENT, 0.05), daemon=True)"
              ".start(); print('watching', flush=True); time.sleep(60)")
     parent_code = ("import os, subprocess, sys; "
                    f"c = subprocess.Popen([sys.executable, '-c', {child!r}.replace('PARENT', "
@@ -613,21 +614,21 @@ def test_a_study_of_another_model_trains_that_model_in_every_run():
     assert alexnet["spec"]["model"] == "fmnist_alexnet_bn" and alexnet["accuracy"] > 0.2
     assert alexnet["curve"] != cnn["curve"]
     with pytest.raises(ValueError, match="Invalid model"):
-        study._check(StudyConfig(model="resnet50"))
+        study.check_config(StudyConfig(model="resnet50"))
 
 
 def test_freeze_variance_freezes_lambs_v_when_the_plain_exchange_ends():
     """``--freeze-variance``: a LAMB run's groups get ``freeze_step`` = the steps of its
     ``compression_warmup`` epochs; the other optimizers are built as without it."""
     from largebatch.recipes.build import build_model
-    from largebatch.recipes.study import worker
+    from largebatch.study import worker
 
     common = dict(phase="final", batch=1536, lr=0.01, warmup_epochs=1.0, seed=0, epochs=30,
                   workers=8, compression="adacomp", compression_warmup=3)
     for optimizer, frozen in (("lamb", True), ("lamb", False), ("lars", True)):
         spec = study.RunSpec(**common, optimizer=optimizer, freeze_variance=frozen)
-        recipe = study._recipe(1536, optimizer)
-        opt = worker._optimizer(spec, recipe, build_model(recipe.model, 10), steps_per_epoch=39)
+        recipe = study.pair_recipe(1536, optimizer)
+        opt = worker.run_optimizer(spec, recipe, build_model(recipe.model, 10), steps_per_epoch=39)
         steps = {g.get("freeze_step", "none") for g in opt.param_groups}
         expected = {117} if (optimizer, frozen) == ("lamb", True) else \
             ({None} if optimizer == "lamb" else {"none"})
@@ -644,7 +645,7 @@ def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
     from pathlib import Path
 
     folder = "adacomp-8" if compression == "adacomp" else "workers-8"
-    results = study._load_results(Path(__file__).parents[1] / "docs" / "study" / folder
+    results = study.load_results(Path(__file__).parents[1] / "docs" / "study" / folder
                                   / "runs.jsonl")
     cfg = StudyConfig(quick=True, batches=(1536,), optimizers=("lars", "lamb"), seeds=3,
                       workers=8, compression=compression)
@@ -660,7 +661,7 @@ def test_epochs_scales_every_warmup_as_train_does():
     stand."""
     from largebatch.recipes.build import build_schedule
 
-    quick = plan(study.config(_args("--quick", "--epochs", "3")), {})
+    quick = plan(study_cli.config(_args("--quick", "--epochs", "3")), {})
     assert {(s.batch, s.optimizer): s.warmup_epochs for s in quick} == pytest.approx(
         {(128, "sgd"): 0.0, (1536, "lars"): 0.2, (1536, "lamb"): 0.5})
     for spec in quick:
@@ -673,12 +674,12 @@ def test_epochs_scales_every_warmup_as_train_does():
         steps = range(recipe.epoch_end(3, 60_000, spec.batch) + 1)
         assert [studies(t) for t in steps] == [trains(t) for t in steps], spec
     # The grid's warmups are epochs of a recipe's 30, scaled the same way.
-    grid = plan(study.config(_args("--batches", "128,1536", "--optimizers", "sgd",
+    grid = plan(study_cli.config(_args("--batches", "128,1536", "--optimizers", "sgd",
                                    "--epochs", "15")), {})
     assert {(s.batch, s.warmup_epochs) for s in grid} == {
         (128, 0.0), (128, 1.0), (1536, 1.0), (1536, 2.5)}
     # The recipes' own epochs: the plan of ``make demo`` (the README's table).
-    for spec in plan(study.config(_args("--quick")), {}):
+    for spec in plan(study_cli.config(_args("--quick")), {}):
         recipe = get_recipe(f"fmnist-{spec.optimizer}-{spec.batch}")
         assert (spec.epochs, spec.warmup_epochs) == (30, recipe.warmup_epochs)
 
@@ -698,13 +699,13 @@ def test_a_subset_keeps_the_imagenet_equivalent_batch_of_the_full_training_set()
 
 def test_subset_is_checked_against_the_runs_the_study_makes(tmp_path, capsys):
     # --quick tunes nothing: its runs (at most B=1536) train on all of the subset.
-    study._check(study.config(_args("--quick", "--subset", "3072")))
+    study.check_config(study_cli.config(_args("--quick", "--subset", "3072")))
     with pytest.raises(ValueError, match=r"^Invalid subset: 1000 \(the runs train on it: it "
                                          r"must hold one batch of 1536\)$"):
-        study._check(study.config(_args("--quick", "--subset", "1000")))
+        study.check_config(study_cli.config(_args("--quick", "--subset", "1000")))
     with pytest.raises(ValueError, match=r"^Invalid subset: 3072 \(its tuning split, five "
                                          r"sixths, must hold one batch of 3072\)$"):
-        study._check(study.config(_args("--subset", "3072")))
+        study.check_config(study_cli.config(_args("--subset", "3072")))
     line = user_error(["study", "--quick", "--subset", "1000", "--out", str(tmp_path / "out")],
                       capsys)
     assert line == ("largebatch study: Invalid subset: 1000 (the runs train on it: it must "
@@ -866,7 +867,7 @@ def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatc
     try:
         study.run_study(cfg)
     finally:
-        study._WORKER.clear()
+        study.WORKER.clear()
     if tty:  # 3 steps of 384 images, with the time left; the run line above it
         assert "\rstudy:" in err.getvalue() and "1.15k/1.15k [" in err.getvalue()
         assert "runs 1/1, loss " in err.getvalue()

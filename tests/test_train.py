@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from largebatch.cli import main as cli
 from largebatch.recipes.build import build_model, build_optimizer
-from largebatch.recipes.cli import main as cli
 from largebatch.recipes.registry import (
     FASHION_SETTINGS, RECIPES, Recipe, get_recipe, imagenet_equivalent,
 )
@@ -82,8 +82,8 @@ def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     # checkpoint holds that set, so the reported accuracy is that of the saved model.
     buffers = dict(re.findall(r"rank (\d)/2: buffers sha256 ([0-9a-f]{64})", proc.stdout))
     assert set(buffers) == {"0", "1"} and buffers["0"] == buffers["1"], proc.stdout
-    from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
-    from largebatch.recipes.distributed import buffers_sha256
+    from largebatch.fashion_mnist import fashion_mnist_tensors, load_fashion_mnist
+    from largebatch.training.distributed import buffers_sha256
 
     model = build_model(get_recipe("fmnist-lars-1536").model, 10)
     model.load_state_dict(_params(tmp_path))
@@ -160,9 +160,9 @@ def test_torchrun_fsdp_step_equals_ddp_step(tmp_path):
 @pytest.mark.parametrize("argv, status", [(["recipes"], 0), (["train", "--epochs", "0"], 2)])
 def test_a_process_that_joined_a_group_exits_through_exit_process(monkeypatch, capsys, argv, status):
     # Under torchrun the command ends without Python's finalization, which gloo's worker
-    # threads can abort (largebatch.recipes.distributed.exit_process says why): on
+    # threads can abort (largebatch.training.distributed.exit_process says why): on
     # success and on a user error alike, with the command's status.
-    from largebatch.recipes import distributed
+    from largebatch.training import distributed
 
     ended = []
 
@@ -242,7 +242,7 @@ def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tm
     line = ("largebatch train: --resume: {} holds the AdaComp residuals of 2 processes, not 4: "
             "resume it on 2").format(tmp_path / "b" / "checkpoint.pt")
     assert proc.returncode != 0 and proc.stderr.count(line) == 4, proc.stderr[-3000:]
-    assert "exitcode  : 2" in proc.stderr and 'recipes/train.py", line' not in proc.stderr  # no traceback
+    assert "exitcode  : 2" in proc.stderr and 'training/train.py", line' not in proc.stderr  # no traceback
     # A compressed run is not resumed as a plain one.
     with pytest.raises(SystemExit):
         cli(["train", "--batch-size", "256", "--subset", "512", "--epochs", "2",
@@ -278,7 +278,7 @@ def test_a_resume_on_another_process_count_clips_as_its_own_set_up_does(saved_wo
     train unclipped, 1 -> 2 clip twice)."""
     from types import SimpleNamespace
 
-    from largebatch.recipes.train_run import restore
+    from largebatch.training.run import restore
 
     recipe = dataclasses.replace(get_recipe("fmnist-lamb-1536"), clip_per_process=1.0)
 
@@ -326,8 +326,7 @@ def test_registry_rows():
 
 
 def test_lars_trust_ratios_are_the_ratios_the_optimizer_applies():
-    from largebatch.recipes.train import trust_ratios
-    from largebatch.torch import LARS
+    from largebatch.torch import LARS, trust_ratios
 
     torch.manual_seed(0)
     params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]
@@ -349,8 +348,8 @@ def test_lars_trust_ratios_are_the_ratios_the_optimizer_applies():
 def test_imagefolder_tree_and_alexnet_bn(tmp_path):
     from PIL import Image
 
-    from largebatch.recipes.models import alexnet_bn
-    from largebatch.recipes.train_data import load_data
+    from largebatch.models import alexnet_bn
+    from largebatch.training.data import load_data
 
     rng = torch.Generator().manual_seed(0)
     for split, n in (("train", 3), ("val", 2)):
@@ -373,8 +372,7 @@ def test_imagefolder_tree_and_alexnet_bn(tmp_path):
 
 
 def test_lamb_trust_ratios_are_the_ratios_the_optimizer_applies():
-    from largebatch.recipes.train import trust_ratios
-    from largebatch.torch import LAMB
+    from largebatch.torch import LAMB, trust_ratios
 
     torch.manual_seed(0)
     params = [torch.randn(8, 4, requires_grad=True), torch.randn(3, 5, 5, requires_grad=True)]
@@ -451,7 +449,7 @@ def slow_save(obj, f, *args, **kwargs):  # the second checkpoint stalls halfway 
 
 
 torch.save = slow_save
-from largebatch.recipes.cli import main
+from largebatch.cli import main
 
 main(sys.argv[1:])
 """
@@ -487,7 +485,7 @@ def test_checkpoint_survives_a_kill_in_the_middle_of_its_rewrite(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
-    from largebatch.recipes.outputs import atomic_write
+    from largebatch.outputs import atomic_write
 
     path = tmp_path / "summary.json"
     atomic_write(path, "old\n")
@@ -609,7 +607,7 @@ def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
 
 
 def test_stream_sampler_reads_consecutive_shuffled_passes_split_over_processes():
-    from largebatch.recipes.train_data import StreamSampler
+    from largebatch.training.data import StreamSampler
 
     n, batch, world, seed = 10, 4, 2, 3
     passes = [torch.randperm(n, generator=torch.Generator().manual_seed(seed + p))
@@ -696,7 +694,7 @@ def test_join_hands_set_device_a_device_with_an_index(monkeypatch, name, world, 
     process must name the GPU, as under torchrun each rank names its ``LOCAL_RANK``."""
     from torch.cuda._utils import _get_device_index
 
-    from largebatch.recipes import distributed
+    from largebatch.training import distributed
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))

@@ -1,7 +1,7 @@
-"""``python -m largebatch``: the command line (see ``largebatch.recipes.cli``)."""
+"""``python -m largebatch``: the command line (see ``largebatch.cli``)."""
 
 import sys
 
-from largebatch.recipes.cli import main
+from largebatch.cli import main
 
 sys.exit(main())

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from largebatch import checks
+from largebatch import checks, models
 from largebatch.mixed_precision.torch import NORM_LAYERS
-from largebatch.recipes import models
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
@@ -38,7 +37,7 @@ _MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
 def build_model(name: str, num_classes: int) -> nn.Module:
     """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn``, ``fmnist_cnn``,
     ``fmnist_alexnet_bn``, ``small_cnn`` or ``small_resnet``
-    (:mod:`largebatch.recipes.models`), initialised from torch's global RNG."""
+    (:mod:`largebatch.models`), initialised from torch's global RNG."""
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
     return _MODELS[name](num_classes)

@@ -1,15 +1,7 @@
 """Named training recipes as data: model, data set, optimizer, schedule, precision, batch.
 
-A :class:`Recipe` is one row; :data:`RECIPES` holds them by name. ``largebatch train
---recipe NAME`` runs one, ``largebatch recipes`` prints the table. This module imports
-no framework.
-
-ImageNet rows restate their source: every hyperparameter and ``published_top1`` come from
-the paper's table or section, or from the reference code, and ``source`` cites exactly
-where (arXiv id and table or section, or repository and file). What the source leaves
-open is named in ``unstated``, with the value this package uses in its place.
-Fashion-MNIST rows are ours: their settings are those the tuned batch-size study found
-(``largebatch study``, docs/study.md).
+A :class:`Recipe` is one row; :data:`RECIPES` holds them by name, each with its source
+(docs/design.md §6, docs/recipes.md). This module imports no framework.
 """
 
 from __future__ import annotations
@@ -21,13 +13,15 @@ from largebatch import checks
 from largebatch.lars.sources import SOURCES, source_keywords
 
 __all__ = [
-    "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
+    "COMPRESSIONS", "DATA_SETS", "FASHION_SETTINGS", "OPTIMIZERS", "PRECISIONS", "TRAIN_IMAGES", "Recipe",
     "RECIPES", "get_recipe", "imagenet_equivalent", "recipes_markdown", "recipes_table",
 ]
 
 DATA_SETS = ("imagenet", "fashion-mnist")
 OPTIMIZERS = ("lars", "lamb", "sgd", "nesterov")
 PRECISIONS = ("fp32", "fp16", "bf16")
+# How data-parallel workers exchange gradients (``largebatch train`` and ``largebatch study``).
+COMPRESSIONS = ("none", "adacomp")
 MODELS = ("resnet50", "alexnet_bn", "fmnist_cnn", "fmnist_alexnet_bn", "small_cnn", "small_resnet")
 DECAY_EXCLUDES = ("bn_bias", "bn", "none", "nvidia")
 # How a source turns epochs into steps (``Recipe.epoch_steps``):
@@ -392,12 +386,3 @@ def recipes_markdown() -> str:
             f"{r.epochs} | {r.precision} | {top1} |")
     return "\n".join(lines) + "\n"
 
-
-def add_arguments(parser: Any) -> None:
-    """``largebatch recipes`` takes no flags."""
-
-
-def main(args: Any) -> int:
-    """Print the recipes table."""
-    print(recipes_table())
-    return 0

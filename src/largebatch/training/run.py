@@ -1,6 +1,6 @@
 """A ``largebatch train`` run's objects: built from a recipe and the command's settings
 (:func:`build_run`), restored from a checkpoint (:func:`restore`) and wrapped for several
-processes (:func:`distribute`). ``largebatch.recipes.train`` runs the epochs on them.
+processes (:func:`distribute`). ``largebatch.training.train`` runs the epochs on them.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from largebatch.recipes import plots
+from largebatch import plots
+from largebatch.outputs import CommandError
 from largebatch.recipes.build import (
     DTYPES, build_loss, build_model, build_optimizer, build_schedule, setup_options,
 )
-from largebatch.recipes.checkpoint import to_device
-from largebatch.recipes.distributed import join, shard_model
-from largebatch.recipes.outputs import CommandError
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, imagenet_equivalent
-from largebatch.recipes.train_data import TrainData, load_data
 from largebatch.torch import ScheduleLR, to_half
+from largebatch.training.checkpoint import to_device
+from largebatch.training.data import TrainData, load_data
+from largebatch.training.distributed import join, shard_model
 
 __all__ = ["Run", "build_run", "restore", "distribute", "fail"]
 
@@ -36,7 +36,7 @@ def fail(message: str) -> CommandError:
 @dataclasses.dataclass
 class Run:
     """One run's objects, built by :func:`build_run` and read by every step of
-    ``largebatch.recipes.train``."""
+    ``largebatch.training.train``."""
 
     args: argparse.Namespace
     recipe: Recipe

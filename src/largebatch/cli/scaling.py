@@ -1,18 +1,5 @@
-"""``largebatch scaling``: predicted step time and scaling efficiency of data-parallel training
-for a dense ring all-reduce, a hierarchical one, and AdaComp's two compressed exchanges.
-
-The model is :mod:`largebatch.comm.scaling` (formulas in its docstring): a model's fp32
-gradients (``--params`` or ``--model``), a compute time per step per worker
-(``--compute-ms``: weak scaling, a fixed batch per worker) and a two-level network (GPUs
-per node; latency and bandwidth inside a node and between nodes, or the fit of
-``benchmarks/comm_calibrate.py`` with ``--calibration``). It prints one row per worker
-count: each form's step time and efficiency (compute / step time, against one worker that
-exchanges nothing), and the compressed form the model picks (what the AdaComp hook's
-``form="auto"`` would choose on that network). ``--published`` prints the published
-scaling points next to the model's prediction for their hardware instead.
-
-``--plot FILE.png`` draws efficiency against workers (log2 axis) with the published points;
-``--json`` prints the numbers as JSON instead of the table, ``--json FILE`` writes them.
+"""``largebatch scaling``: the step time and scaling efficiency :mod:`largebatch.comm.scaling`
+predicts for dense and compressed all-reduce, as a table, JSON or a plot (docs/design.md §6).
 A bad value is one line, ``largebatch scaling: ...``, and exit status 2.
 """
 
@@ -26,7 +13,7 @@ from typing import Any
 
 from largebatch.comm import published
 from largebatch.comm import scaling as model
-from largebatch.recipes.outputs import CommandError, atomic_write, figure, require, writable_folder
+from largebatch.outputs import CommandError, atomic_write, figure, require, writable_folder
 
 __all__ = ["add_arguments", "default_workers", "main"]
 

@@ -1,17 +1,7 @@
-"""The training and evaluation loop of ``largebatch train`` and ``largebatch study``.
-
-:func:`train_epoch` runs one epoch: forward, loss, backward (through a GradScaler when
-given), optimizer step, schedule step. :func:`evaluate` scores a model on a data set in
-chunks: accuracy and mean loss. What differs between the commands comes in as arguments:
-
-- the batches: ``train`` reads them through a ``DistributedSampler`` (or a data loader)
-  and moves them to its device; the study slices tensors already in memory;
-- gradient accumulation (``micro_batch``) and ``no_sync``, for DistributedDataParallel;
-- ``before_step(step)``, called once the gradients of a step are complete and before the
-  optimizer applies them (``train`` reads the trust ratios there), and ``after_step(step)``
-  (``train``'s progress bar);
-- the chunks to evaluate: ``train`` gives each process its shard and sums the counts over
-  the processes (``world``); the study gives its held-out split or test set.
+"""The training and evaluation loop of ``largebatch train`` and ``largebatch study``:
+:func:`train_epoch` (forward, loss, backward, optimizer and schedule steps) and
+:func:`evaluate` (accuracy and mean loss, in chunks). What differs between the two commands
+comes in as arguments (docs/design.md §6).
 """
 
 from __future__ import annotations

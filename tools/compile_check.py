@@ -30,7 +30,7 @@ no GPU) and reads, per specialization (:class:`Measure`):
   partial sums, one per chunk of up to 4,096 elements, not over elements;
 - the widest masked global load (16 bytes where the addresses are aligned).
 
-``python -m largebatch.lars.kernels.compile_check`` (``make check-kernels``) records in a
+``python tools/compile_check.py`` (``make check-kernels``) records in a
 subprocess with the interpreter, compiles every specialization for sm_80 and sm_90, prints
 a table per kernel and target and exits with status 1 on a violation: a spill, more than
 :data:`MAX_REGISTERS` registers, an fp64 instruction per element, aligned tile loads
@@ -55,10 +55,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from largebatch.lars.kernels.compile_launches import (
+from compile_launches import (
     KERNEL_MODULES,
     Launch,
-    _decode,
+    decode,
     configurations,
     record,
 )
@@ -215,7 +215,7 @@ def measure(launch: Launch, arch: int, options: dict[str, Any] | None = None) ->
     if not hasattr(fn, "params"):
         raise RuntimeError("measure() needs the kernels compiled, not interpreted: unset TRITON_INTERPRET")
     signature = dict(launch.signature)
-    constexprs = {name: _decode(v) for name, v in launch.constexprs}
+    constexprs = {name: decode(v) for name, v in launch.constexprs}
     attrs = {(fn.arg_names.index(name),): CUDABackend.parse_attr("D") for name in launch.attrs}
     source = ASTSource(fn, signature, constexprs, attrs)
     log = io.StringIO()
@@ -278,7 +278,7 @@ def record_in_subprocess(quick: bool) -> list[Launch]:
     """:func:`record` over :func:`configurations` in a subprocess with the interpreter on."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "launches.json")
-        cmd = [sys.executable, "-m", "largebatch.lars.kernels.compile_check", "--record", out]
+        cmd = [sys.executable, os.path.abspath(__file__), "--record", out]
         cmd += ["--quick"] if quick else []
         run = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"},
                              capture_output=True, text=True)
@@ -351,7 +351,7 @@ def check(launches: Sequence[Launch], archs: Sequence[int], jobs: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m largebatch.lars.kernels.compile_check",
+    parser = argparse.ArgumentParser(prog="python tools/compile_check.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a sample of the configurations")
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS),

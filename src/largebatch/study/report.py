@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
-from largebatch.recipes.study.plan import (
-    BASELINE, StudyConfig, _best, fastest_plan, pair_plan, steps_to, validation_target,
+from largebatch.study.plan import (
+    BASELINE, StudyConfig, best_run, fastest_plan, pair_plan, steps_to, validation_target,
 )
 
 __all__ = ["TOLERANCES", "compare_markdown", "plot", "study_markdown", "summarize"]
@@ -121,7 +121,7 @@ def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],
     """The validation accuracy of the pair's best grid point with every technique on, and
     with each switched off: the other warmup of the grid at the same lr, label smoothing
     0, poly power 1."""
-    best = _best(on)
+    best = best_run(on)
     spec = best["spec"]
     other_warmup = [r for r in on if r["spec"]["lr"] == spec["lr"] and r is not best]
     off = {}
@@ -135,7 +135,7 @@ def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],
             "power": spec["power"], "accuracy": best["accuracy"],
             "other_warmup": [{"warmup_epochs": r["spec"]["warmup_epochs"],
                               "accuracy": r["accuracy"]} for r in other_warmup],
-            **off, "chosen": _best(tuned)["spec"]}
+            **off, "chosen": best_run(tuned)["spec"]}
 
 
 def _steps_text(steps: Sequence[int | None]) -> str:
@@ -189,7 +189,7 @@ def study_markdown(summary: dict[str, Any]) -> str:
         for g in summary["grids"]:
             lrs = sorted({run["lr"] for run in g["runs"]})
             warmups = sorted({run["warmup_epochs"] for run in g["runs"]})
-            best = _best({"accuracy": run["accuracy"], "spec": run} for run in g["runs"])["spec"]
+            best = best_run({"accuracy": run["accuracy"], "spec": run} for run in g["runs"])["spec"]
             cell = {(run["lr"], run["warmup_epochs"]): run for run in g["runs"]}
             lines.append(f"B={g['batch']:,} {g['optimizer']}: "
                          + "; ".join(f"warmup {w:g}: " + ", ".join(
@@ -310,9 +310,9 @@ def _grid_cell(run: dict[str, Any] | None, lr: float, best: bool) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
-    """Draw ``study.png`` (:func:`largebatch.recipes.plots.plot_study`) once some pair has
+    """Draw ``study.png`` (:func:`largebatch.plots.plot_study`) once some pair has
     final runs; a failure is a one-line warning. Returns whether it was written."""
-    from largebatch.recipes.plots import Plotter, plot_study
+    from largebatch.plots import Plotter, plot_study
 
     if not summary["rows"]:
         return False  # nothing to draw before the first pair's final runs

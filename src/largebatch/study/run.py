@@ -1,11 +1,7 @@
-"""Running the study, the sweep (:func:`run_study`; one run is
-``largebatch.recipes.study.worker.run_one``):
-the study's settings written to ``OUT/settings.json``, the planned runs on a pool of worker
-processes, each finished run appended to ``OUT/runs.jsonl`` (which an interrupted study
-resumes from), SIGTERM and a killed parent handled, then the report. :func:`recorded_config`
-reads a study's settings back from its folder (``--report``).
-
-Runs need torch, imported by the worker that trains them; this module imports none.
+"""The study's sweep (:func:`run_study`): its settings in ``OUT/settings.json``, the planned
+runs on a pool of worker processes, each finished run appended to ``OUT/runs.jsonl`` (an
+interrupted study resumes from it), then the report; :func:`recorded_config` reads the
+settings back (``--report``). Imports no framework: the workers do.
 """
 
 from __future__ import annotations
@@ -25,15 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from largebatch.recipes.outputs import atomic_write, lock_folder, remove_stale_temporaries
-from largebatch.recipes.study.plan import (
-    RunSpec, StudyConfig, _check, _recipe, config_from_runs, plan, run_steps,
+from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
+from largebatch.study.plan import (
+    RunSpec, StudyConfig, check_config, config_from_runs, pair_recipe, plan, run_steps,
     runs_left,
 )
-from largebatch.recipes.study.report import compare_markdown, plot, study_markdown, summarize
-from largebatch.recipes.study.worker import _WORKER, _init_worker, run_one
+from largebatch.study.report import compare_markdown, plot, study_markdown, summarize
+from largebatch.study.worker import WORKER, init_worker, run_one
 
-__all__ = ["SETTINGS", "compare_studies", "recorded_config", "run_one", "run_study"]
+__all__ = ["SETTINGS", "Stopped", "append_run", "compare_studies", "load_results", "recorded_config",
+           "run_one", "run_study"]
 
 SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
 
@@ -41,7 +38,7 @@ SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the l
 # --------------------------------------------------------------------------- the sweep
 
 
-def _load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
+def load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
     """The finished runs in ``path`` by :attr:`RunSpec.key`, each spec with every field (a
     record that predates a field ran as its default does). A line that holds no complete
     run (cut short when a study was killed mid-write) is skipped, with a warning naming the
@@ -80,12 +77,12 @@ def recorded_config(out: str | os.PathLike, given: dict[str, Any] | None = None)
             if not isinstance(settings, dict):
                 raise ValueError("not a JSON object")
             cfg = StudyConfig.from_settings(settings)
-            _check(cfg)
+            check_config(cfg)
         except (OSError, ValueError, TypeError) as err:
             reason = " ".join(str(err).split())
             raise ValueError(f"cannot read the study's settings from {path}: {reason}") from None
         return cfg
-    results = _load_results(folder / "runs.jsonl", warn=False)
+    results = load_results(folder / "runs.jsonl", warn=False)
     if not results:
         raise ValueError(f"{folder} holds no study: neither {SETTINGS} nor a finished run in "
                          "runs.jsonl")
@@ -102,11 +99,11 @@ def compare_studies(folders: list[str]) -> str:
     summaries = []
     for folder in folders:
         cfg = recorded_config(folder)
-        summaries.append(summarize(cfg, _load_results(Path(folder) / "runs.jsonl", warn=False)))
+        summaries.append(summarize(cfg, load_results(Path(folder) / "runs.jsonl", warn=False)))
     return compare_markdown(summaries)
 
 
-def _append(path: Path, row: dict[str, Any]) -> None:
+def append_run(path: Path, row: dict[str, Any]) -> None:
     """Append one run to ``path`` on a line of its own, flushed to disk."""
     with path.open("ab") as f:
         if f.tell() > 0:
@@ -119,12 +116,12 @@ def _append(path: Path, row: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-class _Stopped(BaseException):
+class Stopped(BaseException):
     """SIGTERM reached the study: unwinds it like Ctrl-C does."""
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
-    raise _Stopped(signum)
+    raise Stopped(signum)
 
 
 def _stop_workers(pool: concurrent.futures.ProcessPoolExecutor) -> None:
@@ -148,7 +145,7 @@ _say = functools.partial(print, flush=True)
 def run_study(cfg: StudyConfig = StudyConfig(),
               print_fn: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run every planned run (reusing those in ``OUT/runs.jsonl``), then summarize."""
-    _check(cfg)
+    check_config(cfg)
     with lock_folder(cfg.out, "study") as out:
         remove_stale_temporaries(out, ("study.json", "study.md", "study.png", SETTINGS))
         return _run_study(cfg, print_fn)
@@ -157,7 +154,7 @@ def run_study(cfg: StudyConfig = StudyConfig(),
 def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, Any]:
     out = Path(cfg.out)
     log = out / "runs.jsonl"
-    results = _load_results(log)
+    results = load_results(log)
     start = time.perf_counter()
     if cfg.report_only:
         print_fn(f"largebatch study: the report of the {len(results)} finished runs in {log}; "
@@ -186,7 +183,7 @@ def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log:
     what = ("quick study: the recipes' tuned settings, no tuning" if cfg.quick else
             "full study: tune lr and warmup on a validation split, then re-run the best")
     pairs = cfg.pairs()
-    own = sorted({_recipe(b, o).epochs for b, o in pairs})
+    own = sorted({pair_recipe(b, o).epochs for b, o in pairs})
     epochs = (f"{cfg.epochs} epochs (the recipes' schedules scaled from "
               f"{'/'.join(map(str, own))})" if cfg.epochs and own != [cfg.epochs] else
               f"{'/'.join(map(str, own))} epochs")
@@ -281,11 +278,11 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
     spawn = multiprocessing.get_context("spawn")
     progress = spawn.Queue() if jobs > 1 else None
     pool = (concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=spawn, initializer=_init_worker,
+        jobs, mp_context=spawn, initializer=init_worker,
         initargs=(threads, cfg.data, cfg.device, os.getpid(), progress)) if jobs > 1 else None)
     if pool is None:
-        _init_worker(threads, cfg.data, cfg.device)
-        _WORKER["progress"] = bar.progress
+        init_worker(threads, cfg.data, cfg.device)
+        WORKER["progress"] = bar.progress
     submit = pool.submit if pool is not None else _run_inline
     previous = (signal.signal(signal.SIGTERM, _raise_stopped)
                 if threading.current_thread() is threading.main_thread() else None)
@@ -314,7 +311,7 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
                 spec = in_flight.pop(future)
                 row = future.result()
                 results[spec.key] = row
-                _append(log, row)
+                append_run(log, row)
                 done += 1
                 bar.finish(spec, results)
                 bar.write(print_fn, (
@@ -325,7 +322,7 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
         finished_cleanly = True
     finally:
         bar.close()
-        _WORKER.pop("progress", None)
+        WORKER.pop("progress", None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if pool is not None:

@@ -1,9 +1,6 @@
 """The figures of ``largebatch train`` (``plot.png``: a run's metrics per epoch) and
-``largebatch study`` (``study.png``: accuracy against batch, and accuracy against step).
-
-Both are drawn through :func:`largebatch.recipes.outputs.figure` (matplotlib imported
-then, the file replaced atomically) by a :class:`Plotter`, which turns any failure into a
-one-line warning (:func:`~largebatch.recipes.outputs.plot_or_warn`), printed once.
+``largebatch study`` (``study.png``: accuracy against batch, and against step), drawn by a
+:class:`Plotter`, which turns any failure into a one-line warning, printed once.
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from largebatch.recipes.outputs import figure, plot_or_warn
+from largebatch.outputs import figure, plot_or_warn
 
 __all__ = ["Plotter", "plot_history", "plot_study"]
 

@@ -132,7 +132,7 @@ def _encode(value: Any) -> Any:
     raise TypeError(f"constexpr of unexpected type {type(value).__name__}: {value!r}")
 
 
-def _decode(value: Any) -> Any:
+def decode(value: Any) -> Any:
     import triton.language as tl
 
     return tl.dtype(value) if isinstance(value, str) else value

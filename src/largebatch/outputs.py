@@ -1,14 +1,6 @@
-"""Output files of the commands: atomic writes, one run per folder, one-line user errors.
-
-- :func:`atomic_write` writes a temporary file in the target's folder, fsyncs it and
-  renames it over the target, so a reader (or a resumed run) sees the old file or the new
-  one, never a truncated mix, even when the process is killed mid-write.
-- :func:`lock_folder` takes an exclusive ``flock`` on ``FOLDER/.lock`` for as long as a run
-  writes there; a second run on the same folder is refused.
-- :class:`CommandError` is a user error: ``largebatch COMMAND: message`` on one line,
-  exit status 2, no traceback (``largebatch.recipes.cli.main`` prints it).
-
-This module imports no framework.
+"""The commands' output files and user errors: :func:`atomic_write` (a file replaced whole or
+not at all), :func:`lock_folder` (one run per folder), :class:`CommandError` (one line,
+exit status 2) and :func:`figure`. Imports no framework (docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The recipes' models: :func:`small_cnn` and :func:`small_resnet` for the embedded
-Fashion-MNIST data set, and the ImageNet models :func:`resnet50` and :func:`alexnet_bn`
-(torchvision's, imported when built).
-
-The Fashion-MNIST recipes and ``largebatch study`` use ``small_cnn`` with a 128-unit hidden
-layer (:func:`fmnist_cnn`), chosen by measurement among the candidates docs/study.md lists.
-``largebatch.recipes.build.build_model`` builds any of them by its recipe name.
+"""The recipes' models: :func:`small_cnn`, :func:`fmnist_cnn` (the Fashion-MNIST recipes' and
+the study's, chosen by measurement, docs/study.md), :func:`fmnist_alexnet_bn` and
+:func:`small_resnet` for Fashion-MNIST, and the ImageNet models :func:`resnet50` and
+:func:`alexnet_bn` (torchvision's, imported when built). ``recipes.build`` builds them by name.
 """
 
 from __future__ import annotations
@@ -16,7 +13,8 @@ from torch import nn
 
 from largebatch import checks
 
-__all__ = ["alexnet_bn", "fmnist_alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn", "small_resnet"]
+__all__ = ["BasicBlock", "alexnet_bn", "fmnist_alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn",
+           "small_resnet"]
 
 
 def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -93,7 +91,7 @@ def fmnist_alexnet_bn(num_classes: int = 10, width: int = 8, hidden: int = 256,
     )
 
 
-class _BasicBlock(nn.Module):
+class BasicBlock(nn.Module):
     """He et al.'s basic residual block; the last batch norm's scale starts at zero, so the
     block starts as its shortcut (Goyal et al. 2017, section 5.1)."""
 
@@ -125,7 +123,7 @@ def small_resnet(num_classes: int = 10, width: int = 16, blocks: int = 1,
     cin = width
     for stage, cout in enumerate((width, 2 * width, 4 * width)):
         for b in range(blocks):
-            layers.append(_BasicBlock(cin, cout, 2 if stage and not b else 1))
+            layers.append(BasicBlock(cin, cout, 2 if stage and not b else 1))
             cin = cout
     head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
     return nn.Sequential(*layers, *head)

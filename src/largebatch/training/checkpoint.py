@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from largebatch.recipes.outputs import CommandError, atomic_write
+from largebatch.outputs import CommandError, atomic_write
 
 __all__ = ["gather_residuals", "gather_rng", "read_checkpoint", "to_device", "write_checkpoint"]
 

@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import torch
 
-from largebatch.recipes.loop import Batches, tensor_chunks
-from largebatch.recipes.outputs import CommandError
+from largebatch.outputs import CommandError
 from largebatch.recipes.registry import Recipe
+from largebatch.training.loop import Batches, tensor_chunks
 
 __all__ = ["StreamSampler", "TrainData", "batches", "epoch_sampler", "eval_chunks", "load_data"]
 
@@ -83,16 +83,16 @@ def load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> Train
     """The recipe's training and test data: ``data_dir`` or the installed Fashion-MNIST,
     or an ImageFolder tree ``DIR/train``, ``DIR/val``; the first ``subset`` images of each."""
     if recipe.data == "fashion-mnist":
-        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
+        from largebatch.fashion_mnist import fashion_mnist_tensors, load_fashion_mnist
 
         if data_dir is not None and not Path(data_dir).is_dir():
             raise _fail(f"data directory not found: {data_dir}")
         try:
-            train = fashion_mnist_tensors(*load_fashion_mnist("train", data_dir), subset)
-            test = fashion_mnist_tensors(*load_fashion_mnist("test", data_dir), subset)
+            train_xy = fashion_mnist_tensors(*load_fashion_mnist("train", data_dir), subset)
+            test_xy = fashion_mnist_tensors(*load_fashion_mnist("test", data_dir), subset)
         except (OSError, ValueError, EOFError) as err:  # missing, corrupt (checksum), unreadable
             raise _fail(str(err)) from None
-        return TrainData(train, test, 10, len(train[1]))
+        return TrainData(train_xy, test_xy, 10, len(train_xy[1]))
     # ImageNet recipes: an ImageFolder tree DIR/train/<class>/*.jpeg and DIR/val/<class>/*.
     if data_dir is None:
         raise _fail(f"recipe {recipe.name!r} trains on ImageNet: pass --data DIR, an "
@@ -197,7 +197,7 @@ def _cpu_batches(data: Any, sampler: Any, batch: int, workers: int) -> Iterator[
 
 def eval_chunks(data: Any, rank: int, world: int, workers: int) -> Batches:
     """This process's shard of the test set, every ``world``-th image from ``rank`` on, in
-    chunks for :func:`largebatch.recipes.loop.evaluate`."""
+    chunks for :func:`largebatch.training.loop.evaluate`."""
     if isinstance(data, tuple):
         return tensor_chunks(data[0][rank::world], data[1][rank::world], 1000)
     shard = torch.utils.data.Subset(data, range(rank, len(data), world))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from largebatch.mixed_precision.torch import norms_in_float32
-from largebatch.recipes.outputs import CommandError
+from largebatch.outputs import CommandError
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy

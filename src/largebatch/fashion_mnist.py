@@ -15,8 +15,12 @@ import gzip
 import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FASHION_MNIST_DIR", "FASHION_MNIST_FILES", "fashion_mnist_dir", "fashion_mnist_tensors",
@@ -86,7 +90,8 @@ def load_fashion_mnist(
     return _load(fashion_mnist_dir(root), split, verify)
 
 
-def fashion_mnist_tensors(images: np.ndarray, labels: np.ndarray, limit: int | None = None):  # noqa: ANN201
+def fashion_mnist_tensors(images: np.ndarray, labels: np.ndarray,
+                          limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch tensors from :func:`load_fashion_mnist` arrays, first ``limit`` images:
     normalized float32 images ``[N, 1, 28, 28]`` (channels-last) and int64 labels."""
     import torch

@@ -1,56 +1,5 @@
-"""``largebatch study``: the batch-size sweep on Fashion-MNIST, tuned the same way for every optimizer.
-
-Pairs: the small-batch baseline (momentum SGD at B=128), then momentum SGD with gradual
-warmup (Goyal et al. 2017), LARS and LAMB at B = 1536 and 3072, the ImageNet-equivalent
-32K and 64K batches (``--batches`` adds 384, the 8K one; ``--optimizers`` adds Nesterov,
-Nado et al. 2021). Each pair starts from its registry recipe (``fmnist-OPTIMIZER-BATCH``):
-model (``fmnist_cnn``), optimizer settings, weight decay and its exclusions, 30 epochs.
-
-Full study (the default), for every pair with the same budget:
-
-1. **Tune** on a validation split: the last 10,000 of a fixed permutation of the 60,000
-   training images are held out, the rest train. Peak lr over ``GRID_CENTRES x {1/2, 1,
-   2}``, each with two warmup lengths (0 or 2 epochs at the baseline batch, 2 or 5 at the
-   large ones), every run with label smoothing 0.1 and poly power 2 (the anchors'
-   techniques). While the best lr lies on the edge of the grid, the grid grows by one more
-   factor of 2 on that side (twice at most, ``--extend``); a best lr still on the edge is
-   marked in the table. Then the best grid point runs once more with each technique
-   switched off (label smoothing 0; poly power 1), and the best of all these is kept.
-2. **Re-run** the kept setting on all 60,000 images with ``--seeds`` seeds (3) and
-   report test accuracy as mean ± std, and the steps each run took to reach the target
-   accuracy (default: the baseline's mean minus one point, rounded down to a tenth of a
-   point) at the end of an epoch.
-
-``--quick`` skips tuning: one seed of the recipes as they stand (their settings are the
-full study's results) for the pairs in ``QUICK_PAIRS``. ``make demo`` runs it.
-
-``--epochs N`` means what it means to ``largebatch train``: every run's schedule is its
-recipe's scaled to N epochs, so the warmups (the recipes' and the grid's, given in epochs
-of a recipe's 30) scale by N / 30. ``--subset N`` trains on the first N images; the
-ImageNet-equivalent batch stays that of the full 60,000, as in ``largebatch train``.
-
-The first line says what the study is to run; on a terminal a bar on stderr then shows
-the images trained against those still to train, with an estimate of the time left.
-Runs go to a pool of ``--jobs`` processes (default: one per CPU, one torch thread each). The
-study's settings go to ``OUT/settings.json``; every
-finished run is appended to ``OUT/runs.jsonl``; running the same command again reuses them,
-so an interrupted study continues where it stopped (a line cut short by the interruption is
-skipped with a warning, and its run is redone). SIGTERM or Ctrl-C stops the workers with
-the study, and a worker whose parent is gone exits by itself. One study at a time holds
-``OUT`` (a lock on ``OUT/.lock``). The end writes ``OUT/study.md`` (the tables),
-``OUT/study.json`` and ``OUT/study.png``, each replaced atomically; ``--report`` writes
-them from the finished runs without training any (a study stopped part-way), with the
-settings recorded in ``OUT`` (``settings.json``; in a folder without one, those its runs
-show), which the flags given with it replace. ``--compare DIR DIR ...`` prints the studies of
-several models side by side (:func:`~largebatch.recipes.study.report.compare_markdown`).
-
-The package: :mod:`~largebatch.recipes.study.plan` (what to run: :class:`StudyConfig`,
-:class:`RunSpec`, :func:`plan`; pure), :mod:`~largebatch.recipes.study.worker` (training
-a run), :mod:`~largebatch.recipes.study.run` (the worker pool, ``runs.jsonl``, the
-progress) and :mod:`~largebatch.recipes.study.report` (the tables and the plot); this
-module is the command line. A run trains as ``largebatch
-train`` does: :mod:`largebatch.recipes.build` and :mod:`largebatch.recipes.loop`.
-"""
+"""``largebatch study``: the flags, the :class:`~largebatch.study.StudyConfig` they ask for,
+and the run (:func:`largebatch.study.run_study`), ``--report`` or ``--compare``."""
 
 from __future__ import annotations
 
@@ -60,28 +9,15 @@ import signal
 import sys
 from pathlib import Path
 
-from largebatch.recipes.outputs import CommandError, require
-from largebatch.recipes.registry import FASHION_EPOCHS, TRAIN_IMAGES
-
-# Every name of the one-module study stays importable from here (tests, scripts).
-from largebatch.recipes.study.plan import (  # noqa: F401
-    BASELINE, COMPRESSIONS, DEFAULT_BATCHES, EXCHANGE_FIELDS, DEFAULT_OPTIMIZERS, FULL_BATCHES, GRID_CENTRES,
-    LARGE_BATCHES,
-    QUICK_PAIRS, STUDY_MODELS, STUDY_OPTIMIZERS, VAL_SIZE, RunSpec, StudyConfig, _best, _check,
-    _lr, _recipe, config_from_runs, fastest_plan, pair_plan, plan, run_steps, runs_left,
-    steps_to, validation_target,
-)
-from largebatch.recipes.study.report import plot, study_markdown, summarize  # noqa: F401
-from largebatch.recipes.study.run import (  # noqa: F401
-    SETTINGS, _append, _load_results, _Stopped, compare_studies, recorded_config, run_one,
+from largebatch.outputs import CommandError, require
+from largebatch.recipes.registry import COMPRESSIONS, FASHION_EPOCHS, TRAIN_IMAGES
+from largebatch.study import (
+    DEFAULT_BATCHES, DEFAULT_OPTIMIZERS, EXCHANGE_FIELDS, FULL_BATCHES, QUICK_PAIRS, STUDY_MODELS,
+    STUDY_OPTIMIZERS, Stopped, StudyConfig, check_config, compare_studies, recorded_config,
     run_study,
 )
-from largebatch.recipes.study.worker import (  # noqa: F401
-    _EVAL_CHUNK, _SPLIT_SEED, _WORKER, _exit_with_parent, _init_worker, _tensors,
-)
 
-__all__ = ["StudyConfig", "RunSpec", "config", "pair_plan", "plan", "run_one", "run_study",
-           "summarize", "study_markdown", "add_arguments", "main"]
+__all__ = ["add_arguments", "config", "main"]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -213,17 +149,17 @@ def main(args: argparse.Namespace) -> int:
             raise CommandError("study", f"--report: {err}") from None
     cfg = config(args, recorded)
     try:
-        _check(cfg)
+        check_config(cfg)
     except ValueError as err:
         raise CommandError("study", str(err)) from None
     require("study", ("torch", "tqdm", "matplotlib"))
     if not cfg.report_only:
-        from largebatch.recipes.distributed import check_device
+        from largebatch.training import check_device
 
         check_device(cfg.device, "study")
     if cfg.data is not None and not Path(cfg.data).is_dir():
         raise CommandError("study", f"data directory not found: {cfg.data}")
-    from largebatch.recipes.data import fashion_mnist_dir
+    from largebatch.fashion_mnist import fashion_mnist_dir
 
     try:
         fashion_mnist_dir(cfg.data)
@@ -231,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
         raise CommandError("study", str(err)) from None
     try:
         run_study(cfg)
-    except _Stopped:
+    except Stopped:
         print(f"largebatch study: stopped by SIGTERM; the finished runs are in "
               f"{Path(cfg.out) / 'runs.jsonl'}, and the same command continues from them",
               file=sys.stderr, flush=True)

@@ -1,11 +1,7 @@
-"""The study's plan, pure (no framework, no files): what to run, and what a set of finished
-runs still leaves to run.
-
-:class:`StudyConfig` says what to run; :class:`RunSpec` is one training run (its
-:attr:`~RunSpec.key` identifies it in ``runs.jsonl``). :func:`pair_plan` gives one
-(batch, optimizer) pair's tuning grid and final runs as far as the finished results
-settle them; :func:`plan` every run still needed. The same results give the same plan,
-which is what lets an interrupted study continue where it stopped.
+"""The study's plan, pure (no framework, no files): :class:`StudyConfig` says what to run,
+:class:`RunSpec` is one run (its :attr:`~RunSpec.key` names it in ``runs.jsonl``), and
+:func:`plan` gives every run a set of finished runs still leaves to run: the same results,
+the same plan, so an interrupted study continues where it stopped.
 """
 
 from __future__ import annotations
@@ -17,20 +13,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from largebatch import checks
-from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, get_recipe
+from largebatch.recipes.registry import COMPRESSIONS, TRAIN_IMAGES, Recipe, get_recipe
 
 __all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "EXCHANGE_FIELDS",
            "FULL_BATCHES", "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_MODELS",
            "STUDY_OPTIMIZERS", "VAL_SIZE",
-           "RunSpec", "StudyConfig", "config_from_runs", "fastest_plan", "held_out", "pair_plan",
-           "plan", "runs_left", "run_steps", "steps_to", "validation_target"]
+           "RunSpec", "StudyConfig", "best_run", "check_config", "config_from_runs", "fastest_plan",
+           "held_out", "pair_plan", "pair_recipe", "plan", "round_lr", "runs_left", "run_steps",
+           "steps_to", "validation_target"]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
 FULL_BATCHES = (BASELINE[0], *LARGE_BATCHES)
 STUDY_OPTIMIZERS = ("sgd", "nesterov", "lars", "lamb")
 # The models a study may train: the recipes' own, then the mission's other families scaled
-# to 28x28 (largebatch.recipes.models): AlexNet-BN and a ResNet.
+# to 28x28 (largebatch.models): AlexNet-BN and a ResNet.
 STUDY_MODELS = ("fmnist_cnn", "fmnist_alexnet_bn", "small_resnet")
 # The headline study: the baseline, and the 32K- and 64K-equivalent batches with large-batch
 # SGD (Goyal et al.'s warmup), LARS and LAMB. ``--batches`` and ``--optimizers`` add 384
@@ -42,8 +39,6 @@ DEFAULT_OPTIMIZERS = ("sgd", "lars", "lamb")
 QUICK_PAIRS = ((BASELINE[0], BASELINE[1]), (1536, "lars"), (1536, "lamb"))
 VAL_SIZE = 10_000  # held out from the 60,000 training images for tuning
 FASHION_IMAGES = TRAIN_IMAGES["fashion-mnist"]
-# How data-parallel workers exchange gradients (here and in ``largebatch train``).
-COMPRESSIONS = ("none", "adacomp")
 # The simulated exchange's settings: one value per study folder (RunSpec's fields).
 EXCHANGE_FIELDS = ("workers", "compression", "compression_warmup", "freeze_variance")
 
@@ -196,7 +191,8 @@ def _check_kinds(cfg: StudyConfig) -> None:
                          "optimizer] pairs)")
 
 
-def _check(cfg: StudyConfig) -> None:
+def check_config(cfg: StudyConfig) -> None:
+    """Raise ValueError, in one line, for the first setting of ``cfg`` a study cannot run."""
     _check_kinds(cfg)
     for b in cfg.batches:
         if b not in FULL_BATCHES:
@@ -246,11 +242,13 @@ def _check(cfg: StudyConfig) -> None:
                          "frozen when the plain exchange ends, and it needs an epoch of it")
 
 
-def _recipe(batch: int, optimizer: str) -> Recipe:
+def pair_recipe(batch: int, optimizer: str) -> Recipe:
+    """The registry recipe a (batch, optimizer) pair starts from."""
     return get_recipe(f"fmnist-{optimizer}-{batch}")
 
 
-def _lr(value: float) -> float:
+def round_lr(value: float) -> float:
+    """``value`` to 4 significant digits, as every lr of a run's key is written."""
     return float(f"{value:.4g}")  # stable keys: 0.6 * 2 == 1.2, not 1.2000000000000002
 
 
@@ -293,7 +291,7 @@ class RunSpec:
                 + (f" {self.model}" if self.model != "fmnist_cnn" else ""))
 
 
-def _best(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+def best_run(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The run with the highest final accuracy (ties: the smaller lr, then shorter warmup)."""
     return max(runs, key=lambda r: (r["accuracy"], -r["spec"]["lr"], -r["spec"]["warmup_epochs"]))
 
@@ -312,9 +310,9 @@ def _without_techniques(cfg: StudyConfig, best: RunSpec) -> list[RunSpec]:
 def _grid(cfg: StudyConfig, batch: int, optimizer: str, exponents: Sequence[int]) -> list[RunSpec]:
     """The tuning runs at lr :data:`GRID_CENTRES` times ``2**k`` for each ``k`` of
     ``exponents``, crossed with the batch's warmups, every technique on."""
-    recipe = _recipe(batch, optimizer)
+    recipe = pair_recipe(batch, optimizer)
     centre, epochs = GRID_CENTRES[optimizer, batch], cfg.epochs or recipe.epochs
-    return [RunSpec("tune", batch, optimizer, _lr(centre * 2.0**k), cfg.warmup(w, recipe),
+    return [RunSpec("tune", batch, optimizer, round_lr(centre * 2.0**k), cfg.warmup(w, recipe),
                     0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
                     cfg.compression, cfg.compression_warmup, cfg.freeze_variance, cfg.model)
             for k in exponents for w in cfg.warmups(batch)]
@@ -332,14 +330,14 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     the final runs take the best of all these on the validation split. ``--quick`` has
     no tuning: its finals take the recipe's lr, warmup, label smoothing and power. Every
     warmup, the grid's and the recipe's, is scaled to ``cfg.epochs`` (:meth:`StudyConfig.warmup`)."""
-    recipe = _recipe(batch, optimizer)
+    recipe = pair_recipe(batch, optimizer)
     epochs = cfg.epochs or recipe.epochs
 
     def finals(best: RunSpec) -> list[RunSpec]:
         return [dataclasses.replace(best, phase="final", seed=seed) for seed in range(cfg.seeds)]
 
     if cfg.quick:
-        return [], finals(RunSpec("final", batch, optimizer, _lr(recipe.peak_lr),
+        return [], finals(RunSpec("final", batch, optimizer, round_lr(recipe.peak_lr),
                                   cfg.warmup(recipe.warmup_epochs, recipe), 0, epochs,
                                   cfg.subset, recipe.label_smoothing, recipe.power, cfg.workers,
                                   cfg.compression, cfg.compression_warmup, cfg.freeze_variance,
@@ -350,7 +348,7 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
         grid = _grid(cfg, batch, optimizer, exponents)
         if any(s.key not in results for s in grid):
             return grid, []
-        best = RunSpec(**_best(results[s.key] for s in grid)["spec"])
+        best = RunSpec(**best_run(results[s.key] for s in grid)["spec"])
         k = round(math.log2(best.lr / centre))
         if grown == cfg.extend or k not in (exponents[0], exponents[-1]):
             break
@@ -358,7 +356,7 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
     tune = grid + (_without_techniques(cfg, best) if cfg.ablate else [])
     if any(s.key not in results for s in tune):
         return tune, []
-    return tune, finals(RunSpec(**_best(results[s.key] for s in tune)["spec"]))
+    return tune, finals(RunSpec(**best_run(results[s.key] for s in tune)["spec"]))
 
 
 def steps_to(curve: Sequence[dict[str, Any]], target: float) -> int | None:
@@ -373,7 +371,7 @@ def validation_target(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> f
     tune, _ = pair_plan(cfg, results, *BASELINE)
     if not tune or any(s.key not in results for s in tune):
         return None
-    return math.floor((_best(results[s.key] for s in tune)["accuracy"] - 0.01) * 1000) / 1000
+    return math.floor((best_run(results[s.key] for s in tune)["accuracy"] - 0.01) * 1000) / 1000
 
 
 def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
@@ -529,7 +527,7 @@ def config_from_runs(results: dict[str, dict[str, Any]],
             if mine:
                 lrs = {r["spec"]["lr"] for r in mine}
                 grown.append(len(lrs) - factors)
-                if _best(mine)["spec"]["lr"] in (min(lrs), max(lrs)):
+                if best_run(mine)["spec"]["lr"] in (min(lrs), max(lrs)):
                     on_edge.append(grown[-1])
         extend = on_edge[0] if on_edge else max(extend, *grown)
     return dataclasses.replace(

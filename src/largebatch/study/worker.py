@@ -1,5 +1,5 @@
 """One run of the study (:func:`run_one`), in a worker process of the sweep
-(``largebatch.recipes.study.run``) or inline: its data (the tuning split or the whole
+(``largebatch.study.run``) or inline: its data (the tuning split or the whole
 training set), its model, optimizer and schedule from the recipe, its epochs, and the
 progress it reports to the sweep's bar.
 
@@ -16,18 +16,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from largebatch.recipes.study.plan import RunSpec, _recipe, held_out
+from largebatch.study.plan import RunSpec, held_out, pair_recipe
 
-__all__ = ["run_one"]
+__all__ = ["WORKER", "exit_with_parent", "init_worker", "phase_tensors", "run_one", "run_optimizer"]
 
 _SPLIT_SEED = 2017  # the permutation that holds out the tuning split's validation images
 _EVAL_CHUNK = 2000
 
-_WORKER: dict[str, Any] = {}
+WORKER: dict[str, Any] = {}
 
 
-def _init_worker(threads: int, data: str | None, device: str, parent: int | None = None,
-                 progress: Any = None) -> None:
+def init_worker(threads: int, data: str | None, device: str, parent: int | None = None,
+                progress: Any = None) -> None:
     """Set up a worker (or this process, for ``--jobs 1``). With ``parent`` (the study's
     process id), a watchdog thread ends the worker as soon as that process is gone, so a
     killed study never leaves its workers running. ``progress``, a queue, takes the
@@ -35,39 +35,40 @@ def _init_worker(threads: int, data: str | None, device: str, parent: int | None
     import torch
 
     torch.set_num_threads(threads)
-    _WORKER.update(threads=threads, data=data, device=device, cache={})
-    _WORKER.pop("progress", None)
+    WORKER.update(threads=threads, data=data, device=device, cache={})
+    WORKER.pop("progress", None)
     if progress is not None:
         progress.cancel_join_thread()  # progress not yet sent never holds up the exit
-        _WORKER["progress"] = progress.put
+        WORKER["progress"] = progress.put
     if parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
+        threading.Thread(target=exit_with_parent, args=(parent,), daemon=True,
                          name="largebatch-parent-watch").start()
 
 
-def _exit_with_parent(parent: int, interval: float = 0.5) -> None:
+def exit_with_parent(parent: int, interval: float = 0.5) -> None:
+    """End this process once ``parent`` is no longer its parent (the study is gone)."""
     while os.getppid() == parent:
         time.sleep(interval)
     os._exit(1)
 
 
-def _tensors(phase: str, subset: int | None) -> tuple[Any, Any, Any, Any]:
+def phase_tensors(phase: str, subset: int | None) -> tuple[Any, Any, Any, Any]:
     """(x_train, y_train, x_eval, y_eval) for a phase, cached per worker."""
-    cache = _WORKER["cache"]
+    cache = WORKER["cache"]
     if (phase, subset) not in cache:
         import torch
 
-        from largebatch.recipes.data import fashion_mnist_tensors, load_fashion_mnist
+        from largebatch.fashion_mnist import fashion_mnist_tensors, load_fashion_mnist
 
-        device = torch.device(_WORKER["device"])
-        x, y = fashion_mnist_tensors(*load_fashion_mnist("train", _WORKER["data"]), subset)
+        device = torch.device(WORKER["device"])
+        x, y = fashion_mnist_tensors(*load_fashion_mnist("train", WORKER["data"]), subset)
         if phase == "tune":
             order = torch.randperm(len(y), generator=torch.Generator().manual_seed(_SPLIT_SEED))
             n_val = held_out(len(y), subset)
             train_idx, val_idx = order[:-n_val].sort().values, order[-n_val:].sort().values
             data = (x[train_idx], y[train_idx], x[val_idx], y[val_idx])
         else:
-            x_test, y_test = fashion_mnist_tensors(*load_fashion_mnist("test", _WORKER["data"]),
+            x_test, y_test = fashion_mnist_tensors(*load_fashion_mnist("test", WORKER["data"]),
                                                    subset)
             data = (x, y, x_test, y_test)
         cache[(phase, subset)] = tuple(
@@ -84,24 +85,24 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     non-finite stops there and is scored as it stands (``"diverged": true``). Model,
     optimizer, schedule (the recipe's, with the spec's lr, warmup and poly power), loss
     (with the spec's label smoothing) and the training loop are ``largebatch train``'s
-    (:mod:`largebatch.recipes.build`, :mod:`largebatch.recipes.loop`)."""
+    (:mod:`largebatch.recipes.build`, :mod:`largebatch.training.loop`)."""
     import torch
 
     from largebatch.recipes.build import build_loss, build_model, build_schedule
-    from largebatch.recipes.loop import evaluate, tensor_chunks, train_epoch
     from largebatch.torch import ScheduleLR
+    from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 
-    if not _WORKER:
-        _init_worker(torch.get_num_threads(), None, "cpu")
-    x_train, y_train, x_eval, y_eval = _tensors(spec.phase, spec.subset)
+    if not WORKER:
+        init_worker(torch.get_num_threads(), None, "cpu")
+    x_train, y_train, x_eval, y_eval = phase_tensors(spec.phase, spec.subset)
     device = x_train.device
-    recipe = dataclasses.replace(_recipe(spec.batch, spec.optimizer), model=spec.model,
+    recipe = dataclasses.replace(pair_recipe(spec.batch, spec.optimizer), model=spec.model,
                                  label_smoothing=spec.label_smoothing, power=spec.power)
     steps_per_epoch = len(y_train) // spec.batch
     torch.manual_seed(spec.seed)
     model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
         device, memory_format=torch.channels_last)
-    optimizer = _optimizer(spec, recipe, model, steps_per_epoch)
+    optimizer = run_optimizer(spec, recipe, model, steps_per_epoch)
     scheduler = ScheduleLR(optimizer, build_schedule(
         recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
         warmup_epochs=spec.warmup_epochs))
@@ -109,7 +110,7 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     loss_fn = build_loss(recipe)
 
     sim = _simulated_workers(spec, model, steps_per_epoch)
-    progress = _Progress(spec.key, _WORKER.get("progress"))
+    progress = _Progress(spec.key, WORKER.get("progress"))
     curve, diverged, start = [], False, time.perf_counter()
     for epoch in range(1, spec.epochs + 1):
         perm = torch.randperm(len(y_train), generator=order).to(device)
@@ -168,7 +169,7 @@ class _Progress:
         self.sent = time.monotonic()
 
 
-def _optimizer(spec: RunSpec, recipe: Any, model: Any, steps_per_epoch: int) -> Any:
+def run_optimizer(spec: RunSpec, recipe: Any, model: Any, steps_per_epoch: int) -> Any:
     """The recipe's optimizer at the spec's lr; with ``spec.freeze_variance``, LAMB's
     ``freeze_step`` at the end of the plain exchange (``compression_warmup`` epochs)."""
     from largebatch.recipes.build import build_optimizer
@@ -197,7 +198,7 @@ def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
 
 def _train_epoch_workers(model: Any, batches: Any, optimizer: Any, scheduler: Any, loss_fn: Any,
                          sim: Any, after_step: Callable[[int], object] | None = None) -> Any:
-    """:func:`largebatch.recipes.loop.train_epoch` for simulated workers: each batch split
+    """:func:`largebatch.training.loop.train_epoch` for simulated workers: each batch split
     over ``sim.n`` workers, their gradients exchanged by ``sim``
     (:func:`largebatch.comm.torch.simulate_step`), then the optimizer and schedule step,
     then ``after_step(step)``."""

@@ -1,11 +1,9 @@
-"""The ``largebatch`` command line: one subcommand per recipe module.
+"""The ``largebatch`` command line: the table of commands, and the entry point.
 
-Each command is a row of :data:`COMMANDS`: a module with ``add_arguments(parser)`` and
-``main(args) -> int``. Only the chosen command's module is imported, so ``largebatch
---help`` loads no framework. Adding a command is adding a row.
-
-A user error (:class:`largebatch.recipes.outputs.CommandError`) is printed as one line on
-stderr, ``largebatch COMMAND: ...``, and ends the command with exit status 2.
+Each command is a row of :data:`COMMANDS`: a module of this package with
+``add_arguments(parser)`` and ``main(args) -> int``; only the chosen one is imported, so
+``largebatch --help`` loads no framework. A :class:`~largebatch.outputs.CommandError` ends
+the command with one line on stderr and exit status 2 (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -15,26 +13,27 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 import largebatch
-from largebatch.recipes.outputs import CommandError
+from largebatch.outputs import CommandError
 
 __all__ = ["COMMANDS", "main"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("largebatch.recipes.train", "train a named recipe (largebatch recipes lists them)"),
-    "recipes": ("largebatch.recipes.registry", "list the recipes: model, batch, optimizer, paper"),
+    "train": ("largebatch.cli.train", "train a named recipe (largebatch recipes lists them)"),
+    "recipes": ("largebatch.cli.recipes", "list the recipes: model, batch, optimizer, paper"),
     "study": (
-        "largebatch.recipes.study",
+        "largebatch.cli.study",
         "the batch-size sweep on Fashion-MNIST, every optimizer tuned alike (--quick: make demo)",
     ),
-    "scaling": ("largebatch.recipes.scaling",
+    "scaling": ("largebatch.cli.scaling",
                 "step time and scaling efficiency of dense and compressed all-reduce, modelled"),
 }
 
 
-def _load(name: str):  # noqa: ANN202
+def _load(name: str) -> ModuleType:
     module = COMMANDS[name][0]
     try:
         return importlib.import_module(module)
@@ -80,8 +79,8 @@ def _silence_stdout() -> None:
 
 def _exit_if_joined(status: object) -> None:
     """A process that joined a process group (``train`` under torchrun) ends through
-    ``largebatch.recipes.distributed.exit_process``, which says why."""
-    module = sys.modules.get("largebatch.recipes.distributed")
+    ``largebatch.training.distributed.exit_process``, which says why."""
+    module = sys.modules.get("largebatch.training.distributed")
     if module is not None and module.joined():
         module.exit_process(status if isinstance(status, int) else 1)
 

@@ -1,44 +1,8 @@
-"""``largebatch train``: run a named recipe (``largebatch.recipes.registry``) end to end.
+"""``largebatch train``'s run of a recipe: the epochs, their records, checkpoints and summary.
 
-One process, or many under ``torchrun`` (``RANK``/``WORLD_SIZE`` set): gloo on CPU,
-NCCL on CUDA, ``DistributedDataParallel``, the recipe's global batch split evenly across
-processes, gradient accumulation when ``--micro-batch`` is smaller than a process's share.
-Before every evaluation the processes average their batch-norm running statistics, so
-the test accuracy and the checkpoint are those of one model.
-
-Every epoch appends a line to ``OUT/metrics.jsonl`` (train loss, test accuracy, lr,
-images/s, min/median/max trust ratio over the adapted layers) and rewrites
-``OUT/checkpoint.pt`` (model, optimizer, scheduler, GradScaler, epoch, RNG, the run's
-settings) and ``OUT/plot.png``; the run ends with ``OUT/summary.json``. Every file is
-replaced atomically (``largebatch.recipes.outputs.atomic_write``), and a lock on ``OUT``
-keeps a second run out of it. ``--resume`` continues from the checkpoint, refuses
-settings other than the run's own, and gives the same parameters as an uninterrupted run.
-
-``--epochs`` other than the recipe's scales the recipe's warmup and milestones with it
-(``Recipe.with_epochs``).
-
-On a terminal, rank 0 shows a progress bar on stderr over the steps of the run: the
-epoch's mean training loss so far, images/s, and the time left for the run (to
-``--stop-after``), evaluations included. Off a terminal there is no bar.
-
-``--compression adacomp`` (under ``torchrun``, DDP) registers the AdaComp communication hook
-(:mod:`largebatch.comm.torch`) after ``--compression-warmup`` epochs of plain all-reduce:
-every rank's residuals go into the checkpoint, and each metrics line records the
-compression rates so far.
-
-The trust ratio is recomputed here from params and gradients with the optimizer's own
-formula (docs/design.md §2) at the last step of each epoch; for SGD it is the ratio LARS would
-apply, a diagnostic only.
-
-The model, optimizer, schedule and loss come from :mod:`largebatch.recipes.build`, the
-epoch and the evaluation from :mod:`largebatch.recipes.loop` (both shared with ``largebatch
-study``), the data from :mod:`largebatch.recipes.train_data`, the plot from
-:mod:`largebatch.recipes.plots`, reading and writing the checkpoint from
-:mod:`largebatch.recipes.checkpoint`; this module adds the processes, the checkpoints'
-contents, the per-epoch metrics and the trust-ratio telemetry. ``_fit`` runs a run as steps:
-build its objects (``largebatch.recipes.train_run``: ``Run``), restore the checkpoint, wrap
-the model in DDP, print the header,
-then per epoch train, evaluate, record and checkpoint, and last the summary.
+:func:`train` checks the settings against the recipe and the processes, holds ``OUT``, and
+runs the epochs on a :class:`~largebatch.training.run.Run`: train, evaluate, record,
+checkpoint, and last the summary (docs/design.md §6 says what each file holds).
 """
 
 from __future__ import annotations
@@ -57,27 +21,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from largebatch.recipes.build import build_model, build_optimizer
-from largebatch.recipes.checkpoint import (
-    gather_residuals, gather_rng, read_checkpoint, write_checkpoint,
-)
-from largebatch.recipes.distributed import (
-    buffers_sha256, check_device, full_optimizer_state, full_state, params_sha256,
-    sync_buffers,
-)
-from largebatch.recipes.loop import evaluate, train_epoch
-from largebatch.recipes.outputs import (
-    atomic_write, lock_folder, remove_stale_temporaries, require,
-)
-from largebatch.recipes.registry import (
-    DEFAULT_RECIPE, PRECISIONS, RECIPES, Recipe, get_recipe,
-)
-from largebatch.recipes.study.plan import COMPRESSIONS
-from largebatch.recipes.train_data import batches, epoch_sampler, eval_chunks
-from largebatch.recipes.train_run import Run, build_run, distribute, fail, restore
+from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries, require
+from largebatch.recipes.registry import Recipe, get_recipe
 from largebatch.torch import trust_ratios
+from largebatch.training.checkpoint import gather_residuals, gather_rng, read_checkpoint, write_checkpoint
+from largebatch.training.data import batches, epoch_sampler, eval_chunks
+from largebatch.training.distributed import (
+    buffers_sha256, check_device, full_optimizer_state, full_state, params_sha256, sync_buffers,
+)
+from largebatch.training.loop import evaluate, train_epoch
+from largebatch.training.run import Run, build_run, distribute, fail, restore
 
-__all__ = ["build_model", "build_optimizer", "trust_ratios", "train", "add_arguments", "main"]
+__all__ = ["train"]
 
 
 # --------------------------------------------------------------------------- telemetry
@@ -355,58 +310,3 @@ def _summarize(run: Run, history: list[dict[str, Any]]) -> dict[str, Any]:
         atomic_write(run.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         run.plot(history)
     return summary
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``largebatch train`` flags; every recipe value left unset keeps the recipe's."""
-    add = parser.add_argument
-    add("--recipe", default=DEFAULT_RECIPE, help=f"recipe name (default %(default)s; "
-        f"'largebatch recipes' lists {len(RECIPES)})")
-    add("--data", default=None, metavar="DIR", help="ImageFolder tree (DIR/train, DIR/val) for "
-        "ImageNet recipes; Fashion-MNIST idx folder otherwise (default: the installed copy)")
-    add("--batch-size", type=int, default=None, help="global batch (default: the recipe's)")
-    add("--micro-batch", type=int, default=None,
-        help="per-process micro-batch; smaller than the per-process batch: gradient accumulation")
-    add("--epochs", type=int, default=None, help="epochs (default: the recipe's; another number "
-        "scales the recipe's warmup and milestones with it)")
-    add("--lr", type=float, default=None,
-        help="peak lr (default: the recipe's, scaled to the batch)")
-    add("--precision", choices=PRECISIONS, default=None, help="default: the recipe's")
-    add("--out", default=None, metavar="DIR", help="output folder (default runs/RECIPE); "
-        "one run at a time")
-    add("--resume", action="store_true", help="continue from OUT/checkpoint.pt (same settings)")
-    add("--stop-after", type=int, default=None, metavar="EPOCH",
-        help="stop after this epoch (the schedule still spans --epochs); --resume continues")
-    add("--seed", type=int, default=0)
-    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images "
-        "(the ImageNet-equivalent batch stays that of the full training set)")
-    add("--workers", type=int, default=4, help="data-loader workers for ImageFolder data")
-    add("--fsdp", action="store_true", help="under torchrun: shard params, grads and optimizer "
-        "state with FSDP2 (fully_shard) instead of replicating them with DDP; trust ratios "
-        "use each whole param's norm")
-    add("--compression", choices=COMPRESSIONS, default="none",
-        help="under torchrun: compress DDP's gradient all-reduce with AdaComp (a communication "
-             "hook; docs/communication.md) after --compression-warmup epochs uncompressed")
-    add("--compression-warmup", type=int, default=1, metavar="EPOCHS",
-        help="epochs of plain all-reduce before AdaComp starts (default %(default)s)")
-
-
-def main(args: argparse.Namespace) -> int:
-    for flag in ("batch_size", "micro_batch", "epochs", "subset", "stop_after"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
-    if args.workers < 0:
-        raise fail(f"invalid --workers {args.workers} (must be >= 0)")
-    if args.compression_warmup < 0:
-        raise fail(f"invalid --compression-warmup {args.compression_warmup} (must be >= 0)")
-    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
-        raise fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
-    require("train", ("tqdm", "matplotlib"))
-    try:
-        train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
