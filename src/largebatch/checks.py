@@ -21,7 +21,10 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["choice", "integer", "number"]
+__all__ = ["AxisName", "axis_name", "choice", "integer", "number"]
+
+AxisName = str | tuple[str, ...] | None  # the mesh axes of a collective (JAX)
+_AXIS_RULE = "must be None, a non-empty str or a non-empty tuple of distinct non-empty str"
 
 
 def integer(name: str, value: Any, least: int = 0) -> int:
@@ -53,3 +56,16 @@ def choice(name: str, value: Any, choices: Sequence[str]) -> str:
     if isinstance(value, str) and value in choices:
         return value
     raise ValueError(f"Invalid {name}: {value!r} (must be one of {', '.join(choices)})")
+
+
+def axis_name(name: str, value: Any) -> AxisName:
+    """``value`` as mesh axis names: None, a non-empty str, or a non-empty tuple of distinct
+    non-empty strs; a TypeError (not a str) or ValueError (empty, repeated) naming it."""
+    if value is None:
+        return None
+    names = value if isinstance(value, tuple) else (value,)
+    if not isinstance(value, (str, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"Invalid {name}: {value!r} ({_AXIS_RULE})")
+    if not names or not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"Invalid {name}: {value!r} ({_AXIS_RULE})")
+    return value

@@ -103,7 +103,8 @@ class Compressed:
     scale: float
 
 
-def _check(bin_len: int, select: str, values: str) -> None:
+def check_compression(bin_len: int, select: str, values: str) -> None:
+    """The settings of one layer's compression: ``bin_len`` an integer >= 1, and the modes."""
     checks.integer("bin length L_T", bin_len, 1)
     _check_modes(select, values)
 
@@ -117,7 +118,7 @@ def _check_modes(select: str, values: str) -> None:
 def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp",
              values: str = "ternary") -> Compressed:
     """Algorithm 1 of Chen et al. 2018 on one layer (flattened), in float64."""
-    _check(bin_len, select, values)
+    check_compression(bin_len, select, values)
     r = np.asarray(residual, dtype=np.float64).ravel()
     g = np.asarray(grad, dtype=np.float64).ravel()
     if r.shape != g.shape:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 
-def _is_float(x: Any) -> bool:
+def is_float(x: Any) -> bool:
     """True for an array (anything with a dtype) of a floating dtype."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -21,7 +21,7 @@ def all_finite(tree: Any) -> jax.Array:
     Non-floating leaves are ignored; an empty tree is finite. Works under ``jit``:
     the answer stays on the device.
     """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
     if not leaves:
         return jnp.array(True)
     return jnp.all(jnp.stack(leaves))

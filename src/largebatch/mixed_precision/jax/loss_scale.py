@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from largebatch.mixed_precision.jax.finite import _is_float
+from largebatch.mixed_precision.jax.finite import is_float
 
 #: The largest loss scale :class:`DynamicLossScale` grows to. ``1 / MAX_LOSS_SCALE``
 #: is float32's smallest normal number, so unscaling never multiplies by a reciprocal
@@ -30,7 +30,7 @@ def _scale_tree(tree: Any, factor: jax.Array) -> Any:
     """Multiply every floating leaf by ``factor`` in float32; keep each leaf's dtype."""
 
     def one(x):
-        if not _is_float(x):
+        if not is_float(x):
             return x
         return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
