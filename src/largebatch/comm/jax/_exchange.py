@@ -65,7 +65,7 @@ def _ordered_mean(indices: jax.Array, vals: jax.Array, length: int) -> jax.Array
     n = indices.shape[0]
     total = jnp.zeros(length, vals.dtype).at[indices[0]].set(vals[0], mode="drop")
 
-    def add(k, acc):
+    def add(k: jax.Array, acc: jax.Array) -> jax.Array:
         return acc.at[indices[k]].add(vals[k], mode="drop")
 
     total = lax.fori_loop(1, n, add, total)
@@ -175,7 +175,7 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
     cap = message_capacity(capacity, span, bin_len)
     parts = compress_rows(r, g, bin_len, n, span, cap, select, values)
 
-    def to_owner(x):
+    def to_owner(x: jax.Array) -> jax.Array:
         if x.ndim == 0:  # the scale: every owner needs every device's
             return lax.all_gather(x, axis_name)
         return lax.all_to_all(x, axis_name, 0, 0, tiled=True)

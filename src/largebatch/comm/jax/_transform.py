@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -116,13 +116,14 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         bin_capacity = checks.integer("bin_capacity", bin_capacity, 1)
     two_phase = form == "two_phase"
 
-    def bins_of(leaves):
+    def bins_of(leaves: Sequence[Any]) -> list[int | None]:
         return [compressible(x, conv_bin, fc_bin) for x in leaves]
 
-    def capacity(numel, bin_len):
+    def capacity(numel: int, bin_len: int) -> int:
         return default_capacity(numel, bin_len, bin_capacity)
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> AdaCompState:
+        treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(params)
         bins = bins_of(leaves)
         res = [None if b is None else jnp.zeros((1, *jnp.shape(p)), compute_dtype(p))
@@ -143,7 +144,8 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         return AdaCompState(count=jnp.zeros([], jnp.int32), residuals=treedef.unflatten(res),
                             chunk_residuals=chunks, selected=treedef.unflatten(selected))
 
-    def exchange(grads, bins, residuals, chunks):
+    def exchange(grads: Sequence[jax.Array], bins: Sequence[Any], residuals: Sequence[Any],
+                 chunks: Sequence[Any]) -> tuple[list[Any], ...]:
         means, new_res, new_chunks, selected = [], [], [], []
         for g, b, r, c in zip(grads, bins, residuals, chunks):
             numel = math.prod(jnp.shape(g))
@@ -154,17 +156,20 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
                                                      select=select, values=values)
                 c = c[None]
             else:
-                mean, r, message = allgather_mean(r[0], g, b, axis_name,
-                                                  capacity=capacity(numel, b),
-                                                  select=select, values=values)
+                mean, r, sent = allgather_mean(r[0], g, b, axis_name, capacity=capacity(numel, b),
+                                               select=select, values=values)
+                assert sent is not None  # a compressed leaf (b is not None) has a message
+                message = sent
             means.append(mean)
             new_res.append(r[None])
             new_chunks.append(c)
             selected.append(message.selected[None])
         return means, new_res, new_chunks, selected
 
-    def update_fn(updates, state, params=None, **extra_args):  # as optax's aliases: ignored
+    def update_fn(updates: optax.Updates, state: AdaCompState, params: optax.Params | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, AdaCompState]:  # as optax's aliases
         del params, extra_args
+        treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(updates)
         bins = bins_of(leaves)
         out = list(leaves)
@@ -181,11 +186,11 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             operands = tuple([x[i] for i in packed] for x in (leaves, residuals, chunks, selected))
             pick = [bins[i] for i in packed]
 
-            def compressed(ops):
+            def compressed(ops: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
                 grads, res, chk, _ = ops
                 return exchange(grads, pick, res, chk)
 
-            def warm(ops):
+            def warm(ops: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
                 grads, res, chk, sel = ops
                 return lax.pmean(grads, axis_name), res, chk, sel
 
@@ -238,18 +243,19 @@ def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:
     axis_name = checks.axis_name("axis_name", axis_name)
     device = P(axis_name)
 
-    def per_device(tree):
+    def per_device(tree: Any) -> Any:
         return jax.tree.map(lambda _: device, tree)
 
-    def accumulated(leaf):
+    def accumulated(leaf: Any) -> P:
         if len(jnp.shape(leaf)) == 0:
             raise ValueError("optax.MultiSteps accumulates a scalar gradient per device; "
                              "adacomp_state_specs needs leaves of rank >= 1 to split")
         return device
 
-    def node(x):
+    def node(x: Any) -> Any:
         if isinstance(x, AdaCompState):
-            return AdaCompState(count=P(), residuals=per_device(x.residuals),
+            # The specs of the state, in the state's own structure.
+            return AdaCompState(count=P(), residuals=per_device(x.residuals),  # type: ignore[arg-type]
                                 chunk_residuals=per_device(x.chunk_residuals),
                                 selected=per_device(x.selected))
         if isinstance(x, optax.MultiStepsState):
@@ -264,7 +270,8 @@ def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:
                         is_leaf=lambda x: isinstance(x, (AdaCompState, optax.MultiStepsState)))
 
 
-def _shard_map(f, mesh, in_specs, out_specs, check):
+def _shard_map(f: Callable[..., Any], mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any,
+               check: bool) -> Callable[..., Any]:
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=check)

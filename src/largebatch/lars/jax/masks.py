@@ -69,7 +69,7 @@ def mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
     if b is None and not negate_b:
         return a
 
-    def mask_fn(tree):
+    def mask_fn(tree: Any) -> Any:
         return jax.tree.map(
             lambda x, y: bool(x) and (bool(y) != negate_b),
             _full_mask(a, tree),

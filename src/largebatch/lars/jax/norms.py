@@ -126,7 +126,8 @@ def global_norm(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Arra
     return _norm(jnp.stack([n.astype(dtype) for n in norms]))
 
 
-def safe_ratio(numerator, denominator, w_norm, other_norm):
+def safe_ratio(numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array,
+               other_norm: jax.Array) -> jax.Array:
     """``numerator / denominator``, or 1 where ``w_norm`` or ``other_norm`` is zero."""
     zero = jnp.logical_or(w_norm == 0.0, other_norm == 0.0)
     return jnp.where(zero, jnp.ones_like(numerator), numerator / jnp.where(zero, 1.0, denominator))

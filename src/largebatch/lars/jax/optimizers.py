@@ -180,7 +180,7 @@ def lars(
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
-    def adapt(wd):
+    def adapt(wd: Any) -> optax.GradientTransformation:
         return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip,
                                          decayed_norm)
 

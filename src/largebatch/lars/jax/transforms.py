@@ -66,7 +66,8 @@ def keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransforma
 
     inner = optax.with_extra_args_support(inner)
 
-    def update_fn(updates, state, params=None, **extra_args):  # optax's aliases take extra args
+    def update_fn(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, optax.OptState]:  # as optax's aliases
         new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
         new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
@@ -129,11 +130,13 @@ def scale_by_lars_trust_ratio(
     zero_norm_skip, decayed_norm = flags["zero_norm_skip"], flags["decayed_norm"]
     wd, tc = weight_decay, trust_coefficient
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> LarsTrustRatioState:
         del params
         return LarsTrustRatioState(count=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: LarsTrustRatioState,
+                  params: optax.Params | None = None,
+                  ) -> tuple[optax.Updates, LarsTrustRatioState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
@@ -141,7 +144,8 @@ def scale_by_lars_trust_ratio(
         ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
         norms = leaf_norms(ws + (ds if decayed_norm else gs), axis_name)
 
-        def leaf(g, g32, d, w_norm, g_norm):
+        def leaf(g: jax.Array, g32: jax.Array, d: jax.Array, w_norm: jax.Array,
+                 g_norm: jax.Array) -> jax.Array:
             if decayed_norm:  # g_norm is ||g + wd * w|| (optax)
                 ratio = safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
             else:
@@ -181,13 +185,14 @@ def scale_by_lamb_trust_ratio(
     """
     axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         us, ws, treedef = _computed_leaves(updates, params)
         norms = leaf_norms(ws + us, axis_name)
 
-        def leaf(u, u32, w_norm, u_norm):
+        def leaf(u: jax.Array, u32: jax.Array, w_norm: jax.Array, u_norm: jax.Array) -> jax.Array:
             ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)
             if weight_decay is not None:
                 ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, jnp.ones_like(ratio))
@@ -222,7 +227,8 @@ def divide_by_global_norm(
     _MAX_NORM.check(concrete_or_unknown(max_norm), "max_norm")
     axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         del params
         leaves = jax.tree.leaves(updates)
         if not leaves:
@@ -252,14 +258,16 @@ def scale_by_uncorrected_adam(
     """
     b3 = (1 - b1) if grad_averaging else 1.0
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.ScaleByAdamState,
+                  params: optax.Params | None = None,
+                  ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del params
         mu = jax.tree.map(lambda g, m: b3 * g + b1 * m, updates, state.mu)
         count = optax.safe_increment(state.count)

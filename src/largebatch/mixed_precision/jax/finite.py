@@ -80,22 +80,24 @@ def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTran
     """
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> SkipIfNonfiniteState:
         return SkipIfNonfiniteState(
             inner_state=inner.init(params),
             skipped=jnp.zeros((), jnp.int32),
             last_finite=jnp.array(True),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates: optax.Updates, state: SkipIfNonfiniteState,
+                  params: optax.Params | None = None, **extra_args: Any,
+                  ) -> tuple[optax.Updates, SkipIfNonfiniteState]:
         finite = all_finite(updates)
 
-        def apply(_):
+        def apply(_: None) -> tuple[optax.Updates, optax.OptState]:
             return inner.update(updates, state.inner_state, params, **extra_args)
 
         new_updates_shape, _ = jax.eval_shape(apply, None)
 
-        def skip(_):
+        def skip(_: None) -> tuple[optax.Updates, optax.OptState]:
             zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), new_updates_shape)
             return zeros, state.inner_state
 

@@ -29,7 +29,7 @@ def _concrete(x: Any) -> np.ndarray | None:
 def _scale_tree(tree: Any, factor: jax.Array) -> Any:
     """Multiply every floating leaf by ``factor`` in float32; keep each leaf's dtype."""
 
-    def one(x):
+    def one(x: Any) -> Any:
         if not is_float(x):
             return x
         return (x.astype(jnp.float32) * factor).astype(x.dtype)
@@ -145,7 +145,7 @@ class DynamicLossScale(_LossScaleMethods):
     factor: float = 2.0
     min_loss_scale: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         period = _check_number(
             "period", self.period, lambda v: v >= 1, "an integer >= 1", integral=True
         )
@@ -220,7 +220,7 @@ class StaticLossScale(_LossScaleMethods):
 
     loss_scale: jax.Array
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_loss_scale(self.loss_scale)
         object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
 

@@ -63,7 +63,7 @@ class Policy:
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, _as_float_dtype(getattr(self, field), field))
 
