@@ -179,7 +179,7 @@ def test_torch_compress_equals_reference_float64(numel: int, bin_len: int) -> No
 
 def _as_on_a_gpu(monkeypatch) -> None:
     """The exchange's code for a device the host waits for, on CPU tensors."""
-    monkeypatch.setattr(codec, "_waits", lambda device: True)
+    monkeypatch.setattr(codec, "host_waits", lambda device: True)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -436,13 +436,26 @@ def test_auto_form_is_the_cheaper_exchange_by_the_formulas() -> None:
     """n = 4, 5 us, 10 GB/s: all-gather 3(a + P/B) against two-phase 6(a + P/(4B)): equal
     at P = 2aB = 100,000 bytes (all-gather wins ties: one collective). Two workers: always
     all-gather (the same bytes, fewer messages)."""
-    from largebatch.comm.torch import _choose_form
+    from largebatch.comm.torch import choose_model_form
 
     def model(bytes_: int) -> torch.nn.Module:
         return torch.nn.Linear(bytes_ // 4, 1, bias=False)  # float32: 4 bytes a param
 
     net = (5e-6, 10e9)
-    assert _choose_form(4, model(4_000_000), 40.0, net) == "allgather"  # P = 100,000
-    assert _choose_form(4, model(4_000_160), 40.0, net) == "two_phase"  # P = 100,004
-    assert _choose_form(2, model(400_000_000), 40.0, net) == "allgather"
-    assert _choose_form(64, model(4_000_000), 40.0, net) == "two_phase"
+    assert choose_model_form(4, model(4_000_000), 40.0, net) == "allgather"  # P = 100,000
+    assert choose_model_form(4, model(4_000_160), 40.0, net) == "two_phase"  # P = 100,004
+    assert choose_model_form(2, model(400_000_000), 40.0, net) == "allgather"
+    assert choose_model_form(64, model(4_000_000), 40.0, net) == "two_phase"
+
+
+def test_the_torch_facade_exports_the_hooks_state() -> None:
+    """``largebatch.torch.AdaCompState`` is the class ``adacomp_hook`` takes its state as."""
+    import typing
+
+    import largebatch.torch as lt
+    from largebatch.comm.torch import _hook
+
+    assert {"AdaCompState", "adacomp_hook"} <= set(lt.__all__)
+    assert lt.AdaCompState is AdaCompState is _hook.AdaCompState
+    assert lt.adacomp_hook is _hook.adacomp_hook
+    assert typing.get_type_hints(lt.adacomp_hook)["state"] is lt.AdaCompState

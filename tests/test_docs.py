@@ -71,9 +71,10 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
     ("page", "names"),
     [
         ("api/torch", ["LARS", "LAMB", "lars", "lamb", "param_groups", "make_schedule",
-                       "ScheduleLR", "linear_scaling", "sqrt_scaling", "to_half"]),
+                       "ScheduleLR", "linear_scaling", "sqrt_scaling", "to_half",
+                       "AdaCompState", "adacomp_hook"]),
         ("api/jax", ["lars", "lamb", "exclusion_mask", "make_schedule", "as_optax_schedule",
-                     "DynamicLossScale"]),
+                     "DynamicLossScale", "AdaCompState", "adacomp"]),
         ("api/schedules", ["Schedule", "make_schedule", "linear_scaling", "sqrt_scaling"]),
         ("api/spec", []),
         ("api/comm", []),

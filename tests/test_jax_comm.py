@@ -37,8 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import largebatch.comm.jax as comm_jax  # noqa: E402
 from largebatch.comm import reference as ref  # noqa: E402
+from largebatch.comm.jax._compress import divide  # noqa: E402
 from largebatch.comm.jax import (  # noqa: E402
     DEFAULT_BIN_CAPACITY,
     AdaCompState,
@@ -228,13 +228,13 @@ def test_division_by_the_device_count_is_correctly_rounded(n):
     """The exchanges divide a sum by ``n``; XLA turns ``x / n`` into ``x * (1/n)``, an ulp
     off for about a third of the elements at ``n = 3``. Ours equals NumPy's division
     (IEEE, correctly rounded), in float32 and in float64."""
-    divide = jax.jit(lambda x, c: comm_jax._divide(x, jnp.zeros_like(x), c))
+    quotient = jax.jit(lambda x, c: divide(x, jnp.zeros_like(x), c))
     rng = np.random.default_rng(n)
     x = rng.standard_normal(20_000) * 10.0 ** rng.uniform(-30, 30, 20_000)
     x32 = x.astype(np.float32)
-    np.testing.assert_array_equal(divide(x32, np.float32(n)), x32 / np.float32(n))
+    np.testing.assert_array_equal(quotient(x32, np.float32(n)), x32 / np.float32(n))
     with jax.enable_x64(True):
-        np.testing.assert_array_equal(divide(x, np.float64(n)), x / np.float64(n))
+        np.testing.assert_array_equal(quotient(x, np.float64(n)), x / np.float64(n))
 
 
 # --------------------------------------------------------------------------- exchanges
@@ -611,12 +611,14 @@ def test_multi_steps_around_the_chain_equals_the_chain_on_the_averaged_gradient(
     assert int(inner_state.count) == 2
 
 
-def test_module_example_runs():
-    """The module docstring's example, as written: it compiles its step once."""
-    doc = comm_jax.__doc__
-    block = doc.split("shard of the batch)::\n\n", 1)[1].split("\n\n**", 1)[0]
+def test_docstring_example_runs():
+    """``adacomp_init_state``'s example, as written: it compiles its step once."""
+    import textwrap
+
+    doc = adacomp_init_state.__doc__
+    block = doc.split("shard of the batch)::\n", 1)[1].split("\n    Args:", 1)[0]
     namespace: dict = {}
-    exec("\n".join(line[4:] for line in block.splitlines()), namespace)  # noqa: S102
+    exec(textwrap.dedent(block), namespace)  # noqa: S102
     assert namespace["train_step"]._cache_size() == 1
     state = namespace["state"]
     assert int(state[0].count) == 5
@@ -744,3 +746,16 @@ def test_update_accepts_extra_args_as_optax_aliases_do():
     grads = device_grads(np.random.default_rng(0), 2)
     for a, b in zip(jax.tree.leaves(host(plain(grads, state))), jax.tree.leaves(host(extra(grads, state)))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_jax_facade_exports_the_transforms_state():
+    """``largebatch.jax.AdaCompState`` is the state ``adacomp``'s ``init`` gives."""
+    import largebatch.jax as lj
+
+    assert "AdaCompState" in lj.__all__
+    assert lj.AdaCompState is AdaCompState
+    _, state, _ = exchange_step(lj.adacomp(AXIS), data_mesh(2))
+    assert isinstance(state, lj.AdaCompState)
+    chained, _ = adacomp_init_state(optax.chain(lj.adacomp(AXIS), lars(0.1)), params_like(),
+                                    data_mesh(2), AXIS)
+    assert isinstance(chained[0], lj.AdaCompState)

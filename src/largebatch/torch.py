@@ -3,6 +3,7 @@
 >>> from largebatch.torch import LARS, LAMB, make_schedule, ScheduleLR, param_groups
 """
 
+from largebatch.comm.torch import AdaCompState, adacomp_hook
 from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups, trust_ratios
 from largebatch.mixed_precision.torch import to_half
 from largebatch.schedules import Schedule, linear_scaling, make_schedule, sqrt_scaling
@@ -22,4 +23,6 @@ __all__ = [
     "sqrt_scaling",
     "ScheduleLR",
     "to_half",
+    "AdaCompState",
+    "adacomp_hook",
 ]

@@ -1,10 +1,6 @@
-"""Communication for data-parallel training: AdaComp gradient compression and a scaling model.
-
-- :mod:`largebatch.comm.reference`: the float64 NumPy statement of AdaComp (the spec).
-- :mod:`largebatch.comm.torch`: the DDP communication hook (``AdaCompState``, ``adacomp_hook``).
-- :mod:`largebatch.comm.jax`: the same compressor for ``shard_map`` and optax.
-- :mod:`largebatch.comm.scaling`: step time and scaling efficiency of the all-reduce forms.
-- :mod:`largebatch.comm.published`: the published scaling points the model is set against.
-
-Importing this package loads no framework.
-"""
+"""Communication for data-parallel training; importing this package loads no framework.
+:mod:`~largebatch.comm.reference` states AdaComp in float64 NumPy (the spec);
+:mod:`~largebatch.comm.torch` is its DDP communication hook, :mod:`~largebatch.comm.jax` its
+optax transformation for ``shard_map``; :mod:`~largebatch.comm.costs` and
+:mod:`~largebatch.comm.scaling` model step time and scaling efficiency, set against
+:mod:`~largebatch.comm.published` scaling points."""

@@ -1,49 +1,9 @@
 """What each gradient exchange costs in a latency-bandwidth (alpha-beta) model: a dense
-all-reduce (flat ring, hierarchical) and AdaComp's two compressed exchanges, the
-hardware they run on (:class:`Link`, :class:`Network`), and the choice between the
-compressed forms (:func:`choose_form`, which the DDP hook's ``form="auto"`` calls).
-
-Symbols, used in every docstring here:
-
-- ``S``: bytes of one step's fp32 gradients (4 bytes a parameter);
-- ``n``: workers (GPUs), ``g``: GPUs per node, ``m = n / g``: nodes;
-- ``a``, ``B``: a link's latency (seconds a message) and bandwidth (bytes a second);
-  ``a_i, B_i`` inside a node, ``a_e, B_e`` between nodes (``B_e``: one node's injection
-  bandwidth, shared by everything that leaves the node);
-- ``k``: buckets (DDP's tensor fusion): every bucket pays the latency terms, the bytes are
-  paid once;
-- ``c``: compression rate, dense bytes / compressed bytes (AdaComp: about 40 on
-  convolutions, Chen et al. 2018, arXiv 1712.02679).
-
-The exchanges, each a function of plain numbers (:func:`ring`, :func:`hierarchical`,
-:func:`allgather`, :func:`two_phase`):
-
-====================  ================================================================
-``ring``              ``2(n-1) k a + 2(n-1)/n S/B``
-``hierarchical``      ``2(g-1) k a_i + 2(g-1)/g S/B_i + 2(m-1) k a_e + 2(m-1)/m S/B_e``
-``allgather``         ``(n-1) k a + (n-1) S/(c B)``
-``two_phase``         ``2(n-1) k a + (n-1)/n (s+1) S/(c B)``, ``s`` workers per link
-====================  ================================================================
-
-Consequences worth knowing (tested):
-
-- The all-gather form receives ``n - 1`` compressed messages, the ring about two dense
-  copies: with negligible latency it beats the ring exactly while ``n < 2c`` (80 workers
-  at ``c = 40``), and its cost grows linearly with ``n`` (:func:`allgather_crossover`).
-- The two-phase form costs the ring's latency plus the ring's bytes divided by ``c``
-  (``s = 1``): it never stops paying off with ``n``, but it sends twice as many messages
-  as the all-gather form, so that one wins at small ``n`` or small payloads
-  (:func:`choose_form`, which the DDP hook's ``form="auto"`` can call).
-- The hierarchical all-reduce moves about as many bytes between nodes as the flat ring
-  (``2(m-1)/m S`` against ``2(n-1)/n S``: the ``g`` concurrent inter-node rings share the
-  node's link) and adds its phases inside the node, but pays ``2(g-1) + 2(m-1)``
-  latencies a bucket instead of ``2(n-1)``: it wins where latency dominates (many nodes,
-  many buckets, small buckets).
-
-What the model leaves out: compute of compression and decompression (and the two-phase
-form's second compression), contention beyond the shared node link, stragglers, the
-pipelining of buckets with each other. Pure Python; no framework is imported.
-"""
+all-reduce (flat ring, hierarchical) and AdaComp's two compressed exchanges (:func:`ring`,
+:func:`hierarchical`, :func:`allgather`, :func:`two_phase`), the hardware they run on
+(:class:`Link`, :class:`Network`), and the choice between the compressed forms
+(:func:`choose_form`, which the DDP hook's ``form="auto"`` calls). The symbols, formulas
+and crossovers: docs/communication.md, "The scaling model". Pure Python."""
 
 from __future__ import annotations
 

@@ -1,43 +1,9 @@
-"""AdaComp in float64 NumPy: the statement every other path is tested against.
-
-AdaComp (Chen, Choi, Brand, Agrawal, Zhang, Gopalakrishnan, "AdaComp: Adaptive Residual
-Gradient Compression for Data-Parallel Distributed Training", AAAI 2018, arXiv 1712.02679,
-Algorithm 1) compresses each layer's gradient on each worker before the exchange:
-
-1. **Residual.** Every worker keeps, per layer, a residual ``r`` of what it has not sent
-   yet. The gradient ``g`` of the step is added to it: ``G = r + g``.
-2. **Self-adjusting selection.** ``H = G + g`` weighs the newest gradient twice. ``G`` is
-   cut into bins of ``L_T`` consecutive elements (the last bin may be shorter); in each
-   bin ``gmax = max |G|``; an element is selected when ``|H| >= gmax`` of its bin. A bin
-   whose residuals are all zero sends nothing (an element with ``G = 0`` is never sent).
-   Since ``gmax`` is local, every bin has a chance to send, and a layer whose gradients
-   grow sends more: the compression rate tunes itself.
-3. **Quantization.** A selected element is sent as its sign times one scale per layer,
-   the mean of ``|G|`` over the layer's selected elements: a ternary vector
-   ``{-scale, 0, +scale}`` that travels as the selected indices with one sign bit each.
-4. **Error feedback.** What is not sent stays: ``r_new = G - sent``. So
-   ``sent + r_new = r + g``, up to the one rounding of that subtraction (for unselected
-   elements it is exact: ``r_new = G`` and nothing is sent).
-
-``L_T`` is 50 for convolution weights and 500 for fully connected (and recurrent) weights,
-the paper's values; the paper reports about 40x compression on convolutional layers and
-about 200x on fully connected ones. Biases and normalization parameters (tensors of rank 0
-or 1) are sent uncompressed: :func:`bin_length` returns ``None`` for them.
-
-Two exchanges are stated here, both averaging over ``n`` workers:
-
-- :func:`allgather_exchange`: every worker receives every worker's compressed vector and
-  sums them in worker order, then divides by ``n``. Each worker's traffic grows with ``n``.
-- :func:`two_phase_exchange`: the layer is cut into ``n`` chunks, each a whole number of
-  bins; worker ``j`` receives everyone's chunk ``j``, averages it, compresses the average
-  again with a residual of its own (error feedback on the receiving side too), and the
-  re-compressed chunks are gathered by everyone. Each worker's traffic stays about
-  ``2 * size / compression`` whatever ``n``.
-
-``select="all"`` and ``values="exact"`` switch the two stages off (every nonzero element
-selected; its value sent as it is): with both, the exchange is the plain average, which is
-how the hooks' plumbing is tested against the default all-reduce.
-"""
+"""AdaComp (Chen et al. 2018, arXiv 1712.02679, Algorithm 1) in float64 NumPy: the statement
+every other path is tested against. :func:`compress` is one layer on one worker;
+:func:`allgather_exchange` and :func:`two_phase_exchange` average over ``n`` workers.
+``select="all"`` and ``values="exact"`` switch selection and quantization off: with both,
+the exchange is the plain average (how the hooks' plumbing is tested against the default
+all-reduce). The algorithm: docs/communication.md."""
 
 from __future__ import annotations
 
@@ -103,7 +69,8 @@ class Compressed:
     scale: float
 
 
-def _check(bin_len: int, select: str, values: str) -> None:
+def check_compression(bin_len: int, select: str, values: str) -> None:
+    """The settings of one layer's compression: ``bin_len`` an integer >= 1, and the modes."""
     checks.integer("bin length L_T", bin_len, 1)
     _check_modes(select, values)
 
@@ -117,7 +84,7 @@ def _check_modes(select: str, values: str) -> None:
 def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp",
              values: str = "ternary") -> Compressed:
     """Algorithm 1 of Chen et al. 2018 on one layer (flattened), in float64."""
-    _check(bin_len, select, values)
+    check_compression(bin_len, select, values)
     r = np.asarray(residual, dtype=np.float64).ravel()
     g = np.asarray(grad, dtype=np.float64).ravel()
     if r.shape != g.shape:

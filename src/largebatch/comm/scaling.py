@@ -1,22 +1,8 @@
-"""Step time and scaling efficiency of data-parallel training under the latency-bandwidth
-model of :mod:`largebatch.comm.costs` (its symbols: ``S``, ``n``, ``g``, ``a``, ``B``,
-``k``, ``c``), for every exchange form; and the fit of a link to measured times.
-
-:func:`predict` turns a :class:`Workload` (gradient bytes, compute time per step per
-worker: weak scaling, a fixed batch per worker) and a :class:`Network` into step time and
-scaling efficiency for every form; :func:`fit_ring` fits ``a`` and ``B`` of the ring
-formula to measured all-reduce times (``benchmarks/comm_calibrate.py``);
-:data:`largebatch.comm.published.PUBLISHED` holds published scaling points with the
-hardware assumed for each, so the model can be set against them.
-
-What the model leaves out: compute of compression and decompression (and the two-phase
-form's second compression), contention beyond the shared node link, stragglers, the
-pipelining of buckets with each other. Pure Python and NumPy; no framework is imported.
-
-The cost formulas and the hardware (:class:`Link`, :class:`Network`, :func:`ring`,
-:func:`hierarchical`, :func:`allgather`, :func:`two_phase`, :func:`choose_form`, ...) live
-in :mod:`largebatch.comm.costs`; they are importable from here too.
-"""
+"""Step time and scaling efficiency of data-parallel training under the model of
+:mod:`largebatch.comm.costs` (whose formulas are importable from here too): :func:`predict`
+turns a :class:`Workload` (weak scaling: a fixed batch per worker) and a :class:`Network`
+into step time and efficiency for every exchange form; :func:`fit_ring` fits a link to
+measured all-reduce times. docs/communication.md, "The scaling model". No framework."""
 
 from __future__ import annotations
 

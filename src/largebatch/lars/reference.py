@@ -1,45 +1,9 @@
 """The float64 NumPy statement of LARS and LAMB: the spec every path is tested against.
-
-Readable, slow, pure: each function takes arrays and returns new arrays, and never
-changes its inputs. The rules are those of docs/design.md §2 and the docstrings of
-``largebatch.torch.LARS`` / ``LAMB``; ``t`` counts steps from 1.
-
-LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888; by default in the
-form of the MLPerf ResNet-50 TF reference)::
-
-    ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)     (1 if ||w|| == 0 or ||g|| == 0)
-    ratio = min(ratio / lr, 1)                          (only with trust_clip: LARC)
-    d = g + wd * w
-    v = momentum * v + lr * ratio * d                   (lr inside the momentum buffer)
-    w = w - v            nesterov: w = w - (momentum * v + lr * ratio * d)
-
-    lr_in_momentum=False (torch SGD under apex LARC, NVIDIA's MXNet LARS, timm):
-    v = momentum * v + ratio * d ;  w = w - lr * v      nesterov: w - lr * (momentum * v + ratio * d)
-    zero_norm_skip=True (apex LARC): where ||w|| == 0 or ||g|| == 0, d = g and ratio = 1
-    (no clip, no weight decay)
-    decayed_norm=True (optax, optax/_src/alias.py lars: add_decayed_weights, then
-    scale_by_trust_ratio of optax/_src/transform.py): the norm of the direction itself,
-    ratio = tc * ||w|| / (||g + wd * w|| + eps)     (1 if ||w|| == 0 or ||g + wd * w|| == 0)
-
-LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = identity)::
-
-    g = g / max(1, ||all grads|| / max_grad_norm)       (only with max_grad_norm)
-    m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
-    r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) (no 1 - b^t without bias_correction)
-    u = r + wd * w
-    ratio = ||w|| / ||u||                               (1 if ||w|| == 0 or ||u|| == 0)
-    w = w - lr * ratio * u
-
-    adam_w_mode=False (apex FusedLAMB's L2 mode): g = g + wd * w before the moments, u = r
-    grad_averaging=False (apex, timm): m = b1 * m + g
-    adapt_without_decay=False (apex FusedLAMB, timm): ratio 1 where wd == 0
-
-A tensor excluded from adaptation (``trust_ratio=False``: biases, normalization
-parameters) gets ratio 1; its weight decay is its group's, in both rules.
-
-The hyperparameters' names, defaults and valid values are ``largebatch.lars.spec``;
-these functions take the same names and do not check values.
-"""
+Readable, slow, pure: each function takes arrays and returns new arrays, never changing its
+inputs; ``t`` counts steps from 1. A tensor excluded from adaptation (``trust_ratio=False``)
+gets ratio 1 and its group's weight decay. The rules: docs/design.md §2 and the docstrings
+of :func:`lars_step`, :func:`lamb_step`; the hyperparameters' names, defaults and valid
+values are ``largebatch.lars.spec`` (these functions do not check values)."""
 
 from __future__ import annotations
 
@@ -86,6 +50,23 @@ def lars_step(
     decayed_norm: bool = False,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """One LARS step on one group; returns ``(new_params, new_momentum_buffers)``.
+
+    LARS (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888; by default in the
+    form of the MLPerf ResNet-50 TF reference)::
+
+        ratio = tc * ||w|| / (||g|| + wd * ||w|| + eps)     (1 if ||w|| == 0 or ||g|| == 0)
+        ratio = min(ratio / lr, 1)                          (only with trust_clip: LARC)
+        d = g + wd * w
+        v = momentum * v + lr * ratio * d                   (lr inside the momentum buffer)
+        w = w - v            nesterov: w = w - (momentum * v + lr * ratio * d)
+
+        lr_in_momentum=False (torch SGD under apex LARC, NVIDIA's MXNet LARS, timm):
+        v = momentum * v + ratio * d ;  w = w - lr * v      nesterov: w - lr * (momentum * v + ratio * d)
+        zero_norm_skip=True (apex LARC): where ||w|| == 0 or ||g|| == 0, d = g and ratio = 1
+        (no clip, no weight decay)
+        decayed_norm=True (optax, optax/_src/alias.py lars: add_decayed_weights, then
+        scale_by_trust_ratio of optax/_src/transform.py): the norm of the direction itself,
+        ratio = tc * ||w|| / (||g + wd * w|| + eps)     (1 if ||w|| == 0 or ||g + wd * w|| == 0)
 
     ``decayed_norm=True`` is optax's denominator (google-deepmind/optax,
     optax/_src/alias.py ``lars``, whose ``scale_by_trust_ratio`` in
@@ -139,6 +120,19 @@ def lamb_step(
     grad_scale: float = 1.0,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """One LAMB step on one group; returns ``(new_params, new_exp_avgs, new_exp_avg_sqs)``.
+
+    LAMB (You et al. 2019, https://arxiv.org/abs/1904.00962, Algorithm 2, phi = identity)::
+
+        g = g / max(1, ||all grads|| / max_grad_norm)       (only with max_grad_norm)
+        m = b1 * m + (1 - b1) * g ;  v = b2 * v + (1 - b2) * g^2
+        r = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) (no 1 - b^t without bias_correction)
+        u = r + wd * w
+        ratio = ||w|| / ||u||                               (1 if ||w|| == 0 or ||u|| == 0)
+        w = w - lr * ratio * u
+
+        adam_w_mode=False (apex FusedLAMB's L2 mode): g = g + wd * w before the moments, u = r
+        grad_averaging=False (apex, timm): m = b1 * m + g
+        adapt_without_decay=False (apex FusedLAMB, timm): ratio 1 where wd == 0
 
     ``step`` is the step number t >= 1 after this update. Every grad is divided by
     ``grad_scale`` first: the global clipping divisor ``max(1, global_norm /

@@ -1,19 +1,9 @@
 """The published LARS and LAMB implementations, by name: the keywords that reproduce each.
-
 A :class:`Source` names the file and function it restates, the keywords that make
 ``largebatch.torch.LARS``/``LAMB`` and ``largebatch.jax.lars``/``lamb`` take its update
-step for step, how its params split into groups, and what of it stays open (not
-offered). ``tests/test_sources.py`` holds a NumPy port of each source's own update and
-runs it against every path with these keywords.
-
-    >>> from largebatch.lars.sources import source_keywords
-    >>> source_keywords("apex-larc")["trust_coefficient"]
-    0.02
-    >>> source_keywords("lamb-authors", framework="jax")["b1"]
-    0.9
-
-This module imports no framework.
-"""
+step for step, how its params split into groups, and what of it stays open. Each is tested
+against a NumPy port of the source's own update (``tests/test_sources.py``). This module
+imports no framework."""
 
 from __future__ import annotations
 
@@ -143,7 +133,13 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
 def source_keywords(name: str, framework: str = "torch") -> dict[str, Any]:
     """The keywords of the source ``name`` (:data:`SOURCES`), by the torch constructor's
     names, or by the JAX factory's (``framework="jax"``: LAMB's ``betas`` as ``b1``,
-    ``b2``)."""
+    ``b2``).
+
+    >>> source_keywords("apex-larc")["trust_coefficient"]
+    0.02
+    >>> source_keywords("lamb-authors", framework="jax")["b1"]
+    0.9
+    """
     if name not in SOURCES:
         raise ValueError(f"Unknown source {name!r}; known: {', '.join(SOURCES)}")
     if framework not in ("torch", "jax"):

@@ -1,16 +1,8 @@
-"""The schedules of :mod:`largebatch.schedules` as optax schedules (jit-traceable).
-
-An optax schedule is a callable from the step count (an int32 scalar, traced under
-``jax.jit``) to the rate. :class:`OptaxSchedule` wraps a :class:`Schedule` and evaluates
-the very formula the Python schedule uses (:meth:`Schedule.evaluate`) with ``jax.numpy``,
-so the jitted rate equals ``schedule(step)`` up to the precision of ``dtype`` (float32
-by default).
-
-A traced step cannot raise an error, so an invalid one gives NaN, never a plausible rate:
-a negative, NaN or infinite count makes the schedule return NaN (the Python schedule
-raises a ValueError for the same steps). A count whose dtype is not an integer or float
-one (a bool, say) is known while tracing and raises a ValueError.
-"""
+"""The schedules of :mod:`largebatch.schedules` as optax schedules: callables from the step
+count (traced under ``jax.jit``) to the rate. :class:`OptaxSchedule` evaluates the Python
+schedule's own formula (:meth:`Schedule.evaluate`) with ``jax.numpy``, so the jitted rate
+equals ``schedule(step)`` up to the precision of ``dtype`` (float32 by default); an invalid
+traced step gives NaN (docs/design.md §4)."""
 
 from __future__ import annotations
 

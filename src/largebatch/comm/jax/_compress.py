@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from largebatch import checks
-from largebatch.comm.reference import _check, bin_length, fit_bin
+from largebatch.comm.reference import bin_length, check_compression, fit_bin
 
 DEFAULT_BIN_CAPACITY = 8  # message entries per bin of L_T elements
 
@@ -40,7 +40,7 @@ class AdaCompMessage(NamedTuple):
 # ----------------------------------------------------------------------------- checks
 
 
-def _compute_dtype(x: Any) -> jnp.dtype:
+def compute_dtype(x: Any) -> jnp.dtype:
     """float32, or float64 for float64 leaves; a TypeError for anything not real floating."""
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -48,7 +48,7 @@ def _compute_dtype(x: Any) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _compressible(leaf: Any, conv_bin: int, fc_bin: int) -> int | None:
+def compressible(leaf: Any, conv_bin: int, fc_bin: int) -> int | None:
     """``L_T`` for a leaf to compress; None for one sent uncompressed: rank 0 or 1, empty,
     or not real floating (integer or complex gradients are averaged as they are)."""
     shape = jnp.shape(leaf)
@@ -75,7 +75,7 @@ def chunk_length(numel: int, bin_len: int, n: int) -> int:
     return -(-nbins // n) * bin_len
 
 
-def _capacity(capacity: Any, span: int, bin_len: int) -> int:
+def message_capacity(capacity: Any, span: int, bin_len: int) -> int:
     """A message length: ``capacity`` (int >= 1) or the default, at most ``span``."""
     if capacity is None:
         return default_capacity(span, bin_len)
@@ -123,7 +123,7 @@ def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, x - hi
 
 
-def _divide(hi: jax.Array, lo: jax.Array, c: jax.Array) -> jax.Array:
+def divide(hi: jax.Array, lo: jax.Array, c: jax.Array) -> jax.Array:
     """``(hi + lo) / c``, correctly rounded, for ``c`` a positive integer (below ``2**12``
     in float32 exactly, any count in practice). XLA rewrites a division by a scalar
     broadcast as a product with its reciprocal (off by an ulp about a third of the time
@@ -139,17 +139,17 @@ def _divide(hi: jax.Array, lo: jax.Array, c: jax.Array) -> jax.Array:
 
 def _mean(hi: jax.Array, lo: jax.Array, count: jax.Array) -> jax.Array:
     """``(hi + lo) / count`` (0 for ``count == 0``): in float32 the exactly rounded
-    quotient (:func:`_divide`); in float64 ``hi / count``, the reference's ``fsum /
+    quotient (:func:`divide`); in float64 ``hi / count``, the reference's ``fsum /
     count`` (a scalar division: not rewritten)."""
     c = jnp.maximum(count, 1).astype(hi.dtype)
-    q = _divide(hi, lo, c) if hi.dtype == jnp.float32 else hi / c
+    q = divide(hi, lo, c) if hi.dtype == jnp.float32 else hi / c
     return jnp.where(count > 0, q, jnp.zeros_like(q))
 
 
 # --------------------------------------------------------------------------- compressor
 
 
-class _Parts(NamedTuple):
+class CompressedRows(NamedTuple):
     residual: jax.Array  # flat, numel
     indices: jax.Array  # [rows, capacity] int32, relative to the row; fill row_len
     values: jax.Array  # [rows, capacity] int8 signs or exact values
@@ -158,8 +158,8 @@ class _Parts(NamedTuple):
     selected: jax.Array
 
 
-def _compress_rows(r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len: int,
-                   capacity: int, select: str, values: str) -> _Parts:
+def compress_rows(r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len: int,
+                   capacity: int, select: str, values: str) -> CompressedRows:
     """Algorithm 1 on the flat ``r``, ``g`` (compute dtype), zero-padded to ``rows`` rows of
     ``row_len`` elements (whole bins), sending at most ``capacity`` per row: the first
     selected of each row in index order."""
@@ -193,11 +193,11 @@ def _compress_rows(r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len:
         scale = _mean(*_sum_pair(jnp.abs(picked).reshape(-1)), count)
         vals = jnp.sign(picked).astype(jnp.int8)
         sent = jnp.where(keep, jnp.sign(gp) * scale, 0)
-    return _Parts((gp - sent)[:numel], indices, vals, scale, count, selected)
+    return CompressedRows((gp - sent)[:numel], indices, vals, scale, count, selected)
 
 
-def _flat_pair(residual: Any, grad: Any) -> tuple[jax.Array, jax.Array, jnp.dtype]:
-    dtype = _compute_dtype(grad)
+def flat_pair(residual: Any, grad: Any) -> tuple[jax.Array, jax.Array, jnp.dtype]:
+    dtype = compute_dtype(grad)
     r, g = jnp.asarray(residual).reshape(-1), jnp.asarray(grad).reshape(-1)
     if r.shape != g.shape:
         raise ValueError(f"residual has {r.size} elements, gradient {g.size}")
@@ -234,8 +234,8 @@ def compress(residual: Any, grad: Any, bin_len: int, *, capacity: int | None = N
         ``values``, or a residual of another size.
       TypeError: for a gradient that is not real floating.
     """
-    _check(bin_len, select, values)
-    r, g, dtype = _flat_pair(residual, grad)
+    check_compression(bin_len, select, values)
+    r, g, dtype = flat_pair(residual, grad)
     numel = g.shape[0]
     shape = jnp.shape(grad)
     if numel == 0:
@@ -244,9 +244,9 @@ def compress(residual: Any, grad: Any, bin_len: int, *, capacity: int | None = N
         zero = jnp.zeros((), jnp.int32)
         return r.reshape(shape), AdaCompMessage(empty, vals, jnp.zeros((), dtype), zero, zero)
     bin_len = fit_bin(bin_len, numel)
-    cap = _capacity(capacity, numel, bin_len)
+    cap = message_capacity(capacity, numel, bin_len)
     nbins = -(-numel // bin_len)
-    parts = _compress_rows(r, g, bin_len, 1, nbins * bin_len, cap, select, values)
+    parts = compress_rows(r, g, bin_len, 1, nbins * bin_len, cap, select, values)
     indices = jnp.minimum(parts.indices[0], numel)
     message = AdaCompMessage(indices, parts.values[0], parts.scale, parts.count, parts.selected)
     return parts.residual.reshape(shape), message

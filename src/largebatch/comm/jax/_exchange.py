@@ -12,12 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from largebatch import checks
+from largebatch.checks import AxisName
 from largebatch.comm.jax._compress import (
-    AdaCompMessage, _capacity, _compress_rows, _divide, _flat_pair, _Parts,
-    chunk_length, compress,
+    AdaCompMessage, CompressedRows, chunk_length, compress, compress_rows, divide, flat_pair,
+    message_capacity,
 )
-from largebatch.comm.reference import _check
-from largebatch.lars.jax.norms import AxisName, _check_axis_name
+from largebatch.comm.reference import check_compression
 
 _MAX_SPAN = 2**30 - 1  # index * 2 + sign bit must fit an int32 (with the fill value)
 _GATHER_TO = "to" in inspect.signature(lax.all_gather).parameters
@@ -50,7 +51,7 @@ def _gather(x: Any, axis_name: AxisName) -> Any:
     return lax.all_gather(x, axis_name)  # pragma: no cover (older jax)
 
 
-def _axis_size(axis_name: AxisName) -> int:
+def axis_size(axis_name: AxisName) -> int:
     if hasattr(lax, "axis_size"):
         return lax.axis_size(axis_name)
     return lax.psum(1, axis_name)  # pragma: no cover (older jax: a static int)
@@ -64,14 +65,14 @@ def _ordered_mean(indices: jax.Array, vals: jax.Array, length: int) -> jax.Array
     n = indices.shape[0]
     total = jnp.zeros(length, vals.dtype).at[indices[0]].set(vals[0], mode="drop")
 
-    def add(k, acc):
+    def add(k: jax.Array, acc: jax.Array) -> jax.Array:
         return acc.at[indices[k]].add(vals[k], mode="drop")
 
     total = lax.fori_loop(1, n, add, total)
-    return _divide(total, jnp.zeros_like(total), jnp.asarray(n, total.dtype))
+    return divide(total, jnp.zeros_like(total), jnp.asarray(n, total.dtype))
 
 
-def _exchanged(parts: _Parts, values: str, route: Any) -> tuple[jax.Array, jax.Array]:
+def _exchanged(parts: CompressedRows, values: str, route: Any) -> tuple[jax.Array, jax.Array]:
     """Every device's message rows (``route`` moves them: all-gather or all-to-all) as
     indices and decoded values ``[n, capacity]``, in device order."""
     if values == "exact":
@@ -106,7 +107,7 @@ def allgather_mean(residual: Any, grad: Any, bin_len: int | None, axis_name: Axi
       new residual (``grad``'s shape, compute dtype), and this device's message (None
       for ``bin_len=None``).
     """
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     if bin_len is None:
         return lax.pmean(grad, axis_name), residual, None
     new_residual, message = compress(residual, grad, bin_len, capacity=capacity,
@@ -115,7 +116,7 @@ def allgather_mean(residual: Any, grad: Any, bin_len: int | None, axis_name: Axi
     if numel == 0:
         return lax.pmean(grad, axis_name), new_residual, message
     _check_span(numel, values)
-    parts = _Parts(new_residual, message.indices, message.values, message.scale,
+    parts = CompressedRows(new_residual, message.indices, message.values, message.scale,
                    message.count, message.selected)
     indices, vals = _exchanged(parts, values, lambda x: _gather(x, axis_name))
     mean = _ordered_mean(indices, vals, numel)
@@ -155,11 +156,11 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
       (indices relative to each chunk, ``[n, capacity]``; ``count`` and ``selected`` for
       the whole leaf).
     """
-    axis_name = _check_axis_name(axis_name)
-    _check(bin_len, select, values)
-    r, g, dtype = _flat_pair(residual, grad)
+    axis_name = checks.axis_name("axis_name", axis_name)
+    check_compression(bin_len, select, values)
+    r, g, dtype = flat_pair(residual, grad)
     shape, numel = jnp.shape(grad), g.shape[0]
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name)
     span = chunk_length(numel, bin_len, n)
     cr = jnp.asarray(chunk_residual).reshape(-1).astype(dtype)
     if cr.shape != (span,):
@@ -171,17 +172,17 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
                                  jnp.zeros((), dtype), zero, zero)
         return lax.pmean(grad, axis_name), r.reshape(shape), cr, message
     _check_span(span, values)
-    cap = _capacity(capacity, span, bin_len)
-    parts = _compress_rows(r, g, bin_len, n, span, cap, select, values)
+    cap = message_capacity(capacity, span, bin_len)
+    parts = compress_rows(r, g, bin_len, n, span, cap, select, values)
 
-    def to_owner(x):
+    def to_owner(x: jax.Array) -> jax.Array:
         if x.ndim == 0:  # the scale: every owner needs every device's
             return lax.all_gather(x, axis_name)
         return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
     indices, vals = _exchanged(parts, values, to_owner)
     chunk_mean = _ordered_mean(indices, vals, span)
-    again = _compress_rows(cr, chunk_mean, bin_len, 1, span, cap, select, values)
+    again = compress_rows(cr, chunk_mean, bin_len, 1, span, cap, select, values)
     again = again._replace(indices=again.indices[0], values=again.values[0])
     indices, vals = _exchanged(again, values, lambda x: _gather(x, axis_name))
     offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * span

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -14,13 +14,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from largebatch import checks
+from largebatch.checks import AxisName
 from largebatch.comm.jax._compress import (
-    DEFAULT_BIN_CAPACITY, _compressible, _compute_dtype, chunk_length, default_capacity,
+    DEFAULT_BIN_CAPACITY, chunk_length, compressible, compute_dtype, default_capacity,
 )
-from largebatch.comm.jax._exchange import _axis_size, allgather_mean, two_phase_mean
+from largebatch.comm.jax._exchange import allgather_mean, axis_size, two_phase_mean
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
 from largebatch.mixed_precision.jax.finite import select_tree
-from largebatch.lars.jax.norms import AxisName, _check_axis_name
 
 
 class AdaCompState(NamedTuple):
@@ -108,7 +108,7 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
     """
     if axis_name is None:
         raise ValueError("axis_name must name the data-parallel mesh axis, got None")
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
                             form=form, select=select, values=values)
     warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
@@ -116,55 +116,60 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         bin_capacity = checks.integer("bin_capacity", bin_capacity, 1)
     two_phase = form == "two_phase"
 
-    def bins_of(leaves):
-        return [_compressible(x, conv_bin, fc_bin) for x in leaves]
+    def bins_of(leaves: Sequence[Any]) -> list[int | None]:
+        return [compressible(x, conv_bin, fc_bin) for x in leaves]
 
-    def capacity(numel, bin_len):
+    def capacity(numel: int, bin_len: int) -> int:
         return default_capacity(numel, bin_len, bin_capacity)
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> AdaCompState:
+        treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(params)
         bins = bins_of(leaves)
-        res = [None if b is None else jnp.zeros((1, *jnp.shape(p)), _compute_dtype(p))
+        res = [None if b is None else jnp.zeros((1, *jnp.shape(p)), compute_dtype(p))
                for p, b in zip(leaves, bins)]
         selected = [None if b is None else jnp.zeros((1,), jnp.int32) for b in bins]
         chunks = None
         if two_phase:
             try:
-                n = _axis_size(axis_name)
+                n = axis_size(axis_name)
             except NameError as e:
                 raise ValueError(
                     f"adacomp(form='two_phase').init must run inside shard_map over "
                     f"{axis_name!r} (the chunk length depends on the axis size): {e}") from None
             chunks = treedef.unflatten([
                 None if b is None else
-                jnp.zeros((1, chunk_length(math.prod(jnp.shape(p)), b, n)), _compute_dtype(p))
+                jnp.zeros((1, chunk_length(math.prod(jnp.shape(p)), b, n)), compute_dtype(p))
                 for p, b in zip(leaves, bins)])
         return AdaCompState(count=jnp.zeros([], jnp.int32), residuals=treedef.unflatten(res),
                             chunk_residuals=chunks, selected=treedef.unflatten(selected))
 
-    def exchange(grads, bins, residuals, chunks):
+    def exchange(grads: Sequence[jax.Array], bins: Sequence[Any], residuals: Sequence[Any],
+                 chunks: Sequence[Any]) -> tuple[list[Any], ...]:
         means, new_res, new_chunks, selected = [], [], [], []
         for g, b, r, c in zip(grads, bins, residuals, chunks):
             numel = math.prod(jnp.shape(g))
             if two_phase:
-                n = _axis_size(axis_name)
+                n = axis_size(axis_name)
                 cap = capacity(chunk_length(numel, b, n), b)
                 mean, r, c, message = two_phase_mean(r[0], c[0], g, b, axis_name, capacity=cap,
                                                      select=select, values=values)
                 c = c[None]
             else:
-                mean, r, message = allgather_mean(r[0], g, b, axis_name,
-                                                  capacity=capacity(numel, b),
-                                                  select=select, values=values)
+                mean, r, sent = allgather_mean(r[0], g, b, axis_name, capacity=capacity(numel, b),
+                                               select=select, values=values)
+                assert sent is not None  # a compressed leaf (b is not None) has a message
+                message = sent
             means.append(mean)
             new_res.append(r[None])
             new_chunks.append(c)
             selected.append(message.selected[None])
         return means, new_res, new_chunks, selected
 
-    def update_fn(updates, state, params=None, **extra_args):  # as optax's aliases: ignored
+    def update_fn(updates: optax.Updates, state: AdaCompState, params: optax.Params | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, AdaCompState]:  # as optax's aliases
         del params, extra_args
+        treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(updates)
         bins = bins_of(leaves)
         out = list(leaves)
@@ -181,11 +186,11 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             operands = tuple([x[i] for i in packed] for x in (leaves, residuals, chunks, selected))
             pick = [bins[i] for i in packed]
 
-            def compressed(ops):
+            def compressed(ops: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
                 grads, res, chk, _ = ops
                 return exchange(grads, pick, res, chk)
 
-            def warm(ops):
+            def warm(ops: tuple[list[Any], ...]) -> tuple[list[Any], ...]:
                 grads, res, chk, sel = ops
                 return lax.pmean(grads, axis_name), res, chk, sel
 
@@ -235,21 +240,22 @@ def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:
       ValueError: for a scalar among ``MultiSteps``' accumulated gradients (a per-device
         scalar has no axis to split).
     """
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     device = P(axis_name)
 
-    def per_device(tree):
+    def per_device(tree: Any) -> Any:
         return jax.tree.map(lambda _: device, tree)
 
-    def accumulated(leaf):
+    def accumulated(leaf: Any) -> P:
         if len(jnp.shape(leaf)) == 0:
             raise ValueError("optax.MultiSteps accumulates a scalar gradient per device; "
                              "adacomp_state_specs needs leaves of rank >= 1 to split")
         return device
 
-    def node(x):
+    def node(x: Any) -> Any:
         if isinstance(x, AdaCompState):
-            return AdaCompState(count=P(), residuals=per_device(x.residuals),
+            # The specs of the state, in the state's own structure.
+            return AdaCompState(count=P(), residuals=per_device(x.residuals),  # type: ignore[arg-type]
                                 chunk_residuals=per_device(x.chunk_residuals),
                                 selected=per_device(x.selected))
         if isinstance(x, optax.MultiStepsState):
@@ -264,7 +270,8 @@ def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:
                         is_leaf=lambda x: isinstance(x, (AdaCompState, optax.MultiStepsState)))
 
 
-def _shard_map(f, mesh, in_specs, out_specs, check):
+def _shard_map(f: Callable[..., Any], mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any,
+               check: bool) -> Callable[..., Any]:
     if hasattr(jax, "shard_map"):
         return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=check)
@@ -282,6 +289,44 @@ def adacomp_init_state(optimizer: optax.GradientTransformation, params: Any,
     ``optax.inject_hyperparams``), whose state has per-device leaves. ``params`` are the
     replicated params (``P()``).
 
+    Example (data parallelism over the mesh axis ``"data"``; params replicated, each device
+    differentiates its shard of the batch)::
+
+        import jax, jax.numpy as jnp, numpy as np, optax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from largebatch.jax import adacomp, adacomp_init_state, lars
+
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        opt = optax.chain(adacomp("data", warmup_steps=2), lars(0.1, weight_decay=1e-4))
+
+        def loss_fn(params, x, y):
+            h = jnp.tanh(x @ params["w1"] + params["b1"])
+            return jnp.mean((h @ params["w2"] - y) ** 2)
+
+        keys = jax.random.split(jax.random.key(0), 4)
+        params = {"w1": jax.random.normal(keys[0], (16, 64)) / 4, "b1": jnp.zeros(64),
+                  "w2": jax.random.normal(keys[1], (64, 4)) / 8}
+        params = jax.device_put(params, NamedSharding(mesh, P()))  # replicated
+        state, state_specs = adacomp_init_state(opt, params, mesh, "data")
+
+        def train_step(params, state, x, y):  # runs on every device, on its shard of x, y
+            grads = jax.grad(loss_fn)(params, x, y)
+            updates, state = opt.update(grads, state, params)  # the AdaComp exchange
+            return optax.apply_updates(params, updates), state
+
+        train_step = jax.jit(jax.shard_map(
+            train_step, mesh=mesh, in_specs=(P(), state_specs, P("data"), P("data")),
+            out_specs=(P(), state_specs)))
+        batch = jax.device_put(jax.random.normal(keys[2], (8 * len(jax.devices()), 16)),
+                               NamedSharding(mesh, P("data")))
+        target = jax.device_put(jax.random.normal(keys[3], (8 * len(jax.devices()), 4)),
+                                NamedSharding(mesh, P("data")))
+        for _ in range(5):  # compiled once
+            params, state = train_step(params, state, batch, target)
+        checkpoint = jax.device_get(state)  # numpy; every device's residuals
+        state = jax.device_put(checkpoint, jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                        state_specs))
+
     Args:
       optimizer: the ``optax.GradientTransformation``.
       params: the params, replicated over ``mesh``.
@@ -293,7 +338,7 @@ def adacomp_init_state(optimizer: optax.GradientTransformation, params: Any,
       step sees the same input shardings at every call), and
       :func:`adacomp_state_specs` of it.
     """
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     shapes = jax.eval_shape(_shard_map(optimizer.init, mesh, (P(),), P(), False), params)
     specs = adacomp_state_specs(shapes, axis_name)
     state = jax.jit(_shard_map(optimizer.init, mesh, (P(),), specs, False))(params)

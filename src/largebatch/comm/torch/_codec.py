@@ -1,5 +1,5 @@
 """The torch exchange's layout of a gradient bucket and its message codec, and the parts
-of the exchange (:class:`_Exchange`) that the DDP hook and the simulation share."""
+of the exchange (:class:`Exchange`) that the DDP hook and the simulation share."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ if sys.byteorder != "little":  # the byte packing of the indices below assumes i
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layer:
+class Layer:
     name: str
     offset: int  # into the flat buffer
     numel: int
@@ -40,29 +40,29 @@ class _Layer:
 
     @property
     def bins(self) -> int:
-        """``bin_len`` of a compressed layer (one of :attr:`_Layout.compressed`)."""
+        """``bin_len`` of a compressed layer (one of :attr:`Layout.compressed`)."""
         assert self.bin_len is not None
         return self.bin_len
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """The layers of a bucket, in its flat buffer's order, and the message format."""
 
-    layers: tuple[_Layer, ...]
+    layers: tuple[Layer, ...]
     numel: int
     dtype: torch.dtype  # the compute dtype (float32, or float64)
 
     @property
-    def compressed(self) -> tuple[_Layer, ...]:
+    def compressed(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.bin_len is not None)
 
     @property
-    def dense(self) -> tuple[_Layer, ...]:
+    def dense(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.bin_len is None)
 
     @property
-    def strided(self) -> tuple[tuple[_Layer, torch.Size, tuple[int, ...]], ...]:
+    def strided(self) -> tuple[tuple[Layer, torch.Size, tuple[int, ...]], ...]:
         """The layers DDP holds in a memory order other than the logical one, each with
         its shape and strides."""
         return tuple((layer, *layer.strided) for layer in self.layers if layer.strided is not None)
@@ -78,21 +78,21 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _layout(names: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype,
+def make_layout(names: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype,
             conv_bin: int, fc_bin: int,
-            strides: Sequence[tuple[int, ...] | None] | None = None) -> _Layout:
+            strides: Sequence[tuple[int, ...] | None] | None = None) -> Layout:
     layers, offset = [], 0
     for i, (name, shape) in enumerate(zip(names, shapes)):
         numel = math.prod(shape)
         bin_len = bin_length(tuple(shape), conv_bin, fc_bin)
         stride = None if strides is None else strides[i]
-        layers.append(_Layer(name, offset, numel, bin_len, fc=len(shape) == 2,
+        layers.append(Layer(name, offset, numel, bin_len, fc=len(shape) == 2,
                              strided=None if stride is None else (torch.Size(shape), stride)))
         offset += numel
-    return _Layout(tuple(layers), offset, _compute_dtype(dtype))
+    return Layout(tuple(layers), offset, _compute_dtype(dtype))
 
 
-def _bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+def bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
     """``p``'s strides if DDP's bucket holds it in a memory order other than the logical
     one: DDP lays a dense, non-overlapping param out as the param is (channels_last
     included), anything else contiguously."""
@@ -106,7 +106,7 @@ def _bucket_strides(p: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(p.stride())
 
 
-def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
+def to_logical(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The bucket ``flat`` with every strided layer in logical (row-major) order."""
     strided = layout.strided
     if not strided:
@@ -118,8 +118,8 @@ def _to_logical(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
     return out
 
 
-def _to_memory(flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """The inverse of :func:`_to_logical`: each strided layer back in DDP's memory order."""
+def to_memory(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The inverse of :func:`to_logical`: each strided layer back in DDP's memory order."""
     strided = layout.strided
     if not strided:
         return flat
@@ -151,7 +151,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 _STATIC_NONZERO_ON_GPU = torch.torch_version.TorchVersion(torch.__version__) >= "2.6"
 
 
-def _waits(device: torch.device) -> bool:
+def host_waits(device: torch.device) -> bool:
     """Whether reading a value of ``device`` on the host waits for the device, and torch
     has ``nonzero_static`` there."""
     return device.type != "cpu" and _STATIC_NONZERO_ON_GPU
@@ -163,7 +163,7 @@ def _selected(masks: Sequence[torch.Tensor], device: torch.device,
     ``nonzero`` makes the host wait for the device, once per mask; reading every count at
     once and then ``nonzero_static`` waits once in all. The CPU has nothing to wait for,
     and its ``nonzero`` is the cheaper."""
-    if not _waits(device) or not masks:
+    if not host_waits(device) or not masks:
         indices = [m.nonzero().view(-1) for m in masks]
         return indices, torch.tensor([i.numel() for i in indices], dtype=torch.int64, device=device)
     counts = torch.stack([m.sum() for m in masks])
@@ -228,20 +228,20 @@ def _decode_into(out: Sequence[torch.Tensor], message: torch.Tensor, width: int,
 
 
 @dataclasses.dataclass
-class _Worker:
+class Worker:
     """One worker's residuals: per layer (by name), and per layer for its owned chunk."""
 
     residuals: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     chunk_residuals: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-class _Exchange:
+class Exchange:
     """The parts of an exchange every worker runs, shared by the hook and the simulation."""
 
-    def __init__(self, layout: _Layout, world: int, select: str, values: str) -> None:
+    def __init__(self, layout: Layout, world: int, select: str, values: str) -> None:
         self.layout, self.world, self.select, self.values = layout, world, select, values
 
-    def compress(self, worker: _Worker, flat: torch.Tensor, scale: float = 1.0,
+    def compress(self, worker: Worker, flat: torch.Tensor, scale: float = 1.0,
                  ) -> dict[str, Compressed]:
         """Each compressed layer of ``flat`` (the bucket, compute dtype) with the worker's
         residual times ``scale`` (a GradScaler's loss scale: residuals are kept unscaled);
@@ -255,7 +255,7 @@ class _Exchange:
         return out
 
     @staticmethod
-    def commit(worker: _Worker, parts: dict[str, Compressed]) -> None:
+    def commit(worker: Worker, parts: dict[str, Compressed]) -> None:
         for name, c in parts.items():
             worker.residuals[name] = c.residual
 
@@ -267,7 +267,7 @@ class _Exchange:
             items.append((parts[layer.name], lo, hi))
         return _encode(items, self.layout.width, self.values)
 
-    def chunk(self, layer: _Layer, j: int) -> tuple[int, int]:
+    def chunk(self, layer: Layer, j: int) -> tuple[int, int]:
         return chunk_bounds(layer.numel, layer.bins, self.world)[j]
 
     def decode_all(self, messages: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -279,7 +279,7 @@ class _Exchange:
             _decode_into(views, message, self.layout.width, self.values, self.layout.dtype)
         return out.div_(self.world)
 
-    def owner_compress(self, worker: _Worker, j: int, messages: Sequence[torch.Tensor],
+    def owner_compress(self, worker: Worker, j: int, messages: Sequence[torch.Tensor],
                        device: torch.device, scale: float = 1.0) -> dict[str, Compressed]:
         """Phase 1's receiving side: the mean of everyone's chunk ``j`` (rank order), then
         compressed again with the owner's chunk residuals (not committed here)."""
@@ -325,10 +325,10 @@ class _Exchange:
             row["selected"] += selected.get(layer.name, layer.numel)
 
 
-def _new_stats() -> dict[str, Any]:
+def new_stats() -> dict[str, Any]:
     return {"steps": 0, "compressed_steps": 0, "dense_bytes": 0, "sent_bytes": 0,
             **{kind: {"elements": 0, "selected": 0} for kind in KINDS}}
 
 
-def _copy_stats(stats: dict[str, Any]) -> dict[str, Any]:
+def copy_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in stats.items()}

@@ -13,8 +13,8 @@ from largebatch.comm.reference import (
 )
 from largebatch.comm.costs import DEFAULT_LINK, choose_form
 from largebatch.comm.torch._codec import (
-    KINDS, _bucket_strides, _copy_stats, _Exchange, _layout, _Layout, _new_stats, _to_logical,
-    _to_memory, _Worker,
+    KINDS, Exchange, Layout, Worker, bucket_strides, copy_stats, make_layout, new_stats,
+    to_logical, to_memory,
 )
 
 # 2: residuals in logical order; version 1 kept a channels_last weight's in memory order.
@@ -66,15 +66,15 @@ class AdaCompState:
         self._rank = dist.get_rank(process_group)
         self._names = {p: name for name, p in module.named_parameters()}
         if form == "auto":
-            form = _choose_form(self._world, module, compression, network)
+            form = choose_model_form(self._world, module, compression, network)
         self.config = {"world": self._world, "rank": self._rank, "warmup_steps": warmup_steps,
                        "conv_bin": conv_bin, "fc_bin": fc_bin, "form": form, "select": select,
                        "values": values}
         self.form, self.select, self.values = form, select, values
         self.warmup_steps, self.conv_bin, self.fc_bin = warmup_steps, conv_bin, fc_bin
         self.step = 0
-        self._worker = _Worker()
-        self.stats = _new_stats()
+        self._worker = Worker()
+        self.stats = new_stats()
         self.scaler = scaler
         self._pending: list[tuple[str, str, torch.Tensor]] = []  # (which, name, residual)
         self._skip = False  # a bucket of this iteration was not finite
@@ -100,7 +100,7 @@ class AdaCompState:
         return {"version": _STATE_VERSION, "config": dict(self.config), "step": self.step,
                 "residuals": {k: v.clone() for k, v in self._worker.residuals.items()},
                 "chunk_residuals": {k: v.clone() for k, v in self._worker.chunk_residuals.items()},
-                "stats": _copy_stats(self.stats)}
+                "stats": copy_stats(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; a different world size, rank or setting is
@@ -116,9 +116,9 @@ class AdaCompState:
                              + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
         self._check_residuals(state)
         self.step = int(state["step"])
-        self._worker = _Worker({k: v.clone() for k, v in state["residuals"].items()},
+        self._worker = Worker({k: v.clone() for k, v in state["residuals"].items()},
                               {k: v.clone() for k, v in state["chunk_residuals"].items()})
-        self.stats = _copy_stats(state["stats"])
+        self.stats = copy_stats(state["stats"])
 
     def _check_residuals(self, state: dict[str, Any]) -> None:
         """Every saved residual names a compressed param of this model and is a flat
@@ -157,7 +157,7 @@ class AdaCompState:
 DEFAULT_NETWORK = tuple(DEFAULT_LINK)  # latency (s) and bandwidth (bytes/s) "auto" plans for
 
 
-def _choose_form(world: int, module: torch.nn.Module, compression: float, network: Any) -> str:
+def choose_model_form(world: int, module: torch.nn.Module, compression: float, network: Any) -> str:
     """:func:`largebatch.comm.scaling.choose_form` for this model's fp32 gradient bytes on one
     link ``network`` (``(latency, bandwidth)``; default :data:`DEFAULT_NETWORK`)."""
     latency, bandwidth = DEFAULT_NETWORK if network is None else network
@@ -165,7 +165,7 @@ def _choose_form(world: int, module: torch.nn.Module, compression: float, networ
     return choose_form(world, size, compression, latency, bandwidth)
 
 
-def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:
+def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> Layout:
     params = bucket.parameters()
     names = []
     for p in params:
@@ -173,8 +173,8 @@ def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> _Layout:
             raise ValueError("a bucket holds a parameter the AdaCompState's model does not have: "
                              "build the state with the DDP model the hook is registered on")
         names.append(state._names[p])
-    return _layout(names, [p.shape for p in params], bucket.buffer().dtype, state.conv_bin,
-                   state.fc_bin, [_bucket_strides(p) for p in params])
+    return make_layout(names, [p.shape for p in params], bucket.buffer().dtype, state.conv_bin,
+                   state.fc_bin, [bucket_strides(p) for p in params])
 
 
 def adacomp_hook(state: AdaCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -211,8 +211,8 @@ def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
 
 def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
     layout = _bucket_layout(state, bucket)
-    ex = _Exchange(layout, state._world, state.select, state.values)
-    flat = _to_logical(buf.to(layout.dtype), layout)
+    ex = Exchange(layout, state._world, state.select, state.values)
+    flat = to_logical(buf.to(layout.dtype), layout)
     finite = bool(torch.isfinite(flat).all())
     scale = state._loss_scale()
     parts = ex.compress(state._worker, flat, scale) if finite else {}
@@ -261,7 +261,7 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
             pos += d.numel
         sent += packed.numel() * packed.element_size()
     state._pending += [("residuals", name, c.residual.div(scale)) for name, c in parts.items()]
-    buf.copy_(_to_memory(result, layout))
+    buf.copy_(to_memory(result, layout))
     # Every input was finite, but the average overflows the bucket's dtype (fp16): the
     # GradScaler will skip the step, so the iteration's residuals are not committed
     # (delayed, never dropped). The average is the same on every rank, so is this choice.

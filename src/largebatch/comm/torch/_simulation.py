@@ -10,7 +10,7 @@ import torch
 
 from largebatch import checks
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
-from largebatch.comm.torch._codec import KINDS, _copy_stats, _Exchange, _layout, _new_stats, _Worker
+from largebatch.comm.torch._codec import KINDS, Exchange, Worker, copy_stats, make_layout, new_stats
 
 
 class SimulatedWorkers:
@@ -28,11 +28,11 @@ class SimulatedWorkers:
                                 form=form, select=select, values=values)
         warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
         self.n, self.form, self.warmup_steps = n, form, warmup_steps
-        self.layout = _layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
-        self.ex = _Exchange(self.layout, n, select, values)
-        self.workers = [_Worker() for _ in range(n)]
+        self.layout = make_layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
+        self.ex = Exchange(self.layout, n, select, values)
+        self.workers = [Worker() for _ in range(n)]
         self.step = 0
-        self.stats = _new_stats()
+        self.stats = new_stats()
 
     def exchange(self, grads: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
         if len(grads) != self.n:
@@ -84,7 +84,7 @@ class SimulatedWorkers:
                 for kind in KINDS}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "stats": _copy_stats(self.stats),
+        return {"step": self.step, "stats": copy_stats(self.stats),
                 "workers": [{"residuals": {k: v.clone() for k, v in w.residuals.items()},
                              "chunk_residuals": {k: v.clone() for k, v in w.chunk_residuals.items()}}
                             for w in self.workers]}
@@ -93,8 +93,8 @@ class SimulatedWorkers:
         if len(state["workers"]) != self.n:
             raise ValueError(f"state has {len(state['workers'])} workers, this has {self.n}")
         self.step = int(state["step"])
-        self.stats = _copy_stats(state["stats"])
-        self.workers = [_Worker({k: v.clone() for k, v in w["residuals"].items()},
+        self.stats = copy_stats(state["stats"])
+        self.workers = [Worker({k: v.clone() for k, v in w["residuals"].items()},
                                 {k: v.clone() for k, v in w["chunk_residuals"].items()})
                         for w in state["workers"]]
 

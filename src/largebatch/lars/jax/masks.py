@@ -64,12 +64,12 @@ def _full_mask(mask: Mask, tree: Any) -> Any:
     return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: flag, sub), mask, tree)
 
 
-def _mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
+def mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
     """The leaf-wise ``a and b`` (or ``a and not b``) of two optax masks, as a callable."""
     if b is None and not negate_b:
         return a
 
-    def mask_fn(tree):
+    def mask_fn(tree: Any) -> Any:
         return jax.tree.map(
             lambda x, y: bool(x) and (bool(y) != negate_b),
             _full_mask(a, tree),
@@ -79,6 +79,6 @@ def _mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
     return mask_fn
 
 
-def _masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTransformation:
+def masked(inner: optax.GradientTransformation, mask: Mask) -> optax.GradientTransformation:
     """``inner`` on the leaves where ``mask`` holds (on every leaf for ``None``)."""
     return inner if mask is None else optax.masked(inner, mask)

@@ -10,29 +10,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-AxisName = str | tuple[str, ...] | None
-_AXIS_RULE = "must be None, a non-empty str or a non-empty tuple of distinct non-empty str"
+from largebatch.checks import AxisName
 
-
-def _check_axis_name(axis_name: Any) -> AxisName:
-    """``axis_name`` checked: None, a non-empty str, or a non-empty tuple of distinct
-    non-empty strs (mesh axis names); a TypeError or ValueError naming it otherwise."""
-    if axis_name is None:
-        return None
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not isinstance(axis_name, (str, tuple)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"Invalid axis_name: {axis_name!r} ({_AXIS_RULE})")
-    if not names or not all(names) or len(set(names)) != len(names):
-        raise ValueError(f"Invalid axis_name: {axis_name!r} ({_AXIS_RULE})")
-    return axis_name
-
-
-def _compute_dtype(x: jax.Array) -> jnp.dtype:
+def compute_dtype(x: jax.Array) -> jnp.dtype:
     """float32, or the dtype of ``x`` where that is wider (float64)."""
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _abs_sq(x: jax.Array) -> jax.Array:
+def abs_sq(x: jax.Array) -> jax.Array:
     """``|x|^2``, real: ``re^2 + im^2`` for complex ``x``."""
     if jnp.iscomplexobj(x):
         return jnp.square(x.real) + jnp.square(x.imag)
@@ -69,7 +54,7 @@ def _exact_norm(x: jax.Array, axis_name: AxisName = None) -> jax.Array:
     With ``axis_name``, ``x`` is this device's block of an array sharded over those
     axes: the largest magnitude is the ``pmax`` over the blocks, so every block is
     scaled by the same power of two, and the scaled squares are ``psum``-ed."""
-    x = x.astype(_compute_dtype(x))
+    x = x.astype(compute_dtype(x))
     if jnp.iscomplexobj(x):
         magnitude = jnp.maximum(jnp.abs(x.real), jnp.abs(x.imag))
     else:
@@ -78,7 +63,7 @@ def _exact_norm(x: jax.Array, axis_name: AxisName = None) -> jax.Array:
     if axis_name is not None:
         largest = jax.lax.pmax(largest, axis_name)
     down, up = _powers_of_two(largest)
-    return jnp.sqrt(_psum(jnp.sum(_abs_sq(x * down)), axis_name)) * up
+    return jnp.sqrt(_psum(jnp.sum(abs_sq(x * down)), axis_name)) * up
 
 
 def _from_squares(squares: jax.Array, x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -94,8 +79,8 @@ def _from_squares(squares: jax.Array, x: jax.Array, axis_name: AxisName) -> jax.
 
 
 def _norm_of(x: jax.Array) -> jax.Array:
-    x = x.astype(_compute_dtype(x))
-    return _from_squares(jnp.sum(_abs_sq(x)), x, None)
+    x = x.astype(compute_dtype(x))
+    return _from_squares(jnp.sum(abs_sq(x)), x, None)
 
 
 _norm_of_jit = jax.jit(_norm_of)
@@ -116,7 +101,7 @@ def _norm(x: jax.Array) -> jax.Array:
     return _norm_of(x) if isinstance(x, jax.core.Tracer) else _norm_of_jit(x)
 
 
-def _norms(leaves: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
+def leaf_norms(leaves: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
     """The norm of each of ``leaves``, as :func:`_norm` takes it.
 
     With ``axis_name`` each leaf is this device's block of an array sharded over those
@@ -128,20 +113,21 @@ def _norms(leaves: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.
     if axis_name is None:
         return [_norm(x) for x in leaves]
     leaves = [jnp.asarray(x) for x in leaves]
-    leaves = [x.astype(_compute_dtype(x)) for x in leaves]
-    squares = jax.lax.psum([jnp.sum(_abs_sq(x)) for x in leaves], axis_name)
+    leaves = [x.astype(compute_dtype(x)) for x in leaves]
+    squares = jax.lax.psum([jnp.sum(abs_sq(x)) for x in leaves], axis_name)
     return [_from_squares(s, x, axis_name) for s, x in zip(squares, leaves)]
 
 
-def _global_norm(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
+def global_norm(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
     """The L2 norm of all ``leaves`` together: the norm of their norms, each overflow-safe
-    (with ``axis_name``: the norms of the whole arrays, see :func:`_norms`)."""
-    norms = _norms(leaves, axis_name)
+    (with ``axis_name``: the norms of the whole arrays, see :func:`leaf_norms`)."""
+    norms = leaf_norms(leaves, axis_name)
     dtype = jnp.result_type(*norms)
     return _norm(jnp.stack([n.astype(dtype) for n in norms]))
 
 
-def _safe_ratio(numerator, denominator, w_norm, other_norm):
+def safe_ratio(numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array,
+               other_norm: jax.Array) -> jax.Array:
     """``numerator / denominator``, or 1 where ``w_norm`` or ``other_norm`` is zero."""
     zero = jnp.logical_or(w_norm == 0.0, other_norm == 0.0)
     return jnp.where(zero, jnp.ones_like(numerator), numerator / jnp.where(zero, 1.0, denominator))

@@ -11,13 +11,14 @@ from typing import Any
 
 import optax
 
-from largebatch.lars.jax.masks import Mask, _mask_and, _masked, check_masks
-from largebatch.lars.jax.norms import AxisName, _check_axis_name
+from largebatch import checks
+from largebatch.checks import AxisName
+from largebatch.lars.jax.masks import Mask, check_masks, mask_and, masked
 from largebatch.lars.jax.transforms import (
     ScalarOrSchedule,
-    _keep_dtypes,
-    _known,
+    concrete_or_unknown,
     divide_by_global_norm,
+    keep_dtypes,
     scale_by_lamb_trust_ratio,
     scale_by_lars_trust_ratio,
     scale_by_uncorrected_adam,
@@ -37,7 +38,7 @@ def _as_optax_schedule(learning_rate: Any) -> ScalarOrSchedule:
 
 def _rate_to_check(learning_rate: Any) -> dict[str, Any]:
     """The spec's ``lr`` entry for ``learning_rate``: none for a schedule (a callable)."""
-    return {} if callable(learning_rate) else {"lr": _known(learning_rate)}
+    return {} if callable(learning_rate) else {"lr": concrete_or_unknown(learning_rate)}
 
 
 def lars(
@@ -160,10 +161,10 @@ def lars(
     checked = LARS_SPEC.check(
         {
             **_rate_to_check(learning_rate),
-            "momentum": _known(momentum),
-            "weight_decay": _known(weight_decay),
-            "trust_coefficient": _known(trust_coefficient),
-            "eps": _known(eps),
+            "momentum": concrete_or_unknown(momentum),
+            "weight_decay": concrete_or_unknown(weight_decay),
+            "trust_coefficient": concrete_or_unknown(trust_coefficient),
+            "eps": concrete_or_unknown(eps),
             "nesterov": nesterov,  # a flag is never traced: a traced one is a TypeError
             "trust_clip": trust_clip,
             "lr_in_momentum": lr_in_momentum,
@@ -175,28 +176,28 @@ def lars(
     nesterov, trust_clip = checked["nesterov"], checked["trust_clip"]
     lr_in_momentum, zero_norm_skip = checked["lr_in_momentum"], checked["zero_norm_skip"]
     decayed_norm = checked["decayed_norm"]
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = learning_rate if trust_clip else None
 
-    def adapt(wd):
+    def adapt(wd: Any) -> optax.GradientTransformation:
         return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip,
                                          decayed_norm)
 
     # The structure of the chain depends on the masks only, never on a value.
     if weight_decay_mask is None:
-        adapted = [_masked(adapt(weight_decay), trust_ratio_mask)]
+        adapted = [masked(adapt(weight_decay), trust_ratio_mask)]
     else:  # decayed where both masks hold; adapted but not decayed where only the first does
         adapted = [
-            optax.masked(adapt(weight_decay), _mask_and(trust_ratio_mask, weight_decay_mask)),
-            optax.masked(adapt(0.0), _mask_and(trust_ratio_mask, weight_decay_mask, True)),
+            optax.masked(adapt(weight_decay), mask_and(trust_ratio_mask, weight_decay_mask)),
+            optax.masked(adapt(0.0), mask_and(trust_ratio_mask, weight_decay_mask, True)),
         ]
         if trust_ratio_mask is not None:  # decayed but not adapted: g + wd * w, ratio 1
             adapted.append(optax.masked(optax.add_decayed_weights(weight_decay),
-                                        _mask_and(weight_decay_mask, trust_ratio_mask, True)))
+                                        mask_and(weight_decay_mask, trust_ratio_mask, True)))
     rate = optax.scale_by_learning_rate(learning_rate)
     momentum_of = optax.trace(decay=momentum, nesterov=nesterov)
-    return _keep_dtypes(
+    return keep_dtypes(
         optax.chain(*adapted, *((rate, momentum_of) if lr_in_momentum else (momentum_of, rate)))
     )
 
@@ -319,21 +320,21 @@ def lamb(
     checked = LAMB_SPEC.check(
         {
             **_rate_to_check(learning_rate),
-            "betas": (_known(b1), _known(b2)),
-            "eps": _known(eps),
-            "weight_decay": _known(weight_decay),
+            "betas": (concrete_or_unknown(b1), concrete_or_unknown(b2)),
+            "eps": concrete_or_unknown(eps),
+            "weight_decay": concrete_or_unknown(weight_decay),
             "bias_correction": bias_correction,  # a flag: never traced
-            "max_grad_norm": _known(max_grad_norm),
+            "max_grad_norm": concrete_or_unknown(max_grad_norm),
             "adam_w_mode": adam_w_mode,
             "grad_averaging": grad_averaging,
             "adapt_without_decay": adapt_without_decay,
-            "freeze_step": _known(freeze_step),
+            "freeze_step": concrete_or_unknown(freeze_step),
         },
         names={"lr": "learning_rate", "betas": ("b1", "b2")},
     )
     bias_correction, adam_w_mode = checked["bias_correction"], checked["adam_w_mode"]
     grad_averaging, adapt_without_decay = checked["grad_averaging"], checked["adapt_without_decay"]
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     learning_rate = _as_optax_schedule(learning_rate)
     clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm, axis_name)]
     if grad_averaging and bias_correction and freeze_step is None:
@@ -345,11 +346,11 @@ def lamb(
     decay_mask = trust_ratio_mask if weight_decay_mask is None else weight_decay_mask
     decay = optax.add_decayed_weights(weight_decay, decay_mask)
     if adapt_without_decay:
-        adapt = _masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask)
+        adapt = masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask)
     else:  # only where the leaf's weight decay is nonzero
-        adapt = _masked(scale_by_lamb_trust_ratio(axis_name, weight_decay),
-                        _mask_and(trust_ratio_mask, decay_mask))
+        adapt = masked(scale_by_lamb_trust_ratio(axis_name, weight_decay),
+                        mask_and(trust_ratio_mask, decay_mask))
     steps = [decay, moments] if not adam_w_mode else [moments, decay]  # L2: decay first
-    return _keep_dtypes(
+    return keep_dtypes(
         optax.chain(*clip, *steps, adapt, optax.scale_by_learning_rate(learning_rate))
     )

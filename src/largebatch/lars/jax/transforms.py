@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from largebatch import checks
+from largebatch.checks import AxisName
 from largebatch.lars import spec
 from largebatch.lars.jax.norms import (
-    AxisName,
-    _abs_sq,
-    _check_axis_name,
-    _compute_dtype,
-    _global_norm,
-    _norms,
-    _safe_ratio,
+    abs_sq,
+    compute_dtype,
+    global_norm,
+    leaf_norms,
+    safe_ratio,
 )
 from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 
@@ -32,7 +32,7 @@ ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 _MAX_NORM = dataclasses.replace(LAMB_SPEC.hyper("max_grad_norm"), optional=False)
 
 
-def _known(value: Any) -> Any:
+def concrete_or_unknown(value: Any) -> Any:
     """``value``, or :data:`spec.UNKNOWN` where it is traced (its value cannot be read
     and is not checked)."""
     return spec.UNKNOWN if isinstance(value, jax.core.Tracer) else value
@@ -51,14 +51,14 @@ def _computed_leaves(updates: Any, params: Any) -> tuple[list, list, Any]:
     """The leaves of ``updates`` and of ``params`` (its structure), both in the dtype
     norms and ratios are computed in (that of the update leaf), and the treedef."""
     leaves, treedef = jax.tree.flatten(updates)
-    dtypes = [_compute_dtype(u) for u in leaves]
+    dtypes = [compute_dtype(u) for u in leaves]
     us = [u.astype(d) for u, d in zip(leaves, dtypes)]
     param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]  # PyTreeDef: no stubs
     ws = [w.astype(d) for w, d in zip(param_leaves, dtypes)]
     return us, ws, treedef
 
 
-def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` with its updates in the incoming updates' dtypes and its state in the
     dtypes ``init`` gave it, so that float32 hyperparameters (injected, or passed as
     arrays) never promote bf16 updates or state, and ``jit`` sees the same state types
@@ -66,7 +66,8 @@ def _keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransform
 
     inner = optax.with_extra_args_support(inner)
 
-    def update_fn(updates, state, params=None, **extra_args):  # optax's aliases take extra args
+    def update_fn(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
+                  **extra_args: Any) -> tuple[optax.Updates, optax.OptState]:  # as optax's aliases
         new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
         new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
@@ -123,29 +124,32 @@ def scale_by_lars_trust_ratio(
     """
     for name, value in [("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
                         ("eps", eps)]:
-        LARS_SPEC.hyper(name).check(_known(value), name)
-    axis_name = _check_axis_name(axis_name)
+        LARS_SPEC.hyper(name).check(concrete_or_unknown(value), name)
+    axis_name = checks.axis_name("axis_name", axis_name)
     flags = LARS_SPEC.check({"zero_norm_skip": zero_norm_skip, "decayed_norm": decayed_norm})
     zero_norm_skip, decayed_norm = flags["zero_norm_skip"], flags["decayed_norm"]
     wd, tc = weight_decay, trust_coefficient
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> LarsTrustRatioState:
         del params
         return LarsTrustRatioState(count=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: LarsTrustRatioState,
+                  params: optax.Params | None = None,
+                  ) -> tuple[optax.Updates, LarsTrustRatioState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
         gs, ws, treedef = _computed_leaves(updates, params)
         ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
-        norms = _norms(ws + (ds if decayed_norm else gs), axis_name)
+        norms = leaf_norms(ws + (ds if decayed_norm else gs), axis_name)
 
-        def leaf(g, g32, d, w_norm, g_norm):
+        def leaf(g: jax.Array, g32: jax.Array, d: jax.Array, w_norm: jax.Array,
+                 g_norm: jax.Array) -> jax.Array:
             if decayed_norm:  # g_norm is ||g + wd * w|| (optax)
-                ratio = _safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
+                ratio = safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
             else:
-                ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
+                ratio = safe_ratio(tc * w_norm, g_norm + wd * w_norm + eps, w_norm, g_norm)
             if lr is not None:
                 ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
             if zero_norm_skip:
@@ -179,16 +183,17 @@ def scale_by_lamb_trust_ratio(
     while it is nonzero (apex ``FusedLAMB``'s and timm's rule; ``lamb()``'s
     ``adapt_without_decay=False``).
     """
-    axis_name = _check_axis_name(axis_name)
+    axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         us, ws, treedef = _computed_leaves(updates, params)
-        norms = _norms(ws + us, axis_name)
+        norms = leaf_norms(ws + us, axis_name)
 
-        def leaf(u, u32, w_norm, u_norm):
-            ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
+        def leaf(u: jax.Array, u32: jax.Array, w_norm: jax.Array, u_norm: jax.Array) -> jax.Array:
+            ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)
             if weight_decay is not None:
                 ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, jnp.ones_like(ratio))
             return (ratio * u32).astype(u.dtype)
@@ -219,15 +224,16 @@ def divide_by_global_norm(
     replicated one would be counted once per device. Leave it None under plain
     ``jax.jit`` and for replicated, data-parallel updates.
     """
-    _MAX_NORM.check(_known(max_norm), "max_norm")
-    axis_name = _check_axis_name(axis_name)
+    _MAX_NORM.check(concrete_or_unknown(max_norm), "max_norm")
+    axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.EmptyState,
+                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
         del params
         leaves = jax.tree.leaves(updates)
         if not leaves:
             return updates, state
-        divisor = jnp.maximum(1.0, _global_norm(leaves, axis_name) / max_norm)
+        divisor = jnp.maximum(1.0, global_norm(leaves, axis_name) / max_norm)
         updates = jax.tree.map(lambda g: (g / divisor).astype(g.dtype), updates)
         return updates, state
 
@@ -252,23 +258,25 @@ def scale_by_uncorrected_adam(
     """
     b3 = (1 - b1) if grad_averaging else 1.0
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> optax.ScaleByAdamState:
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
         )
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates: optax.Updates, state: optax.ScaleByAdamState,
+                  params: optax.Params | None = None,
+                  ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del params
         mu = jax.tree.map(lambda g, m: b3 * g + b1 * m, updates, state.mu)
         count = optax.safe_increment(state.count)
         if freeze_step is None:
-            nu = jax.tree.map(lambda g, v: (1 - b2) * _abs_sq(g) + b2 * v, updates, state.nu)
+            nu = jax.tree.map(lambda g, v: (1 - b2) * abs_sq(g) + b2 * v, updates, state.nu)
             count_v = count
         else:
             frozen = count > freeze_step
-            nu = jax.tree.map(lambda g, v: jnp.where(frozen, v, (1 - b2) * _abs_sq(g) + b2 * v),
+            nu = jax.tree.map(lambda g, v: jnp.where(frozen, v, (1 - b2) * abs_sq(g) + b2 * v),
                               updates, state.nu)
             count_v = jnp.minimum(count, freeze_step)
         if bias_correction:

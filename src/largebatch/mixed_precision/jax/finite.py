@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 
-def _is_float(x: Any) -> bool:
+def is_float(x: Any) -> bool:
     """True for an array (anything with a dtype) of a floating dtype."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -21,7 +21,7 @@ def all_finite(tree: Any) -> jax.Array:
     Non-floating leaves are ignored; an empty tree is finite. Works under ``jit``:
     the answer stays on the device.
     """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
     if not leaves:
         return jnp.array(True)
     return jnp.all(jnp.stack(leaves))
@@ -80,22 +80,24 @@ def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTran
     """
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params):
+    def init_fn(params: optax.Params) -> SkipIfNonfiniteState:
         return SkipIfNonfiniteState(
             inner_state=inner.init(params),
             skipped=jnp.zeros((), jnp.int32),
             last_finite=jnp.array(True),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates: optax.Updates, state: SkipIfNonfiniteState,
+                  params: optax.Params | None = None, **extra_args: Any,
+                  ) -> tuple[optax.Updates, SkipIfNonfiniteState]:
         finite = all_finite(updates)
 
-        def apply(_):
+        def apply(_: None) -> tuple[optax.Updates, optax.OptState]:
             return inner.update(updates, state.inner_state, params, **extra_args)
 
         new_updates_shape, _ = jax.eval_shape(apply, None)
 
-        def skip(_):
+        def skip(_: None) -> tuple[optax.Updates, optax.OptState]:
             zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype), new_updates_shape)
             return zeros, state.inner_state
 

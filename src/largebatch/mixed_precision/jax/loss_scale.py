@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from largebatch.mixed_precision.jax.finite import _is_float
+from largebatch.mixed_precision.jax.finite import is_float
 
 #: The largest loss scale :class:`DynamicLossScale` grows to. ``1 / MAX_LOSS_SCALE``
 #: is float32's smallest normal number, so unscaling never multiplies by a reciprocal
@@ -29,8 +29,8 @@ def _concrete(x: Any) -> np.ndarray | None:
 def _scale_tree(tree: Any, factor: jax.Array) -> Any:
     """Multiply every floating leaf by ``factor`` in float32; keep each leaf's dtype."""
 
-    def one(x):
-        if not _is_float(x):
+    def one(x: Any) -> Any:
+        if not is_float(x):
             return x
         return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
@@ -145,7 +145,7 @@ class DynamicLossScale(_LossScaleMethods):
     factor: float = 2.0
     min_loss_scale: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         period = _check_number(
             "period", self.period, lambda v: v >= 1, "an integer >= 1", integral=True
         )
@@ -220,7 +220,7 @@ class StaticLossScale(_LossScaleMethods):
 
     loss_scale: jax.Array
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_loss_scale(self.loss_scale)
         object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
 

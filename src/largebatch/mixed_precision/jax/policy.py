@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from largebatch.mixed_precision.jax.finite import _is_float
+from largebatch.mixed_precision.jax.finite import is_float
 
 _DTYPE_NAMES = {
     "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
@@ -39,7 +39,7 @@ def _as_float_dtype(dtype: Any, field: str) -> np.dtype:
 
 
 def _cast_floats(tree: Any, dtype: np.dtype) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if _is_float(x) else x, tree)
+    return jax.tree.map(lambda x: x.astype(dtype) if is_float(x) else x, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Policy:
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, _as_float_dtype(getattr(self, field), field))
 
