@@ -41,7 +41,7 @@ def norms_in_float32(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
     """Make each normalization layer of ``model`` compute in fp32 inside a ``dtype`` model:
     its input cast to fp32, its output back to ``dtype`` (forward hooks, added once).
     Returns the layers; their params are the caller's to keep fp32 (:func:`to_half` casts
-    them, FSDP2 gives them a policy of their own: ``recipes.distributed.shard_model``)."""
+    them, FSDP2 gives them a policy of their own: ``training.distributed.shard_model``)."""
     norms: list[nn.Module] = [m for m in model.modules() if isinstance(m, NORM_LAYERS)]
     for module in norms:
         if not getattr(module, "_largebatch_fp32", False):

@@ -158,7 +158,7 @@ def distribute(run: Run, state: dict[str, Any] | None) -> None:
         cast(nn.parallel.DistributedDataParallel, run.ddp).register_comm_hook(clip, local_clip_hook)
     if run.settings["compression"] != "adacomp":
         return
-    from largebatch.comm.torch import AdaCompState, adacomp_hook
+    from largebatch.torch import AdaCompState, adacomp_hook
 
     warmup = run.ends[min(run.settings["compression_warmup"], run.epochs)]
     run.comm = AdaCompState(run.ddp, warmup_steps=warmup, scaler=run.scaler)
