@@ -26,8 +26,8 @@ import compile_launches as cl  # noqa: E402
 
 from largebatch.lars.kernels import plan as kplan  # noqa: E402
 
-TILE_KERNELS = {"_grad_check_kernel", "_lars_norms_kernel", "_lars_apply_kernel",
-                "_lamb_moments_kernel", "_lamb_apply_kernel"}
+TILE_KERNELS = {"grad_check_kernel", "lars_norms_kernel", "lars_apply_kernel",
+                "lamb_moments_kernel", "lamb_apply_kernel"}
 
 
 def compiler_env(tmp_path, *paths):
@@ -55,7 +55,7 @@ def test_launches_are_recorded_as_triton_specializes_them():
     """The quick sample's launches: every kernel, recorded (not run) with its constexprs,
     argument types, 16-divisible arguments and the plan's warps."""
     launches = cl.record(cl.configurations(quick=True))
-    assert {x.name for x in launches} == TILE_KERNELS | {"_finish_kernel"}
+    assert {x.name for x in launches} == TILE_KERNELS | {"finish_kernel"}
     for x in launches:
         values, signature = dict(x.constexprs), dict(x.signature)
         if x.name in TILE_KERNELS:
@@ -66,12 +66,12 @@ def test_launches_are_recorded_as_triton_specializes_them():
             assert warps == kplan._num_warps(values["BLOCK"], values["ALIGNED"])
             # An absent found_inf is replaced by the fp64 workspace, a pointer never read.
             assert signature["found_inf"] == ("*fp32" if values["HAS_FOUND_INF"] else "*fp64")
-    moments = [x for x in launches if x.name == "_lamb_moments_kernel"]
+    moments = [x for x in launches if x.name == "lamb_moments_kernel"]
     assert {dict(x.constexprs)["ALIGNED"] for x in moments} == {True, False}
     assert {dict(x.constexprs)["CLIP"] for x in moments} == {True, False}
     assert {dict(x.constexprs)["TILES"] for x in moments} == {3, 4}
     assert any(dict(x.constexprs)["P_DTYPE"] == "bf16" for x in moments)
-    finish = [x for x in launches if x.name == "_finish_kernel"]
+    finish = [x for x in launches if x.name == "finish_kernel"]
     assert {dict(x.signature)["n_steps"] for x in finish} == {"i32"}
     assert {dict(x.constexprs)["HAS_FOUND_INF"] for x in finish} == {True, False}
 
@@ -139,14 +139,14 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_the_check_sees_spills_and_fp64_per_element(tmp_path):
-    """The measures can fail: a recorded _lamb_moments_kernel squeezed into 32 registers
+    """The measures can fail: a recorded lamb_moments_kernel squeezed into 32 registers
     spills; a tile loop that squares in fp64 counts 2 fp64 instructions per element (a
     conversion and a fused multiply-add), one that takes each tile's fp32 sum into fp64
     counts none (its fp64 work is per tile)."""
     pytest.importorskip("triton.backends.nvidia")
     (tmp_path / "probe.py").write_text(PROBE)
     launches = cl.record([c for c in cl.configurations(quick=True) if c.optimizer == "LAMB"][:1])
-    moments = next(x for x in launches if x.name == "_lamb_moments_kernel")
+    moments = next(x for x in launches if x.name == "lamb_moments_kernel")
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SEES), json.dumps(moments.to_json())],
         env=compiler_env(tmp_path, tmp_path), capture_output=True, text=True,

@@ -26,7 +26,7 @@ no GPU) and reads, per specialization (:class:`Measure`):
   masked global loads, over the bytes the loop loads per element). Scalar work (a tile's
   sum taken into fp64, a norm, a bias correction) runs once per tile or per program and is
   counted apart: ``fp64 other``, every other fp64 instruction of the PTX. So are the fp64
-  additions of ``_finish_kernel`` (:data:`ACROSS_TILES`), whose loop runs over the chunks'
+  additions of ``finish_kernel`` (:data:`ACROSS_TILES`), whose loop runs over the chunks'
   partial sums, one per chunk of up to 4,096 elements, not over elements;
 - the widest masked global load (16 bytes where the addresses are aligned).
 
@@ -236,7 +236,7 @@ def measure(launch: Launch, arch: int, options: dict[str, Any] | None = None) ->
 
 
 # Kernels whose loops add the chunks' fp64 partial sums: fp64 by design, once per chunk.
-ACROSS_TILES = frozenset({"_finish_kernel"})
+ACROSS_TILES = frozenset({"finish_kernel"})
 
 _TL_TO_MLIR = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "fp64": "f64"}
 

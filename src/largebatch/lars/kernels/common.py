@@ -9,20 +9,20 @@ import triton
 import triton.language as tl
 
 # Columns of the int64 per-tensor ("meta") table.
-_W = tl.constexpr(0)  # weights the math runs on: the master, else the param
-_G = tl.constexpr(1)  # grad
-_P = tl.constexpr(2)  # param, rewritten from the master (masters only)
-_S0 = tl.constexpr(3)  # momentum_buffer (LARS) / exp_avg (LAMB)
-_S1 = tl.constexpr(4)  # exp_avg_sq (LAMB)
-_STEP = tl.constexpr(5)  # the tensor's step count (fp32 scalar)
-_NUMEL = tl.constexpr(6)
-_GROUP = tl.constexpr(7)
-_PART = tl.constexpr(8)  # the slot of the tensor's first chunk in the partial-sums table
-_META_COLS = tl.constexpr(9)
+COL_W = tl.constexpr(0)  # weights the math runs on: the master, else the param
+COL_G = tl.constexpr(1)  # grad
+COL_P = tl.constexpr(2)  # param, rewritten from the master (masters only)
+COL_S0 = tl.constexpr(3)  # momentum_buffer (LARS) / exp_avg (LAMB)
+COL_S1 = tl.constexpr(4)  # exp_avg_sq (LAMB)
+COL_STEP = tl.constexpr(5)  # the tensor's step count (fp32 scalar)
+COL_NUMEL = tl.constexpr(6)
+COL_GROUP = tl.constexpr(7)
+COL_PART = tl.constexpr(8)  # the slot of the tensor's first chunk in the partial-sums table
+META_COLS = tl.constexpr(9)
 # Workspace slots before the per-tensor sums of squares: the global pass's two sums.
-_GSQ = tl.constexpr(1)  # LAMB: sum of squares of all unscaled grads (slot 0: unused, 0)
-_WS_HEAD = 2
-# Partial sums summed at once by each program of _finish_kernel.
+GSQ = tl.constexpr(1)  # LAMB: sum of squares of all unscaled grads (slot 0: unused, 0)
+WS_HEAD = 2
+# Partial sums summed at once by each program of finish_kernel.
 _PARTS = tl.constexpr(256)
 
 # Every kernel gets one CHUNK = BLOCK * TILES elements of one tensor. A full chunk calls
@@ -32,7 +32,7 @@ _PARTS = tl.constexpr(256)
 
 
 @triton.jit
-def _tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+def tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     """The typed pointer stored at ``row[col]`` of the meta table (16-byte aligned if ALIGNED)."""
     ptr = tl.load(row + col).to(tl.pointer_type(DTYPE))
     if ALIGNED:
@@ -41,7 +41,7 @@ def _tensor_ptr(row, col, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _chunk(chunks, meta, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
+def program_chunk(chunks, meta, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.constexpr):
     """This program's tensor index, its meta row, first element, element count, and the
     chunk's slot in the partial-sums table (the tensor's first slot plus the chunk's
     index: it depends on the chunk, not on the program that runs it, or when).
@@ -52,15 +52,15 @@ def _chunk(chunks, meta, found_inf, HAS_FOUND_INF: tl.constexpr, CHUNK: tl.const
     t = tl.load(chunks + 2 * c)
     k = tl.load(chunks + 2 * c + 1)  # the chunk's index within its tensor
     start = k * CHUNK
-    row = meta + t * _META_COLS
-    numel = tl.load(row + _NUMEL)
+    row = meta + t * META_COLS
+    numel = tl.load(row + COL_NUMEL)
     if HAS_FOUND_INF:
         numel = tl.where(tl.load(found_inf) == 0, numel, 0)
-    return t, row, start, numel, tl.load(row + _PART) + k
+    return t, row, start, numel, tl.load(row + COL_PART) + k
 
 
 @triton.jit
-def _unscale(grad_scale, HAS_SCALE: tl.constexpr):
+def unscale_factor(grad_scale, HAS_SCALE: tl.constexpr):
     """The factor that unscales grads: 1 / grad_scale (a reciprocal, as GradScaler does)."""
     if HAS_SCALE:
         inv = 1.0 / tl.load(grad_scale).to(tl.float32)
@@ -70,14 +70,14 @@ def _unscale(grad_scale, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _store_part(parts, slot, a, b):
+def store_part(parts, slot, a, b):
     """Store a chunk's two fp64 sums in its slot of the partial-sums table."""
     tl.store(parts + 2 * slot, a)
     tl.store(parts + 2 * slot + 1, b)
 
 
 @triton.jit
-def _one_minus_pow(b, e):
+def one_minus_pow(b, e):
     """1 - b**e for a fp64 scalar b and an int32 e >= 0, by binary powers in fp64.
 
     In fp32, 1 - 0.999**t would keep only a few digits of the bias correction.
@@ -104,7 +104,7 @@ _SCALE_DOWN = tl.constexpr(2.0**-70)
 
 
 @triton.jit
-def _sum_sq(x):
+def sum_of_squares(x):
     """The sum of squares of a tile of fp32 values (masked lanes 0), as an fp64 scalar:
     squared and added in fp32, then scaled back in fp64 if the tile had to be rescaled.
     inf and NaN elements give inf and NaN, as in fp64."""
@@ -120,11 +120,11 @@ def _sum_sq(x):
 
 
 @triton.jit
-def _check_tiles(
+def check_tiles(
     w_ptr, g_ptr, start, limit, inv_scale, wd,
     W_SQ: tl.constexpr, DECAYED: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Sums of w^2 and of unscaled g^2 over a chunk (``_sum_sq`` per tile, added in fp64);
+    """Sums of w^2 and of unscaled g^2 over a chunk (``sum_of_squares`` per tile, added in fp64);
     with DECAYED (and W_SQ), of (g + wd * w)^2 in place of g^2 (formed in fp32, as pass 2
     forms it)."""
     w_sq = tl.full((), 0.0, tl.float64)
@@ -137,15 +137,15 @@ def _check_tiles(
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if DECAYED:
                 g = g + wd * w
-            w_sq += _sum_sq(w)
-        g_sq += _sum_sq(g)
+            w_sq += sum_of_squares(w)
+        g_sq += sum_of_squares(g)
     return w_sq, g_sq
 
 
 @triton.jit
-def _grad_check_kernel(
+def grad_check_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    meta,  # int64 [n_tensors, META_COLS]: addresses, numel, group and first slot of each tensor
     parts,  # fp64 [n_slots, 2]: each chunk's sums of squares (w^2, g^2), one slot a chunk
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
@@ -159,23 +159,23 @@ def _grad_check_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 1 of LARS, pass 0 of LAMB: each chunk's sums of squares of the unscaled grads
-    (and weights). (LARS with a group's decayed_norm takes ``lars._lars_norms_kernel`` as
+    (and weights). (LARS with a group's decayed_norm takes ``lars.lars_norms_kernel`` as
     pass 1.)"""
-    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
-    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
-    inv_scale = _unscale(grad_scale, HAS_SCALE)
+    _, row, start, numel, slot = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
+    g_ptr = tensor_ptr(row, COL_G, P_DTYPE, ALIGNED)
+    inv_scale = unscale_factor(grad_scale, HAS_SCALE)
     wd = tl.full((), 0.0, tl.float32)  # read only with DECAYED
     end = start + BLOCK * TILES
     if end <= numel:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, W_SQ, False, BLOCK, TILES)
+        w_sq, g_sq = check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, W_SQ, False, BLOCK, TILES)
     else:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, W_SQ, False, BLOCK, TILES)
-    _store_part(parts, slot, w_sq, g_sq)
+        w_sq, g_sq = check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, W_SQ, False, BLOCK, TILES)
+    store_part(parts, slot, w_sq, g_sq)
 
 
 @triton.jit
-def _finish_kernel(
+def finish_kernel(
     parts,  # fp64 [n_slots, 2]: the chunks' partial sums, from the pass before
     spans,  # int64 [n_spans, 2]: (first slot, slot count) of each sum to form
     out,  # fp64 [n_spans, 2]: the sums, written (not added to)

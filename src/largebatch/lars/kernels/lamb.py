@@ -1,6 +1,6 @@
 """The LAMB kernels: pass 1 (new moments; each chunk's sums of w^2 and u^2) and pass 2
-(trust ratio, weights), after the optional pass 0 (``_grad_check_kernel`` in
-``common.py``: the global grad norm for ``max_grad_norm``). ``_finish_kernel`` sums the
+(trust ratio, weights), after the optional pass 0 (``grad_check_kernel`` in
+``common.py``: the global grad norm for ``max_grad_norm``). ``finish_kernel`` sums the
 chunks after pass 0 and pass 1, and counts the step after pass 1."""
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ import triton
 import triton.language as tl
 
 from largebatch.lars.kernels.common import (
-    _G,
-    _GROUP,
-    _GSQ,
-    _P,
-    _S0,
-    _S1,
-    _STEP,
-    _W,
-    _chunk,
-    _one_minus_pow,
-    _store_part,
-    _sum_sq,
-    _tensor_ptr,
-    _unscale,
+    COL_G,
+    COL_GROUP,
+    GSQ,
+    COL_P,
+    COL_S0,
+    COL_S1,
+    COL_STEP,
+    COL_W,
+    program_chunk,
+    one_minus_pow,
+    store_part,
+    sum_of_squares,
+    tensor_ptr,
+    unscale_factor,
 )
 from largebatch.lars.spec import LAMB_SPEC
 
@@ -66,14 +66,14 @@ def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
     b3 = tl.where(tl.load(h + _GRAD_AVERAGING) != 0, 1.0 - b1, 1.0)  # fp64, then fp32
     trust_ratio = (tl.load(h + _TRUST_RATIO) != 0) & (
         (tl.load(h + _ADAPT_WITHOUT_DECAY) != 0) | (wd != 0))
-    step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
+    step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
     e = step.to(tl.int32)  # this step's t: the count after it is counted
     if not COUNTED:
         e += 1
     freeze = tl.load(h + _FREEZE_STEP).to(tl.int32)
     frozen = e > freeze
-    inv_bc1 = tl.where(corrected, 1.0 / _one_minus_pow(b1, e), 1.0)
-    inv_bc2 = tl.where(corrected, 1.0 / _one_minus_pow(b2, tl.minimum(e, freeze)), 1.0)
+    inv_bc1 = tl.where(corrected, 1.0 / one_minus_pow(b1, e), 1.0)
+    inv_bc2 = tl.where(corrected, 1.0 / one_minus_pow(b2, tl.minimum(e, freeze)), 1.0)
     return b1, b2, b3, eps, wd_g, wd_u, inv_bc1, inv_bc2, trust_ratio, frozen
 
 
@@ -107,17 +107,17 @@ def _moment_tiles(
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
         u = _lamb_direction(w, m.to(tl.float32), v.to(tl.float32), inv_bc1, inv_bc2, eps, wd)
-        w_sq += _sum_sq(w)
-        u_sq += _sum_sq(tl.where(mask, u, 0.0))  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
+        w_sq += sum_of_squares(w)
+        u_sq += sum_of_squares(tl.where(mask, u, 0.0))  # masked lanes: 0 / eps, or 0 / 0 when eps = 0
     return w_sq, u_sq
 
 
 @triton.jit
-def _lamb_moments_kernel(
+def lamb_moments_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    meta,  # int64 [n_tensors, META_COLS]: addresses, numel, group and first slot of each tensor
     parts,  # fp64 [n_slots, 2]: each chunk's sums of w^2 and u^2, one slot a chunk
-    ws,  # fp64 workspace: [_GSQ] sum of squares of all grads
+    ws,  # fp64 workspace: [GSQ] sum of squares of all grads
     hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
@@ -132,19 +132,19 @@ def _lamb_moments_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 1 of LAMB: m, v updated and stored; each chunk's sums of w^2 and u^2."""
-    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
-    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
-    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
-    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
-    group = tl.load(row + _GROUP)
+    _, row, start, numel, slot = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
+    g_ptr = tensor_ptr(row, COL_G, P_DTYPE, ALIGNED)
+    m_ptr = tensor_ptr(row, COL_S0, W_DTYPE, ALIGNED)
+    v_ptr = tensor_ptr(row, COL_S1, W_DTYPE, ALIGNED)
+    group = tl.load(row + COL_GROUP)
     b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _, frozen = _lamb_factors(hyper, row, group, False)
-    g_mul = _unscale(grad_scale, HAS_SCALE)
+    g_mul = unscale_factor(grad_scale, HAS_SCALE)
     if CLIP:
         # Compiled, a Python float argument is fp32 already; the interpreter passes it as
         # a Python constant, which is fp64 outside fp32's normal range. fp32 in both.
         clip_norm = tl.cast(max_grad_norm, tl.float32)
-        over = tl.sqrt(tl.load(ws + _GSQ)).to(tl.float32) / clip_norm
+        over = tl.sqrt(tl.load(ws + GSQ)).to(tl.float32) / clip_norm
         g_mul = g_mul / tl.where(over < 1.0, 1.0, over)  # a NaN norm stays NaN, as in torch.clamp
 
     end = start + BLOCK * TILES
@@ -158,7 +158,7 @@ def _lamb_moments_kernel(
             w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
             frozen, W_DTYPE, P_DTYPE, BLOCK, TILES,
         )  # fmt: skip
-    _store_part(parts, slot, w_sq, u_sq)
+    store_part(parts, slot, w_sq, u_sq)
 
 
 @triton.jit
@@ -181,9 +181,9 @@ def _lamb_tiles(
 
 
 @triton.jit
-def _lamb_apply_kernel(
+def lamb_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    meta,  # int64 [n_tensors, META_COLS]: addresses, numel and group of each tensor
     acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2, summed from pass 1
     hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
@@ -197,12 +197,12 @@ def _lamb_apply_kernel(
     TILES: tl.constexpr,
 ):
     """Pass 2 of LAMB: w -= lr * ratio * u, with u recomputed from the new m and v."""
-    t, row, start, numel, _ = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
-    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
-    m_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
-    v_ptr = _tensor_ptr(row, _S1, W_DTYPE, ALIGNED)
-    group = tl.load(row + _GROUP)
+    t, row, start, numel, _ = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
+    p_ptr = tensor_ptr(row, COL_P, P_DTYPE, ALIGNED)
+    m_ptr = tensor_ptr(row, COL_S0, W_DTYPE, ALIGNED)
+    v_ptr = tensor_ptr(row, COL_S1, W_DTYPE, ALIGNED)
+    group = tl.load(row + COL_GROUP)
     _, _, _, eps, _, wd, inv_bc1, inv_bc2, trust_ratio, _ = _lamb_factors(hyper, row, group, True)
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
 

@@ -1,7 +1,7 @@
 """The LARS kernels: pass 2 (trust ratio, momentum, weights), after pass 1 formed each
-tensor's ||w||^2 and ||g||^2: ``_grad_check_kernel`` (``common.py``), or, when some group
-has decayed_norm, ``_lars_norms_kernel``, which forms ||g + wd * w||^2 in place of
-||g||^2 for that group's tensors; ``_finish_kernel`` sums each tensor's chunks."""
+tensor's ||w||^2 and ||g||^2: ``grad_check_kernel`` (``common.py``), or, when some group
+has decayed_norm, ``lars_norms_kernel``, which forms ||g + wd * w||^2 in place of
+||g||^2 for that group's tensors; ``finish_kernel`` sums each tensor's chunks."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import triton
 import triton.language as tl
 
 from largebatch.lars.kernels.common import (
-    _G,
-    _GROUP,
-    _P,
-    _S0,
-    _W,
-    _check_tiles,
-    _chunk,
-    _store_part,
-    _tensor_ptr,
-    _unscale,
+    COL_G,
+    COL_GROUP,
+    COL_P,
+    COL_S0,
+    COL_W,
+    check_tiles,
+    program_chunk,
+    store_part,
+    tensor_ptr,
+    unscale_factor,
 )
 from largebatch.lars.spec import LARS_SPEC
 
@@ -37,9 +37,9 @@ _LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
 
 
 @triton.jit
-def _lars_norms_kernel(
+def lars_norms_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel, group and first slot of each tensor
+    meta,  # int64 [n_tensors, META_COLS]: addresses, numel, group and first slot of each tensor
     parts,  # fp64 [n_slots, 2]: each chunk's sums of squares, one slot a chunk
     hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
@@ -55,18 +55,18 @@ def _lars_norms_kernel(
     """Pass 1 of LARS when some group has decayed_norm: each chunk's sum of w^2, and of
     (g + wd * w)^2 (optax's lars) for a tensor of such a group, g^2 for the others
     (their decay read as wd times the flag's 0)."""
-    _, row, start, numel, slot = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
-    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
-    inv_scale = _unscale(grad_scale, HAS_SCALE)
-    h = hyper + tl.load(row + _GROUP) * _LARS_COLS
+    _, row, start, numel, slot = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
+    g_ptr = tensor_ptr(row, COL_G, P_DTYPE, ALIGNED)
+    inv_scale = unscale_factor(grad_scale, HAS_SCALE)
+    h = hyper + tl.load(row + COL_GROUP) * _LARS_COLS
     wd = (tl.load(h + _WEIGHT_DECAY) * tl.load(h + _DECAYED_NORM)).to(tl.float32)
     end = start + BLOCK * TILES
     if end <= numel:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, True, True, BLOCK, TILES)
+        w_sq, g_sq = check_tiles(w_ptr, g_ptr, start, end, inv_scale, wd, True, True, BLOCK, TILES)
     else:
-        w_sq, g_sq = _check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, True, True, BLOCK, TILES)
-    _store_part(parts, slot, w_sq, g_sq)
+        w_sq, g_sq = check_tiles(w_ptr, g_ptr, start, numel, inv_scale, wd, True, True, BLOCK, TILES)
+    store_part(parts, slot, w_sq, g_sq)
 
 
 @triton.jit
@@ -94,9 +94,9 @@ def _lars_tiles(
 
 
 @triton.jit
-def _lars_apply_kernel(
+def lars_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
-    meta,  # int64 [n_tensors, _META_COLS]: addresses, numel and group of each tensor
+    meta,  # int64 [n_tensors, META_COLS]: addresses, numel and group of each tensor
     acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 (decayed_norm: ||g + wd * w||^2), summed
     hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
@@ -113,12 +113,12 @@ def _lars_apply_kernel(
 ):
     """Pass 2 of LARS: v = momentum * v + lr * ratio * (g + wd * w); w -= v (or nesterov);
     lr outside the buffer where the group's lr_in_momentum is 0."""
-    t, row, start, numel, _ = _chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
-    w_ptr = _tensor_ptr(row, _W, W_DTYPE, ALIGNED)
-    g_ptr = _tensor_ptr(row, _G, P_DTYPE, ALIGNED)
-    p_ptr = _tensor_ptr(row, _P, P_DTYPE, ALIGNED)
-    v_ptr = _tensor_ptr(row, _S0, W_DTYPE, ALIGNED)
-    group = tl.load(row + _GROUP)
+    t, row, start, numel, _ = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
+    w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
+    g_ptr = tensor_ptr(row, COL_G, P_DTYPE, ALIGNED)
+    p_ptr = tensor_ptr(row, COL_P, P_DTYPE, ALIGNED)
+    v_ptr = tensor_ptr(row, COL_S0, W_DTYPE, ALIGNED)
+    group = tl.load(row + COL_GROUP)
     h = hyper + group * _LARS_COLS
     momentum = tl.load(h + _MOMENTUM).to(tl.float32)
     wd = tl.load(h + _WEIGHT_DECAY).to(tl.float32)
@@ -131,7 +131,7 @@ def _lars_apply_kernel(
     zero_norm_skip = tl.load(h + _ZERO_NORM_SKIP) != 0
     decayed_norm = tl.load(h + _DECAYED_NORM) != 0
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
-    inv_scale = _unscale(grad_scale, HAS_SCALE)
+    inv_scale = unscale_factor(grad_scale, HAS_SCALE)
 
     # The norms come in fp64 (no overflow for any finite weights); the ratio goes to fp32.
     w_norm = tl.sqrt(tl.load(acc + 2 * t))

@@ -16,15 +16,15 @@ import triton
 import triton.language as tl
 
 from largebatch.lars.kernels.common import (
-    _GSQ,
-    _NUMEL,
-    _STEP,
-    _WS_HEAD,
-    _finish_kernel,
-    _grad_check_kernel,
+    GSQ,
+    COL_NUMEL,
+    COL_STEP,
+    WS_HEAD,
+    finish_kernel,
+    grad_check_kernel,
 )
-from largebatch.lars.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel
-from largebatch.lars.kernels.lars import _lars_apply_kernel, _lars_norms_kernel
+from largebatch.lars.kernels.lamb import lamb_apply_kernel, lamb_moments_kernel
+from largebatch.lars.kernels.lars import lars_apply_kernel, lars_norms_kernel
 from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, Hyperparams, LambHyperparams, OptimizerSpec
 
 BLOCK = 1024  # elements a program handles at once (at most)
@@ -63,7 +63,7 @@ class _Bucket:
     """The tensors of one (param dtype, masters) kind: tables and launch shape."""
 
     chunks: torch.Tensor  # int64 [n_chunks, 2]: (tensor, chunk index in it) per program
-    meta: torch.Tensor  # int64 [n_tensors, _META_COLS]
+    meta: torch.Tensor  # int64 [n_tensors, META_COLS]
     acc: torch.Tensor  # fp64 [n_tensors, 2]: its tensors' sums, a view into the plan's workspace
     grid: tuple[int]  # one program per chunk
     has_master: bool
@@ -74,12 +74,12 @@ class _Bucket:
 class _Plan:
     buckets: list[_Bucket]
     hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
-    ws: torch.Tensor  # fp64 workspace: the global sums ([_GSQ]), then per-tensor sums
+    ws: torch.Tensor  # fp64 workspace: the global sums ([GSQ]), then per-tensor sums
     parts: torch.Tensor  # fp64 [n_slots, 2]: each chunk's partial sums, one slot a chunk
     spans: torch.Tensor  # int64 [n_tensors, 2]: (first slot, slot count) of each tensor
     every_slot: torch.Tensor  # int64 [1, 2]: (0, n_slots), the global sum's span
     steps: torch.Tensor  # int64 [n_steps]: distinct step addresses (tensors', then counter)
-    decayed: bool = False  # some LARS group has decayed_norm: pass 1 is _lars_norms_kernel
+    decayed: bool = False  # some LARS group has decayed_norm: pass 1 is lars_norms_kernel
     gaddr: torch.Tensor | None = None  # int64 [n_groups]: lr addresses
     lrs: tuple = ()  # the lr addresses gaddr holds
     # The host tables the device ones were copied from ("tables", "lrs"; pinned on CUDA),
@@ -188,7 +188,7 @@ def _launch_shape(max_numel: int) -> tuple[int, int]:
 def _num_warps(block: int, aligned: bool) -> int:
     """Warps per program: 4, or 8 for an unaligned bucket of 1024-element blocks. Its loads
     take one element each, each at its own address; at 8 elements a thread (4 warps) the
-    sm_90 builds of _lamb_moments_kernel used 168 registers (compile_check.py)."""
+    sm_90 builds of lamb_moments_kernel used 168 registers (compile_check.py)."""
     return 8 if block >= 1024 and not aligned else 4
 
 
@@ -221,22 +221,22 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             m = _master(g, j)
             s = [g.state[k][j].data_ptr() for k in spec.state] + [0] * (2 - len(spec.state))
             row = [(p if m is None else m).data_ptr(), g.grads[j].data_ptr(), p.data_ptr(), *s]
-            row += [g.steps[j].data_ptr(), p.numel(), gi]  # _PART is added below
+            row += [g.steps[j].data_ptr(), p.numel(), gi]  # COL_PART is added below
             rows.setdefault((p.dtype, m is not None), []).append(row)
 
     # Every table is formed on the host from Python numbers (nothing here reads a device
     # value), then all go to the device in one asynchronous copy (_upload). Chunks take
     # slots of the partial-sums table in (bucket, tensor, chunk) order.
     n_tensors = sum(len(r) for r in rows.values())
-    ws = torch.zeros(_WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
+    ws = torch.zeros(WS_HEAD + 2 * n_tensors, dtype=torch.float64, device=device)
     launches: list[tuple] = []  # per bucket: acc, programs, has_master, consts
     tables: list[torch.Tensor] = []  # per bucket: chunks, meta; then hyper, steps, spans
     spans: list[tuple[int, int]] = []  # per tensor: (first slot, slot count)
-    offset, slots = _WS_HEAD, 0
+    offset, slots = WS_HEAD, 0
     for (dtype, has_master), meta_rows in rows.items():
         n = len(meta_rows)
         acc, offset = ws[offset : offset + 2 * n], offset + 2 * n
-        numels = [r[_NUMEL.value] for r in meta_rows]
+        numels = [r[COL_NUMEL.value] for r in meta_rows]
         if max(numels) == 0:  # only zero-size tensors: nothing to launch, sums of nothing
             spans += [(slots, 0)] * n
             continue
@@ -244,7 +244,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
         counts = [triton.cdiv(x, block * tiles) for x in numels]
         n_chunks = sum(counts)
         for r, c in zip(meta_rows, counts):
-            r.append(slots)  # the _PART column
+            r.append(slots)  # the COL_PART column
             spans.append((slots, c))
             slots += c
         repeats = torch.tensor(counts, dtype=torch.int64)
@@ -254,7 +254,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
         first = torch.arange(n_chunks) - tensor_first_chunk  # chunk index within its tensor
         tables += [torch.stack([tensor, first], dim=1),
                    torch.tensor(meta_rows, dtype=torch.int64)]
-        aligned = all(a % 16 == 0 for r in meta_rows for a in r[: _STEP.value])
+        aligned = all(a % 16 == 0 for r in meta_rows for a in r[: COL_STEP.value])
         launches.append((acc, n_chunks, has_master, dict(
             P_DTYPE=_TL_DTYPES[dtype],
             W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
@@ -333,17 +333,17 @@ def _scalars(plan: _Plan, grad_scale: torch.Tensor | None,
 
 def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *,
             every_slot: bool = False) -> None:
-    """One launch of _finish_kernel: each tensor's sums from its chunks' partial sums
+    """One launch of finish_kernel: each tensor's sums from its chunks' partial sums
     (the pass's acc), the step counted after them; with ``every_slot``, the global sums
-    of all chunks (ws[:_WS_HEAD]) and nothing counted."""
+    of all chunks (ws[:WS_HEAD]) and nothing counted."""
     if every_slot:
-        _finish_kernel[(1,)](plan.parts, plan.every_slot, plan.ws, 1, plan.steps, 0, found_inf,
+        finish_kernel[(1,)](plan.parts, plan.every_slot, plan.ws, 1, plan.steps, 0, found_inf,
                              HAS_FOUND_INF=False, STEPS_BLOCK=1)
         return
     n_spans, n = len(plan.spans), len(plan.steps)
     block = min(BLOCK, triton.next_power_of_2(n))
-    _finish_kernel[(n_spans + triton.cdiv(n, block),)](
-        plan.parts, plan.spans, plan.ws[_WS_HEAD:], n_spans, plan.steps, n, found_inf,
+    finish_kernel[(n_spans + triton.cdiv(n, block),)](
+        plan.parts, plan.spans, plan.ws[WS_HEAD:], n_spans, plan.steps, n, found_inf,
         HAS_FOUND_INF=has_found_inf, STEPS_BLOCK=block,
     )  # fmt: skip
 
@@ -366,18 +366,18 @@ def fused_lars_step_(
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     for b in plan.buckets:
         if plan.decayed:  # some group's decayed_norm: ||g + wd * w||^2 for its tensors
-            _lars_norms_kernel[b.grid](
+            lars_norms_kernel[b.grid](
                 b.chunks, b.meta, plan.parts, plan.hyper, scale, inf, **has, **b.consts,
             )  # fmt: skip
             continue
-        _grad_check_kernel[b.grid](
+        grad_check_kernel[b.grid](
             b.chunks, b.meta, plan.parts, scale, inf, W_SQ=True, **has, **b.consts,
         )  # fmt: skip
     _finish(plan, inf, has["HAS_FOUND_INF"])
     if reduce_norms is not None:
-        reduce_norms(plan.ws[_WS_HEAD:])
+        reduce_norms(plan.ws[WS_HEAD:])
     for b in plan.buckets:
-        _lars_apply_kernel[b.grid](
+        lars_apply_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
             HAS_MASTER=b.has_master, **has, **b.consts,
         )  # fmt: skip
@@ -401,22 +401,22 @@ def fused_lamb_step_(
     clip = max_grad_norm is not None
     if clip:  # the global grad norm must be complete before any moment is formed
         for b in plan.buckets:
-            _grad_check_kernel[b.grid](
+            grad_check_kernel[b.grid](
                 b.chunks, b.meta, plan.parts, scale, inf, W_SQ=False, **has, **b.consts,
             )  # fmt: skip
         _finish(plan, inf, False, every_slot=True)
         if reduce_global is not None:
-            reduce_global(plan.ws[_GSQ : _GSQ + 1])
+            reduce_global(plan.ws[GSQ : GSQ + 1])
     for b in plan.buckets:
-        _lamb_moments_kernel[b.grid](
+        lamb_moments_kernel[b.grid](
             b.chunks, b.meta, plan.parts, plan.ws, plan.hyper, scale, inf,
             float(max_grad_norm) if max_grad_norm is not None else 1.0, CLIP=clip, **has, **b.consts,
         )  # fmt: skip
     _finish(plan, inf, has["HAS_FOUND_INF"])  # pass 2 reads the counted steps
     if reduce_norms is not None:
-        reduce_norms(plan.ws[_WS_HEAD:])
+        reduce_norms(plan.ws[WS_HEAD:])
     for b in plan.buckets:
-        _lamb_apply_kernel[b.grid](
+        lamb_apply_kernel[b.grid](
             b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,
             HAS_MASTER=b.has_master, HAS_FOUND_INF=has["HAS_FOUND_INF"], **b.consts,
         )  # fmt: skip
