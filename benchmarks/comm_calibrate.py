@@ -65,12 +65,24 @@ def _time(op, repeats: int, warmup: int) -> float:
     return statistics.median(times.tolist())
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, warmup: int,
-            compression: float, out: str) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    warmup: int,
+    compression: float,
+    out: str,
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
         warm = torch.ones(max(sizes) // 4, dtype=torch.float32)
         for _ in range(max(warmup, 1)):  # connections and buffers, before any timing
@@ -81,43 +93,62 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, wa
             reduce_s = _time(lambda x=x: dist.all_reduce(x), repeats, warmup)
             payload = torch.ones(max(1, round(size / 4 / compression)), dtype=torch.float32)
             gathered = [torch.empty_like(payload) for _ in range(world)]
-            gather_s = _time(lambda out=gathered, x=payload: dist.all_gather(out, x), repeats,
-                             warmup)
-            rows.append({"workers": world, "size_bytes": x.numel() * 4,
-                         "allreduce_s": reduce_s, "payload_bytes": payload.numel() * 4,
-                         "allgather_s": gather_s})
+            gather_s = _time(lambda out=gathered, x=payload: dist.all_gather(out, x), repeats, warmup)
+            rows.append(
+                {
+                    "workers": world,
+                    "size_bytes": x.numel() * 4,
+                    "allreduce_s": reduce_s,
+                    "payload_bytes": payload.numel() * 4,
+                    "allgather_s": gather_s,
+                }
+            )
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 
 
-def measure(world: int, sizes: list[int], repeats: int, warmup: int,
-            compression: float) -> list[dict]:
+def measure(world: int, sizes: list[int], repeats: int, warmup: int, compression: float) -> list[dict]:
     """The timings of one group of ``world`` processes (one row a size)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(_worker, args=(world, _free_port(), sizes, repeats, warmup, compression, out),
-                 nprocs=world, join=True)
+        mp.spawn(
+            _worker,
+            args=(world, _free_port(), sizes, repeats, warmup, compression, out),
+            nprocs=world,
+            join=True,
+        )
         return json.loads(Path(out).read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4],
-                        help="process counts to measure (default: 2 4)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES,
-                        help="all-reduce sizes in bytes (default: 4 KiB to 16 MiB, x2)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[2, 4], help="process counts to measure (default: 2 4)"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=DEFAULT_SIZES,
+        help="all-reduce sizes in bytes (default: 4 KiB to 16 MiB, x2)",
+    )
     parser.add_argument("--repeats", type=int, default=30, help="timed calls a size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls a size first")
-    parser.add_argument("--compression", type=float, default=40.0,
-                        help="c of the all-gather payload S/c (default 40)")
+    parser.add_argument(
+        "--compression", type=float, default=40.0, help="c of the all-gather payload S/c (default 40)"
+    )
     parser.add_argument("--out", default="docs/comm/calibration.json", help="JSON output")
     args = parser.parse_args(argv)
-    if min(args.workers) < 2 or min(args.sizes) < 4 or args.repeats < 1 or args.warmup < 0 \
-            or args.compression < 1:
-        parser.error("need --workers >= 2, --sizes >= 4, --repeats >= 1, --warmup >= 0, "
-                     "--compression >= 1")
+    if (
+        min(args.workers) < 2
+        or min(args.sizes) < 4
+        or args.repeats < 1
+        or args.warmup < 0
+        or args.compression < 1
+    ):
+        parser.error("need --workers >= 2, --sizes >= 4, --repeats >= 1, --warmup >= 0, --compression >= 1")
 
     started = time.perf_counter()
     rows = []
@@ -128,37 +159,50 @@ def main(argv: list[str] | None = None) -> int:
 
     samples = [(r["workers"], r["size_bytes"], r["allreduce_s"]) for r in rows]
     fit = fit_ring(samples)
-    per_world = {str(w): fit_ring([s for s in samples if s[0] == w])._asdict()
-                 for w in args.workers}
+    per_world = {str(w): fit_ring([s for s in samples if s[0] == w])._asdict() for w in args.workers}
     for r in rows:
         n = r["workers"]
         r["ring_model_s"] = ring(r["size_bytes"], n, *fit)
         # the payload's own bytes: S/c rounded to whole float32 elements
         r["allgather_model_s"] = allgather(r["payload_bytes"], n, 1.0, *fit)
 
-    print(f"{'n':>3} {'bytes':>10} {'all-reduce ms':>14} {'ring model':>11} "
-          f"{'payload':>8} {'all-gather ms':>14} {'model':>8}")
+    print(
+        f"{'n':>3} {'bytes':>10} {'all-reduce ms':>14} {'ring model':>11} "
+        f"{'payload':>8} {'all-gather ms':>14} {'model':>8}"
+    )
     for r in rows:
-        print(f"{r['workers']:>3} {r['size_bytes']:>10} {1e3 * r['allreduce_s']:>14.3f} "
-              f"{1e3 * r['ring_model_s']:>11.3f} {r['payload_bytes']:>8} "
-              f"{1e3 * r['allgather_s']:>14.3f} {1e3 * r['allgather_model_s']:>8.3f}")
+        print(
+            f"{r['workers']:>3} {r['size_bytes']:>10} {1e3 * r['allreduce_s']:>14.3f} "
+            f"{1e3 * r['ring_model_s']:>11.3f} {r['payload_bytes']:>8} "
+            f"{1e3 * r['allgather_s']:>14.3f} {1e3 * r['allgather_model_s']:>8.3f}"
+        )
     print(f"fit: latency {1e6 * fit.latency:.1f} us, bandwidth {fit.bandwidth / 1e9:.3f} GB/s")
 
     result = {
         "what": "gloo all_reduce on 127.0.0.1, median of repeats of the slowest rank's time; "
-                "fit of t = 2(n-1) a + 2(n-1)/n S/B (largebatch.comm.scaling.fit_ring)",
-        "command": " ".join(["python benchmarks/comm_calibrate.py",
-                             *(sys.argv[1:] if argv is None else argv)]),
+        "fit of t = 2(n-1) a + 2(n-1)/n S/B (largebatch.comm.scaling.fit_ring)",
+        "command": " ".join(
+            ["python benchmarks/comm_calibrate.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "python": platform.python_version()},
-        "settings": {"workers": args.workers, "sizes": args.sizes, "repeats": args.repeats,
-                     "warmup": args.warmup, "compression": args.compression},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+        },
+        "settings": {
+            "workers": args.workers,
+            "sizes": args.sizes,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "compression": args.compression,
+        },
         "fit": {"latency_s": fit.latency, "bandwidth_Bps": fit.bandwidth},
-        "fit_per_workers": {w: {"latency_s": f["latency"], "bandwidth_Bps": f["bandwidth"]}
-                            for w, f in per_world.items()},
+        "fit_per_workers": {
+            w: {"latency_s": f["latency"], "bandwidth_Bps": f["bandwidth"]} for w, f in per_world.items()
+        },
         "samples": rows,
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -53,8 +53,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_iterations(model: nn.Module, coefs: list[torch.Tensor], device: torch.device,
-                    warmup: int, steps: int) -> list[float]:
+def time_iterations(
+    model: nn.Module, coefs: list[torch.Tensor], device: torch.device, warmup: int, steps: int
+) -> list[float]:
     """Seconds of each timed forward + backward (the exchange included, under DDP)."""
     times = []
     for i in range(warmup + steps):
@@ -74,15 +75,18 @@ def time_iterations(model: nn.Module, coefs: list[torch.Tensor], device: torch.d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(bench.MODELS), default="resnet50")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu or cuda (default %(default)s); under torchrun each rank "
-                             "takes cuda:LOCAL_RANK")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="timed iterations (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed iterations first (default %(default)s)")
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="DDP's bucket_cap_mb (default %(default)s)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default %(default)s); under torchrun each rank takes cuda:LOCAL_RANK",
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed iterations (default %(default)s)")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed iterations first (default %(default)s)"
+    )
+    parser.add_argument(
+        "--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb (default %(default)s)"
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the results to OUT (rank 0)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -100,8 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
 
     shapes = bench.MODELS[args.model]()
     gen = torch.Generator().manual_seed(rank)
@@ -109,10 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     local = Shapes(shapes).to(device)
     rows.append(("local (no DDP)", time_iterations(local, coefs, device, args.warmup, args.steps), None))
-    for name, form in (("default all-reduce", None), ("adacomp allgather", "allgather"),
-                       ("adacomp two_phase", "two_phase")):
-        model = DDP(Shapes(shapes).to(device), bucket_cap_mb=args.bucket_mb,
-                    device_ids=[device.index] if device.type == "cuda" else None)
+    for name, form in (
+        ("default all-reduce", None),
+        ("adacomp allgather", "allgather"),
+        ("adacomp two_phase", "two_phase"),
+    ):
+        model = DDP(
+            Shapes(shapes).to(device),
+            bucket_cap_mb=args.bucket_mb,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
         state = None
         if form is not None:
             state = AdaCompState(model, form=form, warmup_steps=0)
@@ -123,20 +138,30 @@ def main(argv: list[str] | None = None) -> int:
 
     n_params = sum(c.numel() for c in coefs)
     result = dict(
-        model=args.model, tensors=len(shapes), params=n_params, world=world, backend=backend,
+        model=args.model,
+        tensors=len(shapes),
+        params=n_params,
+        world=world,
+        backend=backend,
         device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__,
         nccl=".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None,
-        steps=args.steps, warmup=args.warmup, bucket_mb=args.bucket_mb,
+        steps=args.steps,
+        warmup=args.warmup,
+        bucket_mb=args.bucket_mb,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        rows=[dict(exchange=name, ms=statistics.median(t) * 1e3, min_ms=min(t) * 1e3, compression=rates)
-              for name, t, rates in rows],
+        rows=[
+            dict(exchange=name, ms=statistics.median(t) * 1e3, min_ms=min(t) * 1e3, compression=rates)
+            for name, t, rates in rows
+        ],
     )
     if rank == 0:
-        print(f"{args.model}: {len(shapes)} tensors, {n_params / 1e6:.1f}M fp32 params; {world} "
-              f"process(es), {backend} on {result['device_name']}; median of {args.steps} "
-              f"iterations after {args.warmup}")
+        print(
+            f"{args.model}: {len(shapes)} tensors, {n_params / 1e6:.1f}M fp32 params; {world} "
+            f"process(es), {backend} on {result['device_name']}; median of {args.steps} "
+            f"iterations after {args.warmup}"
+        )
         print("")
         print(f"| {'exchange':<20} | {'ms/iter':>8} | {'min ms':>8} | compression rates |")
         print(f"|{'-' * 22}|{'-' * 9}:|{'-' * 9}:|{'-' * 19}|")

@@ -29,14 +29,16 @@ import optimizer_step as bench
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "src/largebatch"
-PATHS = {"compiled": dict(compiled=True), "foreach": dict(foreach=True, compiled=False),
-         "loop": dict(foreach=False, compiled=False)}
+PATHS = {
+    "compiled": dict(compiled=True),
+    "foreach": dict(foreach=True, compiled=False),
+    "loop": dict(foreach=False, compiled=False),
+}
 
 
 def _load_base(revision: str, tmp: Path):
     """``largebatch.torch`` of ``revision``, imported as ``largebatch_base.torch``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, PACKAGE],
-                             capture_output=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, PACKAGE], capture_output=True)
     if archive.returncode != 0:
         raise SystemExit(f"cannot read {PACKAGE} at {revision!r}: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
@@ -58,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {"this tree": importlib.import_module("largebatch.torch"),
-                   args.base: _load_base(args.base, Path(tmp))}
+        modules = {
+            "this tree": importlib.import_module("largebatch.torch"),
+            args.base: _load_base(args.base, Path(tmp)),
+        }
         shapes = bench.MODELS[args.model]()
         kwargs = dict(bench._LAMB if args.optimizer == "LAMB" else bench._LARS, **PATHS[args.path])
         opts = {}

@@ -30,14 +30,13 @@ from largebatch.training.loop import evaluate, tensor_chunks, train_epoch
 CANDIDATES = {
     "small_cnn (width 8, pooled head)": models.small_cnn,
     "fmnist_cnn (small_cnn width 8, 128 hidden)": models.fmnist_cnn,
-    "small_cnn (width 16, 128 hidden)": functools.partial(models.small_cnn, width=16,
-                                                          hidden=128),
+    "small_cnn (width 16, 128 hidden)": functools.partial(models.small_cnn, width=16, hidden=128),
     "small_resnet (width 16, 1 block/stage)": models.small_resnet,
-    "small_resnet (width 16, 2 blocks/stage)": functools.partial(models.small_resnet,
-                                                                 blocks=2),
+    "small_resnet (width 16, 2 blocks/stage)": functools.partial(models.small_resnet, blocks=2),
     "fmnist_alexnet_bn (width 8, 2x256 hidden)": models.fmnist_alexnet_bn,
-    "fmnist_alexnet_bn (width 4, 2x128 hidden)": functools.partial(models.fmnist_alexnet_bn,
-                                                                   width=4, hidden=128),
+    "fmnist_alexnet_bn (width 4, 2x128 hidden)": functools.partial(
+        models.fmnist_alexnet_bn, width=4, hidden=128
+    ),
 }
 
 
@@ -77,17 +76,28 @@ def validation_accuracy(factory, epochs: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train", type=int, default=0, metavar="EPOCHS",
-                        help="also train each candidate and report validation accuracy")
+    parser.add_argument(
+        "--train",
+        type=int,
+        default=0,
+        metavar="EPOCHS",
+        help="also train each candidate and report validation accuracy",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps at B=128")
-    parser.add_argument("--only", default="", metavar="NAMES",
-                        help="comma-separated model names: only the candidates of these models")
+    parser.add_argument(
+        "--only",
+        default="",
+        metavar="NAMES",
+        help="comma-separated model names: only the candidates of these models",
+    )
     args = parser.parse_args()
     wanted = [n for n in args.only.split(",") if n]
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread")
-    print("| candidate | params | s/epoch at B=128 | s/epoch at B=1536 |"
-          + (f" val. acc. % ({args.train} epochs) |" if args.train else ""))
+    print(
+        "| candidate | params | s/epoch at B=128 | s/epoch at B=1536 |"
+        + (f" val. acc. % ({args.train} epochs) |" if args.train else "")
+    )
     print("|---|---:|---:|---:|" + ("---:|" if args.train else ""))
     for name, factory in CANDIDATES.items():
         if wanted and name.split(" ")[0] not in wanted:

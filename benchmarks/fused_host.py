@@ -70,13 +70,17 @@ def main() -> None:
     for name in kernels:
         setattr(plan, name, _NoLaunch())
     shapes = bench.MODELS[args.model]()
-    print(f"{args.model}: {len(shapes)} tensors, {args.precision}; the fused step with "
-          f"{len(kernels)} kernels launching nothing; {args.steps} steps after {args.warmup}")
+    print(
+        f"{args.model}: {len(shapes)} tensors, {args.precision}; the fused step with "
+        f"{len(kernels)} kernels launching nothing; {args.steps} steps after {args.warmup}"
+    )
     for cls in (LARS, LAMB):
         times = host_ms(cls, shapes, args.precision, args.steps, args.warmup)
         median = statistics.median(times)
-        print(f"{cls.__name__}: host {median:.3f} ms/step median, {min(times):.3f} min, "
-              f"{1e3 * median / len(shapes):.2f} us per tensor")
+        print(
+            f"{cls.__name__}: host {median:.3f} ms/step median, {min(times):.3f} min, "
+            f"{1e3 * median / len(shapes):.2f} us per tensor"
+        )
 
 
 if __name__ == "__main__":

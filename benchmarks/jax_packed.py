@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-
 CHUNK = 4096  # elements per row of the packed buffer, as the fused Triton path's chunks
 
 
@@ -37,12 +36,14 @@ def _rows(sizes: list[int]) -> list[int]:
 
 def _pack(leaves: list[jax.Array], rows: list[int]) -> jax.Array:
     """The leaves, each raveled and zero-padded to whole rows, as one (rows, CHUNK) array."""
-    return jnp.concatenate([jnp.pad(leaf.ravel(), (0, r * CHUNK - leaf.size))
-                            for leaf, r in zip(leaves, rows)]).reshape(-1, CHUNK)
+    return jnp.concatenate(
+        [jnp.pad(leaf.ravel(), (0, r * CHUNK - leaf.size)) for leaf, r in zip(leaves, rows)]
+    ).reshape(-1, CHUNK)
 
 
-def packed_lars(learning_rate: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                trust_coefficient: float = 0.001) -> optax.GradientTransformation:
+def packed_lars(
+    learning_rate: float, momentum: float = 0.9, weight_decay: float = 0.0, trust_coefficient: float = 0.001
+) -> optax.GradientTransformation:
     """``largebatch.jax.lars(learning_rate, momentum, weight_decay, trust_coefficient)`` on
     one packed buffer (a constant rate; plain sums of squares)."""
 
@@ -60,16 +61,18 @@ def packed_lars(learning_rate: float, momentum: float = 0.9, weight_decay: float
         owner = jnp.asarray(np.repeat(np.arange(len(sizes)), rows), dtype=jnp.int32)
 
         def norms(x: jax.Array) -> jax.Array:
-            return jnp.sqrt(jax.ops.segment_sum(jnp.sum(x * x, axis=1), owner, len(sizes),
-                                                indices_are_sorted=True))
+            return jnp.sqrt(
+                jax.ops.segment_sum(jnp.sum(x * x, axis=1), owner, len(sizes), indices_are_sorted=True)
+            )
 
         w_norm, g_norm = norms(w), norms(g)
-        ratio = jnp.where((w_norm > 0) & (g_norm > 0),
-                          trust_coefficient * w_norm / (g_norm + weight_decay * w_norm), 1.0)
+        ratio = jnp.where(
+            (w_norm > 0) & (g_norm > 0), trust_coefficient * w_norm / (g_norm + weight_decay * w_norm), 1.0
+        )
         v = momentum * state.momentum + learning_rate * ratio[owner][:, None] * (g + weight_decay * w)
         flat = -v.reshape(-1)
         starts = np.cumsum([0, *rows[:-1]]) * CHUNK
-        updates = [flat[s: s + leaf.size].reshape(leaf.shape) for s, leaf in zip(starts, leaves)]
+        updates = [flat[s : s + leaf.size].reshape(leaf.shape) for s, leaf in zip(starts, leaves)]
         return jax.tree.unflatten(treedef, updates), PackedState(v)
 
     return optax.GradientTransformation(init, update)

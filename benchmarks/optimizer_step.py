@@ -287,33 +287,53 @@ PROVIDERS: list[Provider] = [
     Provider("ours LARS foreach", "lars", _ours("LARS", **_LARS, **_FOREACH)),
     Provider("ours LARS compiled", "lars", _ours("LARS", **_LARS, **_COMPILED)),
     Provider("ours LARS fused", "lars", _ours("LARS", **_LARS, **_FUSED), needs="triton", cuda_only=_TRITON),
-    Provider("ours LARS in a CUDA graph", "lars", _graphed(_ours("LARS", **_LARS, **_FUSED)),
-             needs="triton", cuda_only=_TRITON),
+    Provider(
+        "ours LARS in a CUDA graph",
+        "lars",
+        _graphed(_ours("LARS", **_LARS, **_FUSED)),
+        needs="triton",
+        cuda_only=_TRITON,
+    ),
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
-    Provider("optax lars (jit)", "lars",
-             _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
-    Provider("ours lars (jax, jit)", "lars",
-             _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
+    Provider(
+        "optax lars (jit)", "lars", _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"
+    ),
+    Provider(
+        "ours lars (jax, jit)",
+        "lars",
+        _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM),
+        needs="optax",
+    ),
     # An experiment: the same LARS on one packed buffer (benchmarks/jax_packed.py).
-    Provider("lars packed (jax, jit)", "lars",
-             _packed_lars(weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"),
+    Provider(
+        "lars packed (jax, jit)", "lars", _packed_lars(weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"
+    ),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
     Provider("ours LAMB fused", "lamb", _ours("LAMB", **_LAMB, **_FUSED), needs="triton", cuda_only=_TRITON),
-    Provider("ours LAMB in a CUDA graph", "lamb", _graphed(_ours("LAMB", **_LAMB, **_FUSED)),
-             needs="triton", cuda_only=_TRITON),
+    Provider(
+        "ours LAMB in a CUDA graph",
+        "lamb",
+        _graphed(_ours("LAMB", **_LAMB, **_FUSED)),
+        needs="triton",
+        cuda_only=_TRITON,
+    ),
     Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
-    Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb),
-             needs="torch_optimizer"),
+    Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb), needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
     Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
     # apex's fused optimizers need its compiled extension (amp_C), not only its Python package.
     Provider("apex FusedLAMB", "lamb", torch_optimizer(_apex_lamb), needs="amp_C", cuda_only=_APEX),
-    Provider("torch AdamW fused", "lamb", _torch_fused("AdamW", lr=LR, weight_decay=LAMB_WD),
-             cuda_only=_PEER),
-    Provider("torch SGD-momentum fused", "sgd",
-             _torch_fused("SGD", lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD), cuda_only=_PEER),
+    Provider(
+        "torch AdamW fused", "lamb", _torch_fused("AdamW", lr=LR, weight_decay=LAMB_WD), cuda_only=_PEER
+    ),
+    Provider(
+        "torch SGD-momentum fused",
+        "sgd",
+        _torch_fused("SGD", lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD),
+        cuda_only=_PEER,
+    ),
     Provider("foreach SGD-momentum (floor)", "sgd", foreach_sgd_momentum),
 ]
 
@@ -406,8 +426,14 @@ def _versions() -> dict[str, str]:
 
 
 def run(
-    model: str, device: str, steps: int, warmup: int, names: list[str] | None,
-    rounds: int = 1, seed: int = 0, precision: str = "fp32",
+    model: str,
+    device: str,
+    steps: int,
+    warmup: int,
+    names: list[str] | None,
+    rounds: int = 1,
+    seed: int = 0,
+    precision: str = "fp32",
 ) -> dict:
     """Time every selected provider; return the results as a JSON-ready dict.
 
@@ -454,8 +480,7 @@ def run(
             del step
             gc.collect()
             ms = statistics.median(times[provider.name][-steps:]) * 1e3
-            print(f"  round {r + 1}/{rounds} {provider.name}: {ms:.2f} ms",
-                  file=sys.stderr, flush=True)
+            print(f"  round {r + 1}/{rounds} {provider.name}: {ms:.2f} ms", file=sys.stderr, flush=True)
     copy_bw = statistics.median(copy_bws)
     rows = []
     for provider in runnable:
@@ -463,23 +488,37 @@ def run(
             continue
         seconds = statistics.median(times[provider.name])
         gb_s = BYTES_PER_PARAM[provider.family] * n_params / seconds / 1e9
-        rows.append(dict(provider=provider.name, family=provider.family, ms=seconds * 1e3,
-                         gb_s=gb_s, copy_fraction=gb_s * 1e9 / copy_bw,
-                         launches=launches.get(provider.name)))
+        rows.append(
+            dict(
+                provider=provider.name,
+                family=provider.family,
+                ms=seconds * 1e3,
+                gb_s=gb_s,
+                copy_fraction=gb_s * 1e9 / copy_bw,
+                launches=launches.get(provider.name),
+            )
+        )
     ms = {r["provider"]: r["ms"] for r in rows}
     baseline = BASELINE["cuda" if device.startswith("cuda") else "cpu"]
     for r in rows:
         base = ms.get(baseline[r["family"]])
         r["vs_ours"] = r["ms"] / base if base else None
     return dict(
-        model=model, tensors=len(shapes), params=n_params, device=device, precision=precision,
-        device_name=(
-            torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
-        ),
-        torch_threads=torch.get_num_threads(), steps=steps, warmup=warmup, rounds=rounds,
-        copy_gb_s=copy_bw / 1e9, versions=_versions(),
+        model=model,
+        tensors=len(shapes),
+        params=n_params,
+        device=device,
+        precision=precision,
+        device_name=(torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()),
+        torch_threads=torch.get_num_threads(),
+        steps=steps,
+        warmup=warmup,
+        rounds=rounds,
+        copy_gb_s=copy_bw / 1e9,
+        versions=_versions(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        rows=rows, skipped=skipped,
+        rows=rows,
+        skipped=skipped,
     )
 
 
@@ -510,24 +549,39 @@ def format_table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
-    parser.add_argument("--steps", type=int, default=10,
-                        help="timed steps per provider (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="repeat the sweep; medians over all rounds (default %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed steps first (default %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per provider (default %(default)s)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the sweep; medians over all rounds (default %(default)s)",
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default %(default)s)")
-    parser.add_argument("--precision", choices=sorted(PRECISION), default="fp32",
-                        help="param dtype; fp16 gives our optimizers fp32 masters (default %(default)s)")
-    parser.add_argument("--providers", default=None,
-                        help="comma-separated substrings of provider names to run (default: all)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch and XLA (default: torch's default, all cores)")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISION),
+        default="fp32",
+        help="param dtype; fp16 gives our optimizers fp32 masters (default %(default)s)",
+    )
+    parser.add_argument(
+        "--providers", default=None, help="comma-separated substrings of provider names to run (default: all)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch and XLA (default: torch's default, all cores)",
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the results to OUT")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
-        parser.error(f"--steps and --rounds must be >= 1 and --warmup >= 0 "
-                     f"(got {args.steps}, {args.rounds}, {args.warmup})")
+        parser.error(
+            f"--steps and --rounds must be >= 1 and --warmup >= 0 "
+            f"(got {args.steps}, {args.rounds}, {args.warmup})"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available to torch here")
     if args.threads is not None:
@@ -539,8 +593,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
             ).strip()
     names = [n for n in args.providers.split(",") if n] if args.providers else None
-    result = run(args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds,
-                 precision=args.precision)
+    result = run(
+        args.model, args.device, args.steps, args.warmup, names, rounds=args.rounds, precision=args.precision
+    )
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

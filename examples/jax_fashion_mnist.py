@@ -18,8 +18,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from largebatch.jax import exclusion_mask, lamb, lars, linear_scaling, make_schedule
 from largebatch.fashion_mnist import load_fashion_mnist
+from largebatch.jax import exclusion_mask, lamb, lars, linear_scaling, make_schedule
 
 # Peak rate per 256 examples, scaled linearly with the batch size.
 BASE_LR = {"lars": 2.0, "lamb": 0.02}

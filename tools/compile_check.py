@@ -58,8 +58,8 @@ from typing import Any
 from compile_launches import (
     KERNEL_MODULES,
     Launch,
-    decode,
     configurations,
+    decode,
     record,
 )
 
@@ -171,8 +171,11 @@ def count_fp64(ptx: str, sites: set[Loc], bytes_per_element: int) -> tuple[float
     masked global load in bytes, elements per thread that the masked loads cover) of a
     PTX. Masked (predicated) global loads are the tile loops' loads: their bytes over
     ``bytes_per_element`` count the elements of every copy of the loops in the PTX."""
-    files = {m.group(1): os.path.basename(m.group(2))  # .file comes after the code
-             for m in map(_PTX_FILE.match, (x.strip() for x in ptx.splitlines())) if m}
+    files = {
+        m.group(1): os.path.basename(m.group(2))  # .file comes after the code
+        for m in map(_PTX_FILE.match, (x.strip() for x in ptx.splitlines()))
+        if m
+    }
     loc: Loc | None = None
     per_element = other = loaded = widest = 0
     for line in ptx.splitlines():
@@ -219,14 +222,21 @@ def measure(launch: Launch, arch: int, options: dict[str, Any] | None = None) ->
     attrs = {(fn.arg_names.index(name),): CUDABackend.parse_attr("D") for name in launch.attrs}
     source = ASTSource(fn, signature, constexprs, attrs)
     log = io.StringIO()
-    with tempfile.TemporaryDirectory() as cache, knobs.cache.scope(), knobs.compilation.scope(), \
-            knobs.nvidia.scope():
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        knobs.cache.scope(),
+        knobs.compilation.scope(),
+        knobs.nvidia.scope(),
+    ):
         knobs.cache.dir = cache
         knobs.compilation.always_compile = True  # ptxas runs, and logs
         knobs.nvidia.dump_ptxas_log = True  # printed on stdout
         with contextlib.redirect_stdout(log):
-            kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                    options={**dict(launch.options), **(options or {})})
+            kernel = triton.compile(
+                source,
+                target=GPUTarget("cuda", arch, 32),
+                options={**dict(launch.options), **(options or {})},
+            )
     registers, stores, loads = ptxas_usage(log.getvalue())
     sites, bytes_per_element = tile_loop_sites(kernel.asm["ttgir"])
     if launch.name in ACROSS_TILES:
@@ -280,8 +290,7 @@ def record_in_subprocess(quick: bool) -> list[Launch]:
         out = os.path.join(tmp, "launches.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--record", out]
         cmd += ["--quick"] if quick else []
-        run = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"},
-                             capture_output=True, text=True)
+        run = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"recording the launches failed:\n{run.stderr[-4000:]}")
         with open(out) as f:
@@ -305,19 +314,33 @@ class Row:
 
 def table(rows: Sequence[Row]) -> str:
     """The rows as a Markdown table."""
-    head = ("kernel", "target", "specializations", "max registers", "spilling (max B)",
-            "fp64 / element", "fp64 other (max)")
+    head = (
+        "kernel",
+        "target",
+        "specializations",
+        "max registers",
+        "spilling (max B)",
+        "fp64 / element",
+        "fp64 other (max)",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        cells = (f"`{r.kernel}`", f"sm_{r.arch}", f"{r.specializations}"
-                 + (f" ({r.failed} failed)" if r.failed else ""), str(r.max_registers),
-                 f"{r.spilling} ({r.max_spill})", f"{r.fp64_per_element:g}", str(r.fp64_other))
+        cells = (
+            f"`{r.kernel}`",
+            f"sm_{r.arch}",
+            f"{r.specializations}" + (f" ({r.failed} failed)" if r.failed else ""),
+            str(r.max_registers),
+            f"{r.spilling} ({r.max_spill})",
+            f"{r.fp64_per_element:g}",
+            str(r.fp64_other),
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def check(launches: Sequence[Launch], archs: Sequence[int], jobs: int,
-          verbose: bool = False) -> tuple[list[Row], list[str]]:
+def check(
+    launches: Sequence[Launch], archs: Sequence[int], jobs: int, verbose: bool = False
+) -> tuple[list[Row], list[str]]:
     """Measure every launch on every arch (``jobs`` processes); the table's rows and the
     violations, one line each."""
     work = [(launch.to_json(), arch) for arch in archs for launch in launches]
@@ -351,11 +374,17 @@ def check(launches: Sequence[Launch], archs: Sequence[int], jobs: int,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python tools/compile_check.py",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python tools/compile_check.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a sample of the configurations")
-    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS),
-                        help="compute capabilities to compile for (default: 80 90)")
+    parser.add_argument(
+        "--arch",
+        type=int,
+        nargs="+",
+        default=list(ARCHS),
+        help="compute capabilities to compile for (default: 80 90)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     parser.add_argument("--verbose", action="store_true", help="print every specialization")
     parser.add_argument("--record", metavar="PATH", help=argparse.SUPPRESS)
@@ -367,8 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     launches = record_in_subprocess(args.quick)
     rows, problems = check(launches, args.arch, max(1, args.jobs), args.verbose)
-    print(f"{len(launches)} specializations recorded, compiled for "
-          + ", ".join(f"sm_{a}" for a in args.arch))
+    print(
+        f"{len(launches)} specializations recorded, compiled for " + ", ".join(f"sm_{a}" for a in args.arch)
+    )
     print(table(rows))
     for p in problems:
         print(p)

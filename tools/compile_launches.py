@@ -115,8 +115,9 @@ def _specialize(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> Launch:
             constexprs.append((name, key))
         elif isinstance(key, str) and "D" in key:
             attrs.append(name)
-    return Launch(f"{fn.__module__}:{fn.__name__}", tuple(signature), tuple(constexprs),
-                  tuple(attrs), options)
+    return Launch(
+        f"{fn.__module__}:{fn.__name__}", tuple(signature), tuple(constexprs), tuple(attrs), options
+    )
 
 
 def _encode(value: Any) -> Any:
@@ -250,8 +251,9 @@ def drive(config: Config) -> None:
     gen = torch.Generator().manual_seed(0)
     dtype = getattr(torch, KINDS[config.kind][0])
     masters = KINDS[config.kind][1]
-    sizes = [config.numel] + [min(config.numel, s) for s in itertools.islice(
-        itertools.cycle((7, 33, 1, 64)), config.n_params - 1)]
+    sizes = [config.numel] + [
+        min(config.numel, s) for s in itertools.islice(itertools.cycle((7, 33, 1, 64)), config.n_params - 1)
+    ]
 
     def tensors(scale: float) -> list[torch.Tensor]:
         values = [torch.randn(n, generator=gen).mul_(scale).to(dtype) for n in sizes]
@@ -296,8 +298,17 @@ def drive(config: Config) -> None:
     state = [[torch.zeros_like(x) for x in like] for _ in spec.state]
     steps = [torch.zeros(()) for _ in params]
     step: Any = lars if config.optimizer == "LARS" else lamb
-    step([p.detach() for p in params], grads, *state, weights, steps, fused=True,
-         grad_scale=scale, found_inf=found_inf, **values)
+    step(
+        [p.detach() for p in params],
+        grads,
+        *state,
+        weights,
+        steps,
+        fused=True,
+        grad_scale=scale,
+        found_inf=found_inf,
+        **values,
+    )
 
 
 def record(configs: Iterable[Config]) -> list[Launch]:

@@ -28,8 +28,7 @@ def integer(name: str, value: Any, least: int = 0) -> int:
     raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= {least})")
 
 
-def number(name: str, value: Any, low: float = 0.0, *, strict: bool = True,
-           high: float = math.inf) -> float:
+def number(name: str, value: Any, low: float = 0.0, *, strict: bool = True, high: float = math.inf) -> float:
     """``value`` as a float: a finite real number (not a bool) above ``low`` (``strict``)
     or at least ``low``, and at most ``high``."""
     rule = f"a finite number {'>' if strict else '>='} {low:g}"

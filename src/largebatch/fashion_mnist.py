@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "FASHION_MNIST_DIR", "FASHION_MNIST_FILES", "fashion_mnist_dir", "fashion_mnist_tensors",
+    "FASHION_MNIST_DIR",
+    "FASHION_MNIST_FILES",
+    "fashion_mnist_dir",
+    "fashion_mnist_tensors",
     "load_fashion_mnist",
 ]
 
@@ -90,8 +93,9 @@ def load_fashion_mnist(
     return _load(fashion_mnist_dir(root), split, verify)
 
 
-def fashion_mnist_tensors(images: np.ndarray, labels: np.ndarray,
-                          limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fashion_mnist_tensors(
+    images: np.ndarray, labels: np.ndarray, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch tensors from :func:`load_fashion_mnist` arrays, first ``limit`` images:
     normalized float32 images ``[N, 1, 28, 28]`` (channels-last) and int64 labels."""
     import torch

@@ -1,9 +1,9 @@
 """largebatch for JAX: everything a JAX user imports (docs/jax.md).
 
-    >>> from largebatch.jax import lamb, lars, exclusion_mask, make_schedule, linear_scaling
-    >>> sched = make_schedule("poly", peak_lr=linear_scaling(0.1, 8192), total_steps=1000,
-    ...                       warmup_steps=100)
-    >>> opt = lars(sched, weight_decay=5e-4, trust_ratio_mask=exclusion_mask)
+>>> from largebatch.jax import lamb, lars, exclusion_mask, make_schedule, linear_scaling
+>>> sched = make_schedule("poly", peak_lr=linear_scaling(0.1, 8192), total_steps=1000,
+...                       warmup_steps=100)
+>>> opt = lars(sched, weight_decay=5e-4, trust_ratio_mask=exclusion_mask)
 """
 
 from largebatch.comm.jax import (

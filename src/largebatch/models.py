@@ -13,8 +13,15 @@ from torch import nn
 
 from largebatch import checks
 
-__all__ = ["BasicBlock", "alexnet_bn", "fmnist_alexnet_bn", "fmnist_cnn", "resnet50", "small_cnn",
-           "small_resnet"]
+__all__ = [
+    "BasicBlock",
+    "alexnet_bn",
+    "fmnist_alexnet_bn",
+    "fmnist_cnn",
+    "resnet50",
+    "small_cnn",
+    "small_resnet",
+]
 
 
 def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
@@ -26,8 +33,7 @@ def _conv_block(cin: int, cout: int, stride: int = 1) -> list[nn.Module]:
     ]
 
 
-def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1,
-              hidden: int = 0) -> nn.Sequential:
+def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1, hidden: int = 0) -> nn.Sequential:
     """A 3-conv CNN with batch norm for 28x28 inputs.
 
     A stride-2 conv stem (28 -> 14), conv (14x14), max pool (14 -> 7), conv (7x7); every
@@ -42,8 +48,13 @@ def small_cnn(num_classes: int = 10, width: int = 8, in_channels: int = 1,
     checks.integer("hidden", hidden, 0)
     w = width
     if hidden:
-        head = [nn.Flatten(), nn.Linear(4 * w * 7 * 7, hidden, bias=False),
-                nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, num_classes)]
+        head = [
+            nn.Flatten(),
+            nn.Linear(4 * w * 7 * 7, hidden, bias=False),
+            nn.BatchNorm1d(hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        ]
     else:
         head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes)]
     return nn.Sequential(
@@ -61,8 +72,9 @@ def fmnist_cnn(num_classes: int = 10) -> nn.Sequential:
     return small_cnn(num_classes, width=8, hidden=128)
 
 
-def fmnist_alexnet_bn(num_classes: int = 10, width: int = 8, hidden: int = 256,
-                      in_channels: int = 1) -> nn.Sequential:
+def fmnist_alexnet_bn(
+    num_classes: int = 10, width: int = 8, hidden: int = 256, in_channels: int = 1
+) -> nn.Sequential:
     """AlexNet-BN (You, Gitman, Ginsburg 2017: AlexNet with batch norm after every conv)
     scaled to 28x28: five 3x3 convs, batch norm and ReLU after each, no residuals, and a
     wide fully connected head, as in :func:`alexnet_bn`.
@@ -85,8 +97,12 @@ def fmnist_alexnet_bn(num_classes: int = 10, width: int = 8, hidden: int = 256,
         *_conv_block(4 * w, 4 * w),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(4 * w * 3 * 3, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden, bias=False), nn.BatchNorm1d(hidden), nn.ReLU(),
+        nn.Linear(4 * w * 3 * 3, hidden, bias=False),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden, bias=False),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
         nn.Linear(hidden, num_classes),
     )
 
@@ -102,17 +118,20 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
         nn.init.zeros_(self.bn2.weight)
-        self.shortcut = (nn.Identity() if stride == 1 and cin == cout else
-                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                       nn.BatchNorm2d(cout)))
+        self.shortcut = (
+            nn.Identity()
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x)))
         return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
 
 
-def small_resnet(num_classes: int = 10, width: int = 16, blocks: int = 1,
-                 in_channels: int = 1) -> nn.Sequential:
+def small_resnet(
+    num_classes: int = 10, width: int = 16, blocks: int = 1, in_channels: int = 1
+) -> nn.Sequential:
     """A ResNet for 28x28 inputs: a stride-2 3x3 conv stem (28 -> 14), three stages of
     ``blocks`` basic blocks at ``width``, ``2 width`` and ``4 width`` channels (14x14,
     7x7, 4x4), global average pooling and a linear layer (77,754 parameters at width 16,
@@ -150,16 +169,20 @@ def alexnet_bn(num_classes: int = 1000) -> nn.Sequential:
             size = cast("tuple[int, int]", m.kernel_size)
             stride = cast("tuple[int, int]", m.stride)
             padding = cast("str | tuple[int, int]", m.padding)
-            features += [nn.Conv2d(m.in_channels, m.out_channels, size, stride, padding, bias=False),
-                         nn.BatchNorm2d(m.out_channels)]
+            features += [
+                nn.Conv2d(m.in_channels, m.out_channels, size, stride, padding, bias=False),
+                nn.BatchNorm2d(m.out_channels),
+            ]
         else:
             features.append(m)
     classifier: list[nn.Module] = []
     linears = [m for m in base.classifier if isinstance(m, nn.Linear)]
     for m in base.classifier:
         if isinstance(m, nn.Linear) and m is not linears[-1]:
-            classifier += [nn.Linear(m.in_features, m.out_features, bias=False),
-                           nn.BatchNorm1d(m.out_features)]
+            classifier += [
+                nn.Linear(m.in_features, m.out_features, bias=False),
+                nn.BatchNorm1d(m.out_features),
+            ]
         else:
             classifier.append(m)
     return nn.Sequential(*features, base.avgpool, nn.Flatten(), *classifier)

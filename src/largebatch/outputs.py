@@ -14,9 +14,17 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LOCK_NAME", "CommandError", "atomic_write", "figure", "lock_folder", "plot_or_warn",
-           "remove_stale_temporaries",
-           "require", "writable_folder"]
+__all__ = [
+    "LOCK_NAME",
+    "CommandError",
+    "atomic_write",
+    "figure",
+    "lock_folder",
+    "plot_or_warn",
+    "remove_stale_temporaries",
+    "require",
+    "writable_folder",
+]
 
 LOCK_NAME = ".lock"
 _TMP_SUFFIX = ".tmp"
@@ -47,8 +55,9 @@ def require(command: str, modules: tuple[str, ...], extra: str = "recipes") -> N
         if not found:
             missing.append(name)
     if missing:
-        raise CommandError(command, f"needs {', '.join(missing)}, not installed: "
-                           f"pip install 'largebatch[{extra}]'")
+        raise CommandError(
+            command, f"needs {', '.join(missing)}, not installed: pip install 'largebatch[{extra}]'"
+        )
 
 
 def _umask() -> int:
@@ -105,8 +114,7 @@ def writable_folder(folder: str | os.PathLike, command: str, flag: str = "--out"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise CommandError(command, f"cannot create {flag} {folder}: "
-                           f"{err.strerror or err}") from None
+        raise CommandError(command, f"cannot create {flag} {folder}: {err.strerror or err}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CommandError(command, f"cannot write to {flag} {folder}: permission denied")
     return folder
@@ -124,8 +132,7 @@ def lock_folder(folder: str | os.PathLike, command: str, flag: str = "--out") ->
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as err:
-        raise CommandError(command, f"cannot write to {flag} {folder}: "
-                           f"{err.strerror or err}") from None
+        raise CommandError(command, f"cannot write to {flag} {folder}: {err.strerror or err}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,9 +140,12 @@ def lock_folder(folder: str | os.PathLike, command: str, flag: str = "--out") ->
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            raise CommandError(command, f"{flag} {folder} is in use by another run"
-                               + (f" (process {holder})" if holder.isdigit() else "")
-                               + f"; wait for it to end or choose another {flag}") from None
+            raise CommandError(
+                command,
+                f"{flag} {folder} is in use by another run"
+                + (f" (process {holder})" if holder.isdigit() else "")
+                + f"; wait for it to end or choose another {flag}",
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield folder
@@ -163,8 +173,7 @@ def figure(path: str | os.PathLike, *grid: int, **subplots: Any) -> Iterator[tup
         plt.close(fig)
 
 
-def plot_or_warn(command: str, path: str | os.PathLike, plot: Callable[[], object],
-                 note: str = "") -> bool:
+def plot_or_warn(command: str, path: str | os.PathLike, plot: Callable[[], object], note: str = "") -> bool:
     """Run ``plot`` (which writes ``path``); any failure, matplotlib missing included, is a
     one-line warning of ``largebatch COMMAND`` and costs the plot only. Returns whether
     the plot was written."""
@@ -172,7 +181,10 @@ def plot_or_warn(command: str, path: str | os.PathLike, plot: Callable[[], objec
         plot()
     except Exception as err:  # noqa: BLE001 -- any plotting failure only costs the plot
         reason = " ".join(f"{type(err).__name__}: {err}".split())
-        print(f"largebatch {command}: warning: no plot written to {path} ({reason}){note}",
-              file=sys.stderr, flush=True)
+        print(
+            f"largebatch {command}: warning: no plot written to {path} ({reason}){note}",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     return True

@@ -19,21 +19,28 @@ class Plotter:
     warning of ``largebatch COMMAND``, printed once: later calls draw nothing. Returns
     whether the plot was written."""
 
-    def __init__(self, command: str, path: Path, draw: Callable[[Any, Path], object],
-                 note: str = "") -> None:
+    def __init__(self, command: str, path: Path, draw: Callable[[Any, Path], object], note: str = "") -> None:
         self.command, self.path, self.draw, self.note = command, path, draw, note
         self.failed = False
 
     def __call__(self, data: Any) -> bool:
         if not self.failed:
-            self.failed = not plot_or_warn(self.command, self.path,
-                                           lambda: self.draw(data, self.path), self.note)
+            self.failed = not plot_or_warn(
+                self.command, self.path, lambda: self.draw(data, self.path), self.note
+            )
         return not self.failed
 
 
-def _style(ax: Any, *, title: str | None = None, xlabel: str | None = None,
-           ylabel: str | None = None, xlog: float | None = None, ylog: float | None = None,
-           legend: dict[str, Any] | None = None) -> None:
+def _style(
+    ax: Any,
+    *,
+    title: str | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    xlog: float | None = None,
+    ylog: float | None = None,
+    legend: dict[str, Any] | None = None,
+) -> None:
     """Titles, labels, log scales (``xlog``/``ylog``: the base) and a legend (its kwargs)."""
     if xlog is not None:
         ax.set_xscale("log", base=xlog)
@@ -51,9 +58,12 @@ def _style(ax: Any, *, title: str | None = None, xlabel: str | None = None,
 
 # --------------------------------------------------------------------------- train
 
-_PANELS = [("test accuracy", ["test_accuracy"]), ("train loss", ["train_loss"]),
-           ("lr (end of epoch)", ["lr"]),
-           ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"])]
+_PANELS = [
+    ("test accuracy", ["test_accuracy"]),
+    ("train loss", ["train_loss"]),
+    ("lr (end of epoch)", ["lr"]),
+    ("trust ratio", ["trust_ratio_min", "trust_ratio_median", "trust_ratio_max"]),
+]
 
 
 def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -65,11 +75,14 @@ def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
             for key in keys:
                 values = [h.get(key) for h in history]
                 if any(v is not None for v in values):
-                    ax.plot(ep, [float("nan") if v is None else v for v in values], marker="o",
-                            label=key.removeprefix("trust_ratio_"))
+                    ax.plot(
+                        ep,
+                        [float("nan") if v is None else v for v in values],
+                        marker="o",
+                        label=key.removeprefix("trust_ratio_"),
+                    )
             trust = label == "trust ratio"
-            _style(ax, title=label, xlabel="epoch", ylog=10 if trust else None,
-                   legend={} if trust else None)
+            _style(ax, title=label, xlabel="epoch", ylog=10 if trust else None, legend={} if trust else None)
         fig.suptitle(title)
 
 
@@ -86,21 +99,39 @@ def plot_study(summary: dict[str, Any], path: Path, baseline: tuple[int, str]) -
         rows = summary["rows"]
         for optimizer in dict.fromkeys(r["optimizer"] for r in rows):
             mine = [r for r in rows if r["optimizer"] == optimizer]
-            left.errorbar([r["imagenet_batch"] for r in mine],
-                          [100 * r["accuracy_mean"] for r in mine],
-                          yerr=[100 * r["accuracy_std"] for r in mine], marker="o", capsize=3,
-                          label=optimizer)
+            left.errorbar(
+                [r["imagenet_batch"] for r in mine],
+                [100 * r["accuracy_mean"] for r in mine],
+                yerr=[100 * r["accuracy_std"] for r in mine],
+                marker="o",
+                capsize=3,
+                label=optimizer,
+            )
         base = next((r for r in rows if (r["batch"], r["optimizer"]) == baseline), None)
         if base is not None:
-            left.axhline(100 * base["accuracy_mean"], color="gray", linestyle="--",
-                         label=f"baseline B={baseline[0]}")
-        _style(left, xlog=2, xlabel="ImageNet-equivalent batch", ylabel="test accuracy (%)",
-               title=f"{summary['model']} on Fashion-MNIST, "
-                     f"{rows[0]['epochs'] if rows else '?'} epochs", legend={})
+            left.axhline(
+                100 * base["accuracy_mean"], color="gray", linestyle="--", label=f"baseline B={baseline[0]}"
+            )
+        _style(
+            left,
+            xlog=2,
+            xlabel="ImageNet-equivalent batch",
+            ylabel="test accuracy (%)",
+            title=f"{summary['model']} on Fashion-MNIST, {rows[0]['epochs'] if rows else '?'} epochs",
+            legend={},
+        )
         for r in rows:
             curve = r["curves"][0]
-            right.plot([c["step"] for c in curve], [100 * c["accuracy"] for c in curve],
-                       linestyle=_STYLES.get(r["optimizer"], "-"),
-                       label=f"B={r['batch']} {r['optimizer']}")
-        _style(right, xlog=10, xlabel="step", ylabel="test accuracy (%), seed 0",
-               legend={"fontsize": 7, "ncol": 2})
+            right.plot(
+                [c["step"] for c in curve],
+                [100 * c["accuracy"] for c in curve],
+                linestyle=_STYLES.get(r["optimizer"], "-"),
+                label=f"B={r['batch']} {r['optimizer']}",
+            )
+        _style(
+            right,
+            xlog=10,
+            xlabel="step",
+            ylabel="test accuracy (%), seed 0",
+            legend={"fontsize": 7, "ncol": 2},
+        )

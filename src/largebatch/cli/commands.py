@@ -28,8 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "largebatch.cli.study",
         "the batch-size sweep on Fashion-MNIST, every optimizer tuned alike (--quick: make demo)",
     ),
-    "scaling": ("largebatch.cli.scaling",
-                "step time and scaling efficiency of dense and compressed all-reduce, modelled"),
+    "scaling": (
+        "largebatch.cli.scaling",
+        "step time and scaling efficiency of dense and compressed all-reduce, modelled",
+    ),
 }
 
 

@@ -18,12 +18,23 @@ from largebatch.outputs import CommandError, atomic_write, figure, require, writ
 __all__ = ["add_arguments", "default_workers", "main"]
 
 _GBIT = 1e9 / 8  # bytes a second in one Gbit/s
-DEFAULTS = {"compute_ms": 256.0, "gpus_per_node": 8, "intra_gbps": 160.0, "inter_gbps": 100.0,
-            "intra_latency_us": 5.0, "inter_latency_us": 10.0, "compression": 40.0,
-            "overlap": 0.0}
+DEFAULTS = {
+    "compute_ms": 256.0,
+    "gpus_per_node": 8,
+    "intra_gbps": 160.0,
+    "inter_gbps": 100.0,
+    "intra_latency_us": 5.0,
+    "inter_latency_us": 10.0,
+    "compression": 40.0,
+    "overlap": 0.0,
+}
 _NETWORK_FLAGS = ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us")
-_LABELS = {"ring": "ring", "hierarchical": "hierarchical", "allgather": "all-gather",
-           "two_phase": "two-phase"}
+_LABELS = {
+    "ring": "ring",
+    "hierarchical": "hierarchical",
+    "allgather": "all-gather",
+    "two_phase": "two-phase",
+}
 
 
 def _fail(message: str) -> CommandError:
@@ -34,52 +45,111 @@ def default_workers(gpus_per_node: int, top: int = 1024) -> list[int]:
     """Powers of two below one node, then whole nodes doubling up to ``top``:
     ``1, 2, 4, 8, ..., 1024`` for 8 GPUs a node; ``1, 2, 4, 6, 12, ..., 768`` for 6."""
     below = [2**i for i in range(gpus_per_node.bit_length()) if 2**i < gpus_per_node]
-    nodes = [gpus_per_node * 2**j for j in range(top.bit_length() + 1)
-             if gpus_per_node * 2**j <= max(top, gpus_per_node)]
+    nodes = [
+        gpus_per_node * 2**j
+        for j in range(top.bit_length() + 1)
+        if gpus_per_node * 2**j <= max(top, gpus_per_node)
+    ]
     return below + nodes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``largebatch scaling`` flags."""
     add = parser.add_argument
-    add("--model", choices=sorted(model.MODELS), default=None,
-        help="parameter count preset (default resnet50: 25.6e6)")
-    add("--params", type=float, default=None, help="parameters (fp32 gradients: 4 bytes "
-        "each), e.g. 25.6e6; instead of --model")
-    add("--compute-ms", type=float, default=None,
+    add(
+        "--model",
+        choices=sorted(model.MODELS),
+        default=None,
+        help="parameter count preset (default resnet50: 25.6e6)",
+    )
+    add(
+        "--params",
+        type=float,
+        default=None,
+        help="parameters (fp32 gradients: 4 bytes each), e.g. 25.6e6; instead of --model",
+    )
+    add(
+        "--compute-ms",
+        type=float,
+        default=None,
         help="forward+backward ms a step on one worker (default 256: ResNet-50 at 32 images a "
-             "P100, the step time of Goyal et al. 2017's hour)")
-    add("--workers", type=int, nargs="+", default=None, metavar="N",
-        help="worker counts (default: 1, 2, 4 ... within a node, then whole nodes up to 1024)")
+        "P100, the step time of Goyal et al. 2017's hour)",
+    )
+    add(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="worker counts (default: 1, 2, 4 ... within a node, then whole nodes up to 1024)",
+    )
     add("--gpus-per-node", type=int, default=None, help="GPUs a node (default 8)")
-    add("--intra-gbps", type=float, default=None,
-        help="Gbit/s between GPUs of a node, per GPU (default 160: 20 GB/s)")
-    add("--inter-gbps", type=float, default=None,
-        help="Gbit/s in and out of a node, shared by its GPUs (default 100)")
+    add(
+        "--intra-gbps",
+        type=float,
+        default=None,
+        help="Gbit/s between GPUs of a node, per GPU (default 160: 20 GB/s)",
+    )
+    add(
+        "--inter-gbps",
+        type=float,
+        default=None,
+        help="Gbit/s in and out of a node, shared by its GPUs (default 100)",
+    )
     add("--intra-latency-us", type=float, default=None, help="us a message in a node (default 5)")
-    add("--inter-latency-us", type=float, default=None,
-        help="us a message between nodes (default 10)")
-    add("--buckets", type=int, default=None,
-        help="gradient buckets, each paying the latencies (default: DDP's, 25 MiB each)")
-    add("--compression", type=float, default=None,
-        help="compression rate c of the compressed forms (default 40)")
-    add("--overlap", type=float, default=None,
-        help="fraction of the exchange hidden behind backward, 0..1 (default 0)")
-    add("--calibration", default=None, metavar="FILE",
+    add("--inter-latency-us", type=float, default=None, help="us a message between nodes (default 10)")
+    add(
+        "--buckets",
+        type=int,
+        default=None,
+        help="gradient buckets, each paying the latencies (default: DDP's, 25 MiB each)",
+    )
+    add(
+        "--compression",
+        type=float,
+        default=None,
+        help="compression rate c of the compressed forms (default 40)",
+    )
+    add(
+        "--overlap",
+        type=float,
+        default=None,
+        help="fraction of the exchange hidden behind backward, 0..1 (default 0)",
+    )
+    add(
+        "--calibration",
+        default=None,
+        metavar="FILE",
         help="use the latency and bandwidth fitted by benchmarks/comm_calibrate.py (its JSON) "
-             "for both links instead of the four network flags")
-    add("--published", action="store_true",
-        help="print the published scaling points next to the model's prediction instead")
+        "for both links instead of the four network flags",
+    )
+    add(
+        "--published",
+        action="store_true",
+        help="print the published scaling points next to the model's prediction instead",
+    )
     add("--plot", default=None, metavar="FILE.png", help="draw efficiency against workers")
-    add("--json", nargs="?", const="-", default=None, metavar="FILE",
-        help="print JSON instead of the table (--json), or also write it to FILE")
+    add(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE",
+        help="print JSON instead of the table (--json), or also write it to FILE",
+    )
 
 
 # ----------------------------------------------------------------------------- checking
 
 
-def _positive(args: argparse.Namespace, flag: str, *, allow_zero: bool = False,
-              at_least: float | None = None, at_most: float | None = None) -> None:
+def _positive(
+    args: argparse.Namespace,
+    flag: str,
+    *,
+    allow_zero: bool = False,
+    at_least: float | None = None,
+    at_most: float | None = None,
+) -> None:
     value = getattr(args, flag)
     if value is None:
         return
@@ -108,8 +178,10 @@ def _read_calibration(path: str) -> model.Link:
         link = model.Link(float(fit["latency_s"]), float(fit["bandwidth_Bps"]))
         model.Network.flat(*link)
     except (TypeError, KeyError, ValueError):
-        raise _fail(f"--calibration {path} has no valid fit (a 'fit' with latency_s >= 0 and "
-                    "bandwidth_Bps > 0, as benchmarks/comm_calibrate.py writes)") from None
+        raise _fail(
+            f"--calibration {path} has no valid fit (a 'fit' with latency_s >= 0 and "
+            "bandwidth_Bps > 0, as benchmarks/comm_calibrate.py writes)"
+        ) from None
     return link
 
 
@@ -130,14 +202,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise _fail(f"invalid --workers {n} (must be >= 1)")
     if args.model is not None and args.params is not None:
         raise _fail("give --model or --params, not both")
-    opts: dict[str, Any] = {k: (v if getattr(args, k) is None else getattr(args, k))
-                            for k, v in DEFAULTS.items()}
+    opts: dict[str, Any] = {
+        k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in DEFAULTS.items()
+    }
     name = args.model or ("resnet50" if args.params is None else None)
     params = model.MODELS[name][0] if name else args.params
     size = 4 * params
     if not math.isfinite(size):
-        raise _fail(f"invalid --params {params:g} (its fp32 gradients, 4 bytes each, overflow "
-                    "a float)")
+        raise _fail(f"invalid --params {params:g} (its fp32 gradients, 4 bytes each, overflow a float)")
     buckets = args.buckets or model.ddp_buckets(size)
     g = opts["gpus_per_node"]
     if args.calibration is not None:
@@ -147,17 +219,35 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         link = _read_calibration(args.calibration)
         network = model.Network(link.latency, link.bandwidth, link.latency, link.bandwidth, g)
     else:
-        network = model.Network(1e-6 * opts["intra_latency_us"], _GBIT * opts["intra_gbps"],
-                                1e-6 * opts["inter_latency_us"], _GBIT * opts["inter_gbps"], g)
+        network = model.Network(
+            1e-6 * opts["intra_latency_us"],
+            _GBIT * opts["intra_gbps"],
+            1e-6 * opts["inter_latency_us"],
+            _GBIT * opts["inter_gbps"],
+            g,
+        )
     workers = args.workers or default_workers(g)
     for n in workers:
         if n > g and n % g:
-            raise _fail(f"invalid --workers {n}: beyond one node the hierarchical all-reduce "
-                        f"needs a multiple of --gpus-per-node {g}")
-    workload = model.Workload(size, 1e-3 * opts["compute_ms"], buckets=buckets,
-                              compression=opts["compression"], overlap=opts["overlap"])
-    return {"model": name or "custom", "params": params, "workload": workload,
-            "network": network, "workers": workers, "calibration": args.calibration}
+            raise _fail(
+                f"invalid --workers {n}: beyond one node the hierarchical all-reduce "
+                f"needs a multiple of --gpus-per-node {g}"
+            )
+    workload = model.Workload(
+        size,
+        1e-3 * opts["compute_ms"],
+        buckets=buckets,
+        compression=opts["compression"],
+        overlap=opts["overlap"],
+    )
+    return {
+        "model": name or "custom",
+        "params": params,
+        "workload": workload,
+        "network": network,
+        "workers": workers,
+        "calibration": args.calibration,
+    }
 
 
 # ----------------------------------------------------------------------------- output
@@ -165,7 +255,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _header(s: dict[str, Any]) -> list[str]:
     w, net = s["workload"], s["network"]
-    source = (f"fit of {s['calibration']}" if s["calibration"] else "flags")
+    source = f"fit of {s['calibration']}" if s["calibration"] else "flags"
     return [
         f"model {s['model']}: {s['params']:.4g} params, {w.size_bytes / 1e6:.1f} MB of fp32 "
         f"gradients in {w.buckets} bucket(s); compute {1e3 * w.compute_time:g} ms a step a "
@@ -180,12 +270,19 @@ def _header(s: dict[str, Any]) -> list[str]:
 def _crossovers(s: dict[str, Any]) -> dict[str, float]:
     """The all-gather form's break-even worker counts on the link between nodes."""
     w, net = s["workload"], s["network"]
-    kw = {"size_bytes": w.size_bytes, "latency": net.inter_latency,
-          "bandwidth": net.inter_bandwidth, "buckets": w.buckets}
-    return {"allgather_vs_ring": model.allgather_crossover(w.compression, **kw),
-            "allgather_vs_ring_no_latency": 2 * w.compression,
-            "allgather_vs_two_phase": model.allgather_crossover(
-                w.compression, against="two_phase", sharing=net.gpus_per_node, **kw)}
+    kw = {
+        "size_bytes": w.size_bytes,
+        "latency": net.inter_latency,
+        "bandwidth": net.inter_bandwidth,
+        "buckets": w.buckets,
+    }
+    return {
+        "allgather_vs_ring": model.allgather_crossover(w.compression, **kw),
+        "allgather_vs_ring_no_latency": 2 * w.compression,
+        "allgather_vs_two_phase": model.allgather_crossover(
+            w.compression, against="two_phase", sharing=net.gpus_per_node, **kw
+        ),
+    }
 
 
 def _table(s: dict[str, Any], predictions: list[model.Prediction]) -> str:
@@ -195,31 +292,46 @@ def _table(s: dict[str, Any], predictions: list[model.Prediction]) -> str:
     lines.append(f"{'workers':>7}  " + "  ".join(f"{h:>20}" for h in heads) + "  compressed pick")
     lines.append(f"{'':>7}  " + "  ".join(f"{'step ms':>10}{'eff %':>10}" for _ in heads))
     for p in predictions:
-        cells = "  ".join(f"{1e3 * p.forms[f].step_time:>10.1f}{100 * p.forms[f].efficiency:>10.1f}"
-                          for f in model.FORMS)
+        cells = "  ".join(
+            f"{1e3 * p.forms[f].step_time:>10.1f}{100 * p.forms[f].efficiency:>10.1f}" for f in model.FORMS
+        )
         lines.append(f"{p.workers:>7}  {cells}  {_LABELS[p.choice]}")
     x = _crossovers(s)
-    lines += ["", f"all-gather beats the dense ring below n* = {x['allgather_vs_ring']:.1f} "
-              f"workers on the link between nodes (2c = {x['allgather_vs_ring_no_latency']:g} "
-              "with no latency); two-phase beats all-gather above n* = "
-              f"{x['allgather_vs_two_phase']:.1f} there"]
+    lines += [
+        "",
+        f"all-gather beats the dense ring below n* = {x['allgather_vs_ring']:.1f} "
+        f"workers on the link between nodes (2c = {x['allgather_vs_ring_no_latency']:g} "
+        "with no latency); two-phase beats all-gather above n* = "
+        f"{x['allgather_vs_two_phase']:.1f} there",
+    ]
     return "\n".join(lines)
 
 
 def _published_text() -> str:
-    lines = [f"{'point':<10} {'GPUs':>5} {'reported':>9} {'baseline':>9} {'compute ms':>10}  "
-             + "  ".join(f"{_LABELS[f]:>12}" for f in model.FORMS)]
+    lines = [
+        f"{'point':<10} {'GPUs':>5} {'reported':>9} {'baseline':>9} {'compute ms':>10}  "
+        + "  ".join(f"{_LABELS[f]:>12}" for f in model.FORMS)
+    ]
     for r in published.published_table():
         rep = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
         base = r["baseline"] or "1*"
-        lines.append(f"{r['name']:<10} {r['gpus']:>5} {rep:>9} {base!s:>9} "
-                     f"{1e3 * r['compute_time']:>10.1f}  "
-                     + "  ".join(f"{100 * r['model'][f]:>11.1f}%" for f in model.FORMS))
-    lines += ["", "reported: the paper's scaling efficiency (- where it reports none); the model's "
-              "columns are relative to the baseline GPU count (* none stated: one worker)", ""]
+        lines.append(
+            f"{r['name']:<10} {r['gpus']:>5} {rep:>9} {base!s:>9} "
+            f"{1e3 * r['compute_time']:>10.1f}  "
+            + "  ".join(f"{100 * r['model'][f]:>11.1f}%" for f in model.FORMS)
+        )
+    lines += [
+        "",
+        "reported: the paper's scaling efficiency (- where it reports none); the model's "
+        "columns are relative to the baseline GPU count (* none stated: one worker)",
+        "",
+    ]
     for r in published.published_table():
-        lines += [f"{r['name']}: {r['paper']}", f"  reported: {r['reported']}",
-                  f"  assumed: {r['assumptions']}"]
+        lines += [
+            f"{r['name']}: {r['paper']}",
+            f"  reported: {r['reported']}",
+            f"  assumed: {r['assumptions']}",
+        ]
     return "\n".join(lines)
 
 
@@ -230,24 +342,44 @@ def _draw(path: Path, s: dict[str, Any], predictions: list[model.Prediction]) ->
         ns = [p.workers for p in predictions]
         for form in model.FORMS:
             label = _LABELS[form] + (f" (c={c:g})" if form in ("allgather", "two_phase") else "")
-            ax.plot(ns, [100 * p.forms[form].efficiency for p in predictions],
-                    linestyle=styles[form], marker=".", label=label)
+            ax.plot(
+                ns,
+                [100 * p.forms[form].efficiency for p in predictions],
+                linestyle=styles[form],
+                marker=".",
+                label=label,
+            )
         markers = iter("osD^v")
         for r in published.published_table():
             m = next(markers)
             if r["efficiency"] is not None:
-                ax.plot([r["gpus"]], [100 * r["efficiency"]], marker=m, color="black",
-                        linestyle="none", label=f"{r['name']}: reported")
-            ax.plot([r["gpus"]], [100 * r["model"]["hierarchical"]], marker=m,
-                    markerfacecolor="none", color="gray", linestyle="none",
-                    label=f"{r['name']}: model, its hardware (hierarchical)")
+                ax.plot(
+                    [r["gpus"]],
+                    [100 * r["efficiency"]],
+                    marker=m,
+                    color="black",
+                    linestyle="none",
+                    label=f"{r['name']}: reported",
+                )
+            ax.plot(
+                [r["gpus"]],
+                [100 * r["model"]["hierarchical"]],
+                marker=m,
+                markerfacecolor="none",
+                color="gray",
+                linestyle="none",
+                label=f"{r['name']}: model, its hardware (hierarchical)",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers (GPUs)")
         ax.set_ylabel("scaling efficiency (%)")
         net = s["network"]
-        ax.set_title(f"{s['model']}, {1e3 * s['workload'].compute_time:g} ms compute a step; "
-                     f"{net.gpus_per_node} GPUs a node, {8 * net.inter_bandwidth / 1e9:.3g} "
-                     f"Gbit/s and {1e6 * net.inter_latency:.3g} us between nodes", fontsize=10)
+        ax.set_title(
+            f"{s['model']}, {1e3 * s['workload'].compute_time:g} ms compute a step; "
+            f"{net.gpus_per_node} GPUs a node, {8 * net.inter_bandwidth / 1e9:.3g} "
+            f"Gbit/s and {1e6 * net.inter_latency:.3g} us between nodes",
+            fontsize=10,
+        )
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
 
@@ -262,15 +394,21 @@ def main(args: argparse.Namespace) -> int:
         predictions = model.predict_many(s["workload"], s["network"], s["workers"])
     except ValueError as err:  # the model's own checks, worded with its parameter names
         raise _fail(str(err)) from None
-    data = {"model": s["model"], "params": s["params"],
-            "workload": {k: getattr(s["workload"], k) for k in
-                         ("size_bytes", "compute_time", "buckets", "compression", "overlap")},
-            "network": {k: getattr(s["network"], k) for k in
-                        ("intra_latency", "intra_bandwidth", "inter_latency",
-                         "inter_bandwidth", "gpus_per_node")},
-            "calibration": s["calibration"],
-            "crossovers": {k: None if math.isinf(v) else v for k, v in _crossovers(s).items()},
-            "rows": [p.to_dict() for p in predictions]}
+    data = {
+        "model": s["model"],
+        "params": s["params"],
+        "workload": {
+            k: getattr(s["workload"], k)
+            for k in ("size_bytes", "compute_time", "buckets", "compression", "overlap")
+        },
+        "network": {
+            k: getattr(s["network"], k)
+            for k in ("intra_latency", "intra_bandwidth", "inter_latency", "inter_bandwidth", "gpus_per_node")
+        },
+        "calibration": s["calibration"],
+        "crossovers": {k: None if math.isinf(v) else v for k, v in _crossovers(s).items()},
+        "rows": [p.to_dict() for p in predictions],
+    }
     if args.plot is not None:
         require("scaling", ("matplotlib",))
         plot = Path(args.plot)

@@ -17,36 +17,75 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``largebatch train`` flags; every recipe value left unset keeps the recipe's."""
     add = parser.add_argument
-    add("--recipe", default=DEFAULT_RECIPE, help=f"recipe name (default %(default)s; "
-        f"'largebatch recipes' lists {len(RECIPES)})")
-    add("--data", default=None, metavar="DIR", help="ImageFolder tree (DIR/train, DIR/val) for "
-        "ImageNet recipes; Fashion-MNIST idx folder otherwise (default: the installed copy)")
+    add(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help=f"recipe name (default %(default)s; 'largebatch recipes' lists {len(RECIPES)})",
+    )
+    add(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help="ImageFolder tree (DIR/train, DIR/val) for "
+        "ImageNet recipes; Fashion-MNIST idx folder otherwise (default: the installed copy)",
+    )
     add("--batch-size", type=int, default=None, help="global batch (default: the recipe's)")
-    add("--micro-batch", type=int, default=None,
-        help="per-process micro-batch; smaller than the per-process batch: gradient accumulation")
-    add("--epochs", type=int, default=None, help="epochs (default: the recipe's; another number "
-        "scales the recipe's warmup and milestones with it)")
-    add("--lr", type=float, default=None,
-        help="peak lr (default: the recipe's, scaled to the batch)")
+    add(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="per-process micro-batch; smaller than the per-process batch: gradient accumulation",
+    )
+    add(
+        "--epochs",
+        type=int,
+        default=None,
+        help="epochs (default: the recipe's; another number "
+        "scales the recipe's warmup and milestones with it)",
+    )
+    add("--lr", type=float, default=None, help="peak lr (default: the recipe's, scaled to the batch)")
     add("--precision", choices=PRECISIONS, default=None, help="default: the recipe's")
-    add("--out", default=None, metavar="DIR", help="output folder (default runs/RECIPE); "
-        "one run at a time")
+    add("--out", default=None, metavar="DIR", help="output folder (default runs/RECIPE); one run at a time")
     add("--resume", action="store_true", help="continue from OUT/checkpoint.pt (same settings)")
-    add("--stop-after", type=int, default=None, metavar="EPOCH",
-        help="stop after this epoch (the schedule still spans --epochs); --resume continues")
+    add(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="EPOCH",
+        help="stop after this epoch (the schedule still spans --epochs); --resume continues",
+    )
     add("--seed", type=int, default=0)
     add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add("--subset", type=int, default=None, metavar="N", help="first N train (and test) images "
-        "(the ImageNet-equivalent batch stays that of the full training set)")
+    add(
+        "--subset",
+        type=int,
+        default=None,
+        metavar="N",
+        help="first N train (and test) images "
+        "(the ImageNet-equivalent batch stays that of the full training set)",
+    )
     add("--workers", type=int, default=4, help="data-loader workers for ImageFolder data")
-    add("--fsdp", action="store_true", help="under torchrun: shard params, grads and optimizer "
+    add(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard params, grads and optimizer "
         "state with FSDP2 (fully_shard) instead of replicating them with DDP; trust ratios "
-        "use each whole param's norm")
-    add("--compression", choices=COMPRESSIONS, default="none",
+        "use each whole param's norm",
+    )
+    add(
+        "--compression",
+        choices=COMPRESSIONS,
+        default="none",
         help="under torchrun: compress DDP's gradient all-reduce with AdaComp (a communication "
-             "hook; docs/communication.md) after --compression-warmup epochs uncompressed")
-    add("--compression-warmup", type=int, default=1, metavar="EPOCHS",
-        help="epochs of plain all-reduce before AdaComp starts (default %(default)s)")
+        "hook; docs/communication.md) after --compression-warmup epochs uncompressed",
+    )
+    add(
+        "--compression-warmup",
+        type=int,
+        default=1,
+        metavar="EPOCHS",
+        help="epochs of plain all-reduce before AdaComp starts (default %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,8 +14,19 @@ from typing import Any, NamedTuple
 from largebatch import checks
 
 __all__ = [
-    "COMPRESSED", "DEFAULT_LINK", "DDP_BUCKET_BYTES", "FORMS", "Link", "Network", "allgather",
-    "allgather_crossover", "choose_form", "ddp_buckets", "hierarchical", "ring", "two_phase",
+    "COMPRESSED",
+    "DEFAULT_LINK",
+    "DDP_BUCKET_BYTES",
+    "FORMS",
+    "Link",
+    "Network",
+    "allgather",
+    "allgather_crossover",
+    "choose_form",
+    "ddp_buckets",
+    "hierarchical",
+    "ring",
+    "two_phase",
 ]
 
 FORMS = ("ring", "hierarchical", "allgather", "two_phase")
@@ -25,11 +36,16 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 # ----------------------------------------------------------------------------- validation
 
 
-def _common(size_bytes: Any, workers: Any, latency: Any, bandwidth: Any,
-            buckets: Any) -> tuple[float, int, float, float, int]:
-    return (checks.number("size_bytes", size_bytes), checks.integer("workers", workers, 1),
-            checks.number("latency", latency, strict=False), checks.number("bandwidth", bandwidth),
-            checks.integer("buckets", buckets, 1))
+def _common(
+    size_bytes: Any, workers: Any, latency: Any, bandwidth: Any, buckets: Any
+) -> tuple[float, int, float, float, int]:
+    return (
+        checks.number("size_bytes", size_bytes),
+        checks.integer("workers", workers, 1),
+        checks.number("latency", latency, strict=False),
+        checks.number("bandwidth", bandwidth),
+        checks.integer("buckets", buckets, 1),
+    )
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -101,15 +117,15 @@ class Network:
 def ddp_buckets(size_bytes: float, bucket_bytes: float = DDP_BUCKET_BYTES) -> int:
     """Buckets DDP cuts ``size_bytes`` of gradients into: ``ceil(S / bucket_bytes)`` (its
     default ``bucket_cap_mb=25``; DDP's first bucket is smaller, ignored here)."""
-    return max(1, math.ceil(checks.number("size_bytes", size_bytes)
-                            / checks.number("bucket_bytes", bucket_bytes)))
+    return max(
+        1, math.ceil(checks.number("size_bytes", size_bytes) / checks.number("bucket_bytes", bucket_bytes))
+    )
 
 
 # ----------------------------------------------------------------------------- the exchanges
 
 
-def ring(size_bytes: float, workers: int, latency: float, bandwidth: float, *,
-         buckets: int = 1) -> float:
+def ring(size_bytes: float, workers: int, latency: float, bandwidth: float, *, buckets: int = 1) -> float:
     """Seconds of a flat ring all-reduce: ``2(n-1) k a + 2(n-1)/n S/B``.
 
     A reduce-scatter then an all-gather, each ``n - 1`` steps of ``S/(k n)`` bytes a bucket.
@@ -128,8 +144,7 @@ def ring(size_bytes: float, workers: int, latency: float, bandwidth: float, *,
     return 2 * (n - 1) * k * a + 2 * (n - 1) / n * s / b
 
 
-def hierarchical(size_bytes: float, workers: int, network: Network, *,
-                 buckets: int = 1) -> float:
+def hierarchical(size_bytes: float, workers: int, network: Network, *, buckets: int = 1) -> float:
     """Seconds of a hierarchical (2-D) all-reduce over ``m = n/g`` nodes of ``g`` GPUs.
 
     1. reduce-scatter inside each node: ``(g-1) k a_i + (g-1)/g S/B_i``;
@@ -161,17 +176,21 @@ def hierarchical(size_bytes: float, workers: int, network: Network, *,
     if n <= g:
         return ring(s, n, *network.intra, buckets=k)
     if n % g:
-        raise ValueError(f"Invalid workers: {n} (the hierarchical all-reduce needs a multiple "
-                         f"of gpus_per_node={g} beyond one node)")
+        raise ValueError(
+            f"Invalid workers: {n} (the hierarchical all-reduce needs a multiple "
+            f"of gpus_per_node={g} beyond one node)"
+        )
     m = n // g
     a_i, b_i = network.intra
     a_e, b_e = network.inter
-    return (2 * (g - 1) * k * a_i + 2 * (g - 1) / g * s / b_i
-            + 2 * (m - 1) * k * a_e + 2 * (m - 1) / m * s / b_e)
+    return (
+        2 * (g - 1) * k * a_i + 2 * (g - 1) / g * s / b_i + 2 * (m - 1) * k * a_e + 2 * (m - 1) / m * s / b_e
+    )
 
 
-def allgather(size_bytes: float, workers: int, compression: float, latency: float,
-              bandwidth: float, *, buckets: int = 1) -> float:
+def allgather(
+    size_bytes: float, workers: int, compression: float, latency: float, bandwidth: float, *, buckets: int = 1
+) -> float:
     """Seconds of the compressed all-gather exchange: ``(n-1) k a + (n-1) S/(c B)``.
 
     Every worker ring-all-gathers every other worker's compressed message of ``S/c``
@@ -190,8 +209,16 @@ def allgather(size_bytes: float, workers: int, compression: float, latency: floa
     return (n - 1) * k * a + (n - 1) * s / (c * b)
 
 
-def two_phase(size_bytes: float, workers: int, compression: float, latency: float,
-              bandwidth: float, *, buckets: int = 1, sharing: int = 1) -> float:
+def two_phase(
+    size_bytes: float,
+    workers: int,
+    compression: float,
+    latency: float,
+    bandwidth: float,
+    *,
+    buckets: int = 1,
+    sharing: int = 1,
+) -> float:
     """Seconds of the compressed two-phase exchange:
     ``2(n-1) k a + (n-1)/n (s+1) S/(c B)``.
 
@@ -213,10 +240,16 @@ def two_phase(size_bytes: float, workers: int, compression: float, latency: floa
     return 2 * (n - 1) * k * a + (n - 1) / n * (share + 1) * s_ / (c * b)
 
 
-def choose_form(workers: int, size_bytes: float, compression: float = 40.0,
-                latency: float = DEFAULT_LINK.latency,
-                bandwidth: float = DEFAULT_LINK.bandwidth, *, buckets: int = 1,
-                sharing: int = 1) -> str:
+def choose_form(
+    workers: int,
+    size_bytes: float,
+    compression: float = 40.0,
+    latency: float = DEFAULT_LINK.latency,
+    bandwidth: float = DEFAULT_LINK.bandwidth,
+    *,
+    buckets: int = 1,
+    sharing: int = 1,
+) -> str:
     """``"allgather"`` or ``"two_phase"``: the compressed exchange the model predicts
     faster for ``n`` workers, ``S`` dense bytes, rate ``c`` and one link ``(a, B)``.
 
@@ -231,14 +264,20 @@ def choose_form(workers: int, size_bytes: float, compression: float = 40.0,
     'two_phase'
     """
     ag = allgather(size_bytes, workers, compression, latency, bandwidth, buckets=buckets)
-    tp = two_phase(size_bytes, workers, compression, latency, bandwidth, buckets=buckets,
-                   sharing=sharing)
+    tp = two_phase(size_bytes, workers, compression, latency, bandwidth, buckets=buckets, sharing=sharing)
     return "allgather" if ag <= tp else "two_phase"
 
 
-def allgather_crossover(compression: float, *, against: str = "ring", size_bytes: float = 1.0,
-                        latency: float = 0.0, bandwidth: float = 1.0, buckets: int = 1,
-                        sharing: int = 1) -> float:
+def allgather_crossover(
+    compression: float,
+    *,
+    against: str = "ring",
+    size_bytes: float = 1.0,
+    latency: float = 0.0,
+    bandwidth: float = 1.0,
+    buckets: int = 1,
+    sharing: int = 1,
+) -> float:
     """The worker count ``n*`` at which the all-gather form costs as much as ``against``:
     it is faster for ``n < n*`` and slower for ``n > n*`` (``inf``: never slower).
 

@@ -68,59 +68,84 @@ _P100_NOTE = (
     "al.'s abstract (ResNet-50, 90 epochs at 8,192 a step in one hour on 256 P100); it "
     "includes their exchange, evaluation and data loading, so it overstates compute and "
     "the model's efficiency errs high; ResNet-50: 25.6M fp32 gradients (102.4 MB); "
-    "4 buckets (DDP's 25 MiB); no overlap with backward")
+    "4 buckets (DDP's 25 MiB); no overlap with backward"
+)
 
 PUBLISHED: tuple[PublishedPoint, ...] = (
     PublishedPoint(
         name="ddl-256",
         paper="Cho et al. 2017, PowerAI DDL, arXiv 1708.02188",
-        reported=("95% scaling efficiency on 256 P100 GPUs (64 IBM S822LC servers of 4) with "
-                  "Caffe, as IBM announced it (Aug 2017); the abstract says only 'better "
-                  "communication overhead for Resnet-50' than Goyal et al.; baseline not "
-                  "stated"),
-        gpus=256, efficiency=0.95, baseline=None,
+        reported=(
+            "95% scaling efficiency on 256 P100 GPUs (64 IBM S822LC servers of 4) with "
+            "Caffe, as IBM announced it (Aug 2017); the abstract says only 'better "
+            "communication overhead for Resnet-50' than Goyal et al.; baseline not "
+            "stated"
+        ),
+        gpus=256,
+        efficiency=0.95,
+        baseline=None,
         network=Network(5e-6, 20e9, 5e-6, 100 * _GBIT, 4),
         workload=Workload(_RESNET50, _P100_STEP, buckets=4),
-        assumptions=("network assumed, not from the paper: 100 Gbit/s InfiniBand a server, "
-                     "5 us; NVLink 20 GB/s, 5 us inside; " + _P100_NOTE),
+        assumptions=(
+            "network assumed, not from the paper: 100 Gbit/s InfiniBand a server, "
+            "5 us; NVLink 20 GB/s, 5 us inside; " + _P100_NOTE
+        ),
     ),
     PublishedPoint(
         name="goyal-256",
         paper="Goyal et al. 2017, arXiv 1706.02677",
-        reported=("'~90% scaling efficiency when moving from 8 to 256 GPUs' (abstract): "
-                  "ResNet-50, 8,192 a step, 256 P100 in 32 servers of 8, 50 Gbit Ethernet"),
-        gpus=256, efficiency=0.90, baseline=8,
+        reported=(
+            "'~90% scaling efficiency when moving from 8 to 256 GPUs' (abstract): "
+            "ResNet-50, 8,192 a step, 256 P100 in 32 servers of 8, 50 Gbit Ethernet"
+        ),
+        gpus=256,
+        efficiency=0.90,
+        baseline=8,
         network=Network(5e-6, 20e9, 10e-6, 50 * _GBIT, 8),
         workload=Workload(_RESNET50, _P100_STEP, buckets=4),
-        assumptions=("50 Gbit/s Ethernet a server (the paper's); 10 us latency assumed; "
-                     "NVLink 20 GB/s, 5 us inside assumed; " + _P100_NOTE),
+        assumptions=(
+            "50 Gbit/s Ethernet a server (the paper's); 10 us latency assumed; "
+            "NVLink 20 GB/s, 5 us inside assumed; " + _P100_NOTE
+        ),
     ),
     PublishedPoint(
         name="jia-1024",
         paper="Jia et al. 2018, arXiv 1807.11205",
-        reported=("ResNet-50, 64K batch, 1024 Tesla P40: 8.7 minutes; no scaling efficiency "
-                  "reported (the 8.7 is not in the abstract; not re-checked against the "
-                  "paper's tables here)"),
-        gpus=1024, efficiency=None, baseline=None,
+        reported=(
+            "ResNet-50, 64K batch, 1024 Tesla P40: 8.7 minutes; no scaling efficiency "
+            "reported (the 8.7 is not in the abstract; not re-checked against the "
+            "paper's tables here)"
+        ),
+        gpus=1024,
+        efficiency=None,
+        baseline=None,
         network=Network(5e-6, 10e9, 5e-6, 100 * _GBIT, 8),
         workload=Workload(_RESNET50, _step_time(8.7, 90, 65536), buckets=4),
-        assumptions=("network assumed, not from the paper: 100 Gbit/s InfiniBand a node of 8, "
-                     "5 us; PCIe 10 GB/s, 5 us inside; compute: 0.297 s a step for 64 images "
-                     "a P40, the wall-clock a step of the 8.7 minutes (90 epochs assumed, of "
-                     "65,536 a step), an overstatement as for the P100 points; fp32 "
-                     "gradients (the paper's fp16 exchange, if any, would halve S); 4 "
-                     "buckets; no overlap"),
+        assumptions=(
+            "network assumed, not from the paper: 100 Gbit/s InfiniBand a node of 8, "
+            "5 us; PCIe 10 GB/s, 5 us inside; compute: 0.297 s a step for 64 images "
+            "a P40, the wall-clock a step of the 8.7 minutes (90 epochs assumed, of "
+            "65,536 a step), an overstatement as for the P100 points; fp32 "
+            "gradients (the paper's fp16 exchange, if any, would halve S); 4 "
+            "buckets; no overlap"
+        ),
     ),
     PublishedPoint(
         name="jia-2048",
         paper="Jia et al. 2018, arXiv 1807.11205",
-        reported=("ResNet-50, 64K batch, 2048 Tesla P40: 6.6 minutes to 75.8% top-1 "
-                  "(abstract); no scaling efficiency reported"),
-        gpus=2048, efficiency=None, baseline=None,
+        reported=(
+            "ResNet-50, 64K batch, 2048 Tesla P40: 6.6 minutes to 75.8% top-1 "
+            "(abstract); no scaling efficiency reported"
+        ),
+        gpus=2048,
+        efficiency=None,
+        baseline=None,
         network=Network(5e-6, 10e9, 5e-6, 100 * _GBIT, 8),
         workload=Workload(_RESNET50, _step_time(6.6, 90, 65536), buckets=4),
-        assumptions=("as jia-1024; compute: 0.225 s a step for 32 images a P40, the "
-                     "wall-clock a step of the 6.6 minutes"),
+        assumptions=(
+            "as jia-1024; compute: 0.225 s a step for 32 images a P40, the "
+            "wall-clock a step of the 6.6 minutes"
+        ),
     ),
 )
 
@@ -131,11 +156,18 @@ def published_table() -> list[dict[str, Any]]:
     rows = []
     for p in PUBLISHED:
         pred = p.prediction()
-        rows.append({
-            "name": p.name, "paper": p.paper, "gpus": p.gpus, "reported": p.reported,
-            "efficiency": p.efficiency, "baseline": p.baseline,
-            "compute_time": p.workload.compute_time, "choice": pred.choice,
-            "model": {form: p.model_efficiency(form) for form in FORMS},
-            "assumptions": p.assumptions,
-        })
+        rows.append(
+            {
+                "name": p.name,
+                "paper": p.paper,
+                "gpus": p.gpus,
+                "reported": p.reported,
+                "efficiency": p.efficiency,
+                "baseline": p.baseline,
+                "compute_time": p.workload.compute_time,
+                "choice": pred.choice,
+                "model": {form: p.model_efficiency(form) for form in FORMS},
+                "assumptions": p.assumptions,
+            }
+        )
     return rows

@@ -16,8 +16,21 @@ import numpy as np
 
 from largebatch import checks
 
-__all__ = ["CONV_BIN", "FC_BIN", "FORMS", "SELECTIONS", "VALUES", "Compressed", "allgather_exchange",
-           "bin_length", "check_options", "chunk_bounds", "compress", "fit_bin", "two_phase_exchange"]
+__all__ = [
+    "CONV_BIN",
+    "FC_BIN",
+    "FORMS",
+    "SELECTIONS",
+    "VALUES",
+    "Compressed",
+    "allgather_exchange",
+    "bin_length",
+    "check_options",
+    "chunk_bounds",
+    "compress",
+    "fit_bin",
+    "two_phase_exchange",
+]
 
 CONV_BIN = 50  # L_T for convolution weights (Chen et al. 2018)
 FC_BIN = 500  # L_T for fully connected and recurrent weights
@@ -26,18 +39,27 @@ VALUES = ("ternary", "exact")
 FORMS = ("allgather", "two_phase")  # the exchanges
 
 
-def check_options(*, warmup_steps: Any = 0, conv_bin: Any = CONV_BIN, fc_bin: Any = FC_BIN,
-                  form: Any = "allgather", select: Any = "adacomp", values: Any = "ternary",
-                  forms: Sequence[str] = FORMS) -> dict[str, Any]:
+def check_options(
+    *,
+    warmup_steps: Any = 0,
+    conv_bin: Any = CONV_BIN,
+    fc_bin: Any = FC_BIN,
+    form: Any = "allgather",
+    select: Any = "adacomp",
+    values: Any = "ternary",
+    forms: Sequence[str] = FORMS,
+) -> dict[str, Any]:
     """AdaComp's settings, checked: the one rule of the DDP hook (``AdaCompState``, whose
     ``forms`` add ``"auto"``), the one-process simulation and the JAX transform. Returns
     them as ints and strs; a ``ValueError`` naming the first bad one otherwise."""
-    return {"warmup_steps": checks.integer("warmup_steps", warmup_steps, 0),
-            "conv_bin": checks.integer("conv_bin", conv_bin, 1),
-            "fc_bin": checks.integer("fc_bin", fc_bin, 1),
-            "form": checks.choice("form", form, forms),
-            "select": checks.choice("select", select, SELECTIONS),
-            "values": checks.choice("values", values, VALUES)}
+    return {
+        "warmup_steps": checks.integer("warmup_steps", warmup_steps, 0),
+        "conv_bin": checks.integer("conv_bin", conv_bin, 1),
+        "fc_bin": checks.integer("fc_bin", fc_bin, 1),
+        "form": checks.choice("form", form, forms),
+        "select": checks.choice("select", select, SELECTIONS),
+        "values": checks.choice("values", values, VALUES),
+    }
 
 
 def bin_length(shape: Sequence[int], conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN) -> int | None:
@@ -81,8 +103,9 @@ def _check_modes(select: str, values: str) -> None:
     checks.choice("values", values, VALUES)
 
 
-def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp",
-             values: str = "ternary") -> Compressed:
+def compress(
+    residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: str = "adacomp", values: str = "ternary"
+) -> Compressed:
     """Algorithm 1 of Chen et al. 2018 on one layer (flattened), in float64."""
     check_compression(bin_len, select, values)
     r = np.asarray(residual, dtype=np.float64).ravel()
@@ -110,8 +133,9 @@ def compress(residual: np.ndarray, grad: np.ndarray, bin_len: int, *, select: st
     return Compressed(sent=sent, residual=big_g - sent, mask=mask, scale=scale)
 
 
-def allgather_exchange(residuals: Sequence[np.ndarray], grads: Sequence[np.ndarray],
-                       bin_len: int | None, **kwargs: str) -> tuple[np.ndarray, list[np.ndarray]]:
+def allgather_exchange(
+    residuals: Sequence[np.ndarray], grads: Sequence[np.ndarray], bin_len: int | None, **kwargs: str
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """The average over the workers of what each sends (summed in worker order, then divided
     by the number of workers), and each worker's new residual. ``bin_len=None``: the layer
     is sent uncompressed (the plain average; residuals are returned as they came)."""
@@ -132,9 +156,13 @@ def chunk_bounds(numel: int, bin_len: int, n: int) -> list[tuple[int, int]]:
     return [(min(j * size, numel), min((j + 1) * size, numel)) for j in range(n)]
 
 
-def two_phase_exchange(residuals: Sequence[np.ndarray], server_residuals: Sequence[np.ndarray],
-                       grads: Sequence[np.ndarray], bin_len: int, **kwargs: str,
-                       ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+def two_phase_exchange(
+    residuals: Sequence[np.ndarray],
+    server_residuals: Sequence[np.ndarray],
+    grads: Sequence[np.ndarray],
+    bin_len: int,
+    **kwargs: str,
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """Phase 1: each worker compresses its layer (as :func:`compress`) and worker ``j``
     averages everyone's chunk ``j`` (:func:`chunk_bounds`). Phase 2: worker ``j`` compresses
     that average with its own residual for the chunk (``server_residuals[j]``, the chunk's

@@ -29,10 +29,26 @@ from largebatch.comm.costs import (
 )
 
 __all__ = [
-    "DEFAULT_LINK", "DDP_BUCKET_BYTES", "FORMS", "MODELS", "Estimate", "Link",
-    "Network", "Prediction", "Workload", "allgather", "allgather_crossover",
-    "choose_form", "compressed_best", "ddp_buckets", "fit_ring", "hierarchical", "predict",
-    "predict_many", "ring", "two_phase",
+    "DEFAULT_LINK",
+    "DDP_BUCKET_BYTES",
+    "FORMS",
+    "MODELS",
+    "Estimate",
+    "Link",
+    "Network",
+    "Prediction",
+    "Workload",
+    "allgather",
+    "allgather_crossover",
+    "choose_form",
+    "compressed_best",
+    "ddp_buckets",
+    "fit_ring",
+    "hierarchical",
+    "predict",
+    "predict_many",
+    "ring",
+    "two_phase",
 ]
 
 # Parameter counts of the presets (fp32 gradients: 4 bytes each).
@@ -104,9 +120,12 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (for JSON)."""
-        return {"workers": self.workers, "compute_time": self.compute_time,
-                "choice": self.choice,
-                "forms": {k: dataclasses.asdict(v) for k, v in self.forms.items()}}
+        return {
+            "workers": self.workers,
+            "compute_time": self.compute_time,
+            "choice": self.choice,
+            "forms": {k: dataclasses.asdict(v) for k, v in self.forms.items()},
+        }
 
 
 def _comm_times(workload: Workload, network: Network, workers: int) -> dict[str, float]:
@@ -127,8 +146,15 @@ def compressed_best(workload: Workload, network: Network, workers: int) -> str:
     :meth:`Network.flat` network it is ``choose_form`` with that network's link."""
     n = checks.integer("workers", workers, 1)
     a, b = network.link(n)
-    return choose_form(n, workload.size_bytes, workload.compression, a, b,
-                       buckets=workload.buckets, sharing=network.sharing(n))
+    return choose_form(
+        n,
+        workload.size_bytes,
+        workload.compression,
+        a,
+        b,
+        buckets=workload.buckets,
+        sharing=network.sharing(n),
+    )
 
 
 def predict(workload: Workload, network: Network, workers: int) -> Prediction:
@@ -150,8 +176,7 @@ def predict(workload: Workload, network: Network, workers: int) -> Prediction:
     return Prediction(int(workers), t, forms, compressed_best(workload, network, workers))
 
 
-def predict_many(workload: Workload, network: Network,
-                 workers: Iterable[int]) -> list[Prediction]:
+def predict_many(workload: Workload, network: Network, workers: Iterable[int]) -> list[Prediction]:
     """:func:`predict` at each of ``workers``, in order."""
     return [predict(workload, network, n) for n in workers]
 
@@ -187,14 +212,13 @@ def fit_ring(samples: Iterable[Sequence[float]]) -> Link:
     x = np.column_stack([lat, vol]) / np.asarray(t)[:, None]
     ones = np.ones(len(t))
     if np.linalg.matrix_rank(x) < 2:
-        raise ValueError("Invalid samples: latency and volume terms are proportional "
-                         "(vary the sizes)")
+        raise ValueError("Invalid samples: latency and volume terms are proportional (vary the sizes)")
     (a, inv_b), *_ = np.linalg.lstsq(x, ones, rcond=None)
     if a < 0:
         a = 0.0
         inv_b = float(x[:, 1] @ ones / (x[:, 1] @ x[:, 1]))
     if inv_b <= 0:
-        raise ValueError(f"Invalid samples: the fitted 1/bandwidth is {inv_b!r} (the times "
-                         "do not grow with size)")
+        raise ValueError(
+            f"Invalid samples: the fitted 1/bandwidth is {inv_b!r} (the times do not grow with size)"
+        )
     return Link(float(a), float(1.0 / inv_b))
-

@@ -11,9 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
 __all__ = ["lars_step", "lamb_step", "clip_divisor", "global_norm", "safe_ratio"]
-
 
 
 def _f64(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -177,4 +175,3 @@ def clip_divisor(grads: Sequence[np.ndarray], max_grad_norm: float | None) -> fl
     if max_grad_norm is None:
         return 1.0
     return max(1.0, global_norm(grads) / max_grad_norm)
-

@@ -19,15 +19,23 @@ checked.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
-import functools
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
 
-__all__ = ["Hyper", "OptimizerSpec", "LARS_SPEC", "LAMB_SPEC", "LarsHyperparams", "LambHyperparams",
-           "UNKNOWN", "as_number"]
+__all__ = [
+    "Hyper",
+    "OptimizerSpec",
+    "LARS_SPEC",
+    "LAMB_SPEC",
+    "LarsHyperparams",
+    "LambHyperparams",
+    "UNKNOWN",
+    "as_number",
+]
 
 
 class _Unknown:
@@ -174,8 +182,9 @@ class OptimizerSpec:
         names = names or {}
         unknown = set(values) - set(self.defaults)
         if unknown:
-            raise TypeError(f"{self.name} has no hyperparameter {sorted(unknown)}; "
-                            f"it has {list(self.defaults)}")
+            raise TypeError(
+                f"{self.name} has no hyperparameter {sorted(unknown)}; it has {list(self.defaults)}"
+            )
         out = {k: self.hyper(k).check(v, names.get(k)) for k, v in values.items()}
         self.rules(out)
         return out
@@ -206,7 +215,6 @@ class OptimizerSpec:
                 value = h.none_as
             flat.update(zip(h.parts, value) if h.parts else [(h.name, value)])
         return tuple(float(flat[c]) for c in self.columns)
-
 
 
 @dataclass(frozen=True)
@@ -285,11 +293,11 @@ def _lars_rules(values: Mapping[str, Any]) -> None:
     if values.get("nesterov") is True and values.get("momentum", 1.0) == 0.0:
         raise ValueError(f"Invalid nesterov=True with momentum={values['momentum']!r} (needs momentum > 0)")
     if values.get("decayed_norm") is True and values.get("zero_norm_skip") is True:
-        raise ValueError("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm "
-                         "rule (zero_norm_skip) and optax's denominator ||g + wd * w|| "
-                         "(decayed_norm) are no one source's; pass at most one of them")
-
-
+        raise ValueError(
+            "Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm "
+            "rule (zero_norm_skip) and optax's denominator ||g + wd * w|| "
+            "(decayed_norm) are no one source's; pass at most one of them"
+        )
 
 
 def _lr(default: float) -> Hyper:
@@ -297,11 +305,15 @@ def _lr(default: float) -> Hyper:
 
 
 _WEIGHT_DECAY = Hyper(
-    "weight_decay", 0.0, "wd: added to the update direction (g + wd * w for LARS, r + wd * w for "
-    "LAMB), so it enters the trust ratio's denominator"
+    "weight_decay",
+    0.0,
+    "wd: added to the update direction (g + wd * w for LARS, r + wd * w for "
+    "LAMB), so it enters the trust ratio's denominator",
 )
 _TRUST_RATIO = Hyper(
-    "trust_ratio", True, "adapt this group; False: ratio 1 (weight decay still applies)",
+    "trust_ratio",
+    True,
+    "adapt this group; False: ratio 1 (weight decay still applies)",
     kind="flag",
 )
 
@@ -316,14 +328,29 @@ LARS_SPEC = OptimizerSpec(
         Hyper("nesterov", False, "Nesterov momentum", kind="flag"),
         Hyper("trust_clip", False, "LARC: min(ratio / lr, 1)", kind="flag"),
         _TRUST_RATIO,
-        Hyper("lr_in_momentum", True, "v = m * v + lr * ratio * d, w -= v (MLPerf's TF reference); "
-              "False: v = m * v + ratio * d, w -= lr * v (torch SGD, apex LARC, NVIDIA's MXNet, "
-              "timm)", kind="flag"),
-        Hyper("zero_norm_skip", False, "where ||w|| or ||g|| is 0, d = g: ratio 1, no clip, no "
-              "weight decay (apex LARC); False: ratio 1, then clip and weight decay", kind="flag"),
-        Hyper("decayed_norm", False, "ratio = tc * ||w|| / (||g + wd * w|| + eps), 1 where ||w|| or "
-              "||g + wd * w|| is 0 (optax, optax/_src/alias.py lars); False: the denominator "
-              "||g|| + wd * ||w|| + eps", kind="flag"),
+        Hyper(
+            "lr_in_momentum",
+            True,
+            "v = m * v + lr * ratio * d, w -= v (MLPerf's TF reference); "
+            "False: v = m * v + ratio * d, w -= lr * v (torch SGD, apex LARC, NVIDIA's MXNet, "
+            "timm)",
+            kind="flag",
+        ),
+        Hyper(
+            "zero_norm_skip",
+            False,
+            "where ||w|| or ||g|| is 0, d = g: ratio 1, no clip, no "
+            "weight decay (apex LARC); False: ratio 1, then clip and weight decay",
+            kind="flag",
+        ),
+        Hyper(
+            "decayed_norm",
+            False,
+            "ratio = tc * ||w|| / (||g + wd * w|| + eps), 1 where ||w|| or "
+            "||g + wd * w|| is 0 (optax, optax/_src/alias.py lars); False: the denominator "
+            "||g|| + wd * ||w|| + eps",
+            kind="flag",
+        ),
     ),
     options=(),
     state=("momentum_buffer",),
@@ -335,25 +362,54 @@ LAMB_SPEC = OptimizerSpec(
     name="LAMB",
     hypers=(
         _lr(1e-3),
-        Hyper("betas", (0.9, 0.999), "the moments' decay rates, each in [0, 1)", kind="pair",
-              high=1.0, parts=("b1", "b2")),
+        Hyper(
+            "betas",
+            (0.9, 0.999),
+            "the moments' decay rates, each in [0, 1)",
+            kind="pair",
+            high=1.0,
+            parts=("b1", "b2"),
+        ),
         Hyper("eps", 1e-6, "added to sqrt(v_hat)"),
         _WEIGHT_DECAY,
         Hyper("bias_correction", True, "divide the moments by 1 - b^t", kind="flag"),
         _TRUST_RATIO,
-        Hyper("adam_w_mode", True, "u = r + wd * w (decoupled); False: L2, g + wd * w enters "
-              "the moments and u = r (apex FusedLAMB adam_w_mode=False)", kind="flag"),
-        Hyper("grad_averaging", True, "m = b1 * m + (1 - b1) * g; False: m = b1 * m + g "
-              "(apex FusedLAMB, timm)", kind="flag"),
-        Hyper("adapt_without_decay", True, "the trust ratio also where weight_decay is 0; "
-              "False: only where it is not (apex FusedLAMB's default, timm's)", kind="flag"),
-        Hyper("freeze_step", None, "after step t = freeze_step, v and its bias correction "
-              "stay as they are (1-bit LAMB's and 1-bit Adam's frozen variance); None: never",
-              kind="count", low=1, high=float(2**31 - 1), optional=True, none_as=float(2**31 - 1)),
+        Hyper(
+            "adam_w_mode",
+            True,
+            "u = r + wd * w (decoupled); False: L2, g + wd * w enters "
+            "the moments and u = r (apex FusedLAMB adam_w_mode=False)",
+            kind="flag",
+        ),
+        Hyper(
+            "grad_averaging",
+            True,
+            "m = b1 * m + (1 - b1) * g; False: m = b1 * m + g (apex FusedLAMB, timm)",
+            kind="flag",
+        ),
+        Hyper(
+            "adapt_without_decay",
+            True,
+            "the trust ratio also where weight_decay is 0; "
+            "False: only where it is not (apex FusedLAMB's default, timm's)",
+            kind="flag",
+        ),
+        Hyper(
+            "freeze_step",
+            None,
+            "after step t = freeze_step, v and its bias correction "
+            "stay as they are (1-bit LAMB's and 1-bit Adam's frozen variance); None: never",
+            kind="count",
+            low=1,
+            high=float(2**31 - 1),
+            optional=True,
+            none_as=float(2**31 - 1),
+        ),
     ),
     options=(
-        Hyper("max_grad_norm", None, "clip all grads by their global norm first", low_open=True,
-              optional=True),
+        Hyper(
+            "max_grad_norm", None, "clip all grads by their global norm first", low_open=True, optional=True
+        ),
     ),
     state=("exp_avg", "exp_avg_sq"),
     hyperparams=LambHyperparams,
@@ -365,8 +421,10 @@ def _bind(spec: OptimizerSpec) -> None:
     spec.hyperparams.SPEC = spec
     names = tuple(f.name for f in fields(spec.hyperparams))
     if names != spec.group_keys[1:]:
-        raise AssertionError(f"{spec.hyperparams.__name__}'s fields {names} are not {spec.name}'s "
-                             f"group keys but lr, {spec.group_keys[1:]}")
+        raise AssertionError(
+            f"{spec.hyperparams.__name__}'s fields {names} are not {spec.name}'s "
+            f"group keys but lr, {spec.group_keys[1:]}"
+        )
 
 
 _bind(LARS_SPEC)

@@ -18,8 +18,17 @@ from largebatch.mixed_precision.torch import NORM_LAYERS
 from largebatch.recipes.registry import Recipe
 from largebatch.torch import LAMB, LARS, Schedule, make_schedule, param_groups
 
-__all__ = ["DTYPES", "MXNET_AGGREGATION", "build_loss", "build_model", "build_optimizer",
-           "build_schedule", "decay_groups", "mxnet_first_update", "setup_options"]
+__all__ = [
+    "DTYPES",
+    "MXNET_AGGREGATION",
+    "build_loss",
+    "build_model",
+    "build_optimizer",
+    "build_schedule",
+    "decay_groups",
+    "mxnet_first_update",
+    "setup_options",
+]
 
 # ``--precision`` -> the dtype of the model's params and inputs.
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -29,9 +38,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # how many params one optimizer call of MXNet's Updater takes.
 MXNET_AGGREGATION = 54
 
-_MODELS = {"resnet50": models.resnet50, "alexnet_bn": models.alexnet_bn,
-           "fmnist_cnn": models.fmnist_cnn, "fmnist_alexnet_bn": models.fmnist_alexnet_bn,
-           "small_cnn": models.small_cnn, "small_resnet": models.small_resnet}
+_MODELS = {
+    "resnet50": models.resnet50,
+    "alexnet_bn": models.alexnet_bn,
+    "fmnist_cnn": models.fmnist_cnn,
+    "fmnist_alexnet_bn": models.fmnist_alexnet_bn,
+    "small_cnn": models.small_cnn,
+    "small_resnet": models.small_resnet,
+}
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
@@ -66,8 +80,7 @@ def build_optimizer(
         )
     for group in groups:
         group.pop("trust_ratio", None)
-    return torch.optim.SGD(groups, lr=lr, nesterov=recipe.optimizer == "nesterov",
-                           **{"momentum": 0.9, **kw})
+    return torch.optim.SGD(groups, lr=lr, nesterov=recipe.optimizer == "nesterov", **{"momentum": 0.9, **kw})
 
 
 def setup_options(recipe: Recipe, world: int) -> dict[str, Any]:
@@ -81,8 +94,9 @@ def setup_options(recipe: Recipe, world: int) -> dict[str, Any]:
     return {"max_grad_norm": None if world > 1 else recipe.clip_per_process}
 
 
-def decay_groups(model: nn.Module, weight_decay: float, exclude: str,
-                 aggregate_num: int = MXNET_AGGREGATION) -> list[dict[str, Any]]:
+def decay_groups(
+    model: nn.Module, weight_decay: float, exclude: str, aggregate_num: int = MXNET_AGGREGATION
+) -> list[dict[str, Any]]:
     """``param_groups(model, weight_decay, ...)`` with the recipe's exclusion: ``"bn_bias"``
     (normalisation params and every bias: ``param_groups``' default), ``"bn"`` (only the
     normalisation layers' scale and shift; other biases are decayed and adapted),
@@ -105,14 +119,18 @@ def decay_groups(model: nn.Module, weight_decay: float, exclude: str,
         adapted, excluded = param_groups(model, weight_decay)
         decayed = [p for p in excluded["params"] if id(p) in fc_bias]
         excluded["params"] = [p for p in excluded["params"] if id(p) not in fc_bias]
-        groups = [adapted, excluded,
-                  {"params": decayed, "weight_decay": weight_decay, "trust_ratio": False}]
+        groups = [adapted, excluded, {"params": decayed, "weight_decay": weight_decay, "trust_ratio": False}]
         first = {id(p) for p in mxnet_first_update(model, aggregate_num)}
         split = []
         for group in groups:
             split.append({**group, "params": [p for p in group["params"] if id(p) in first]})
-            split.append({**group, "params": [p for p in group["params"] if id(p) not in first],
-                          "lr_in_momentum": True})
+            split.append(
+                {
+                    **group,
+                    "params": [p for p in group["params"] if id(p) not in first],
+                    "lr_in_momentum": True,
+                }
+            )
         return [g for g in split if g["params"]]
     raise ValueError(f"Invalid decay_exclude: {exclude!r} (bn_bias, bn, none or nvidia)")
 
@@ -142,12 +160,18 @@ def mxnet_first_update(model: nn.Module, aggregate_num: int = MXNET_AGGREGATION)
 
 def _norm_params(model: nn.Module) -> set[int]:
     """The ids of the normalisation layers' own params (scale and shift)."""
-    return {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS)
-            for p in m.parameters(recurse=False)}
+    return {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
 
 
-def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, n_train: int, batch: int,
-                   warmup_epochs: float | None = None) -> Schedule:
+def build_schedule(
+    recipe: Recipe,
+    *,
+    peak_lr: float,
+    epochs: int,
+    n_train: int,
+    batch: int,
+    warmup_epochs: float | None = None,
+) -> Schedule:
     """The recipe's lr schedule (its shape, ``power`` and ``milestones``) for a run of
     ``epochs`` epochs of ``n_train`` images at ``batch``, peaking at ``peak_lr``.
 
@@ -162,12 +186,20 @@ def build_schedule(recipe: Recipe, *, peak_lr: float, epochs: int, n_train: int,
     per_epoch = recipe.epoch_length(n_train, batch)
     total = recipe.epoch_end(epochs, n_train, batch)
     warmup_steps = min(round(warmup * per_epoch), total)
-    milestones = sorted({round(m * per_epoch) for m in shape.milestones
-                         if warmup_steps <= round(m * per_epoch) < total})
-    return make_schedule(shape.schedule, peak_lr=peak_lr, total_steps=total,
-                         warmup_steps=warmup_steps, init_lr=recipe.init_lr,
-                         end_lr=recipe.end_lr, power=shape.power, milestones=milestones,
-                         offset=recipe.schedule_offset)
+    milestones = sorted(
+        {round(m * per_epoch) for m in shape.milestones if warmup_steps <= round(m * per_epoch) < total}
+    )
+    return make_schedule(
+        shape.schedule,
+        peak_lr=peak_lr,
+        total_steps=total,
+        warmup_steps=warmup_steps,
+        init_lr=recipe.init_lr,
+        end_lr=recipe.end_lr,
+        power=shape.power,
+        milestones=milestones,
+        offset=recipe.schedule_offset,
+    )
 
 
 def build_loss(recipe: Recipe) -> nn.Module:

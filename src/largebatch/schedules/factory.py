@@ -161,8 +161,7 @@ def make_schedule(
     checks.integer("total_steps", total_steps, 1)
     if not (_is_integer(warmup_steps) and 0 <= warmup_steps <= total_steps):
         raise ValueError(
-            f"Invalid warmup_steps: {warmup_steps!r} (must be an integer in "
-            f"[0, total_steps={total_steps}])"
+            f"Invalid warmup_steps: {warmup_steps!r} (must be an integer in [0, total_steps={total_steps}])"
         )
     checks.integer("offset", offset, 0)
     if decay_steps is not None:
@@ -175,9 +174,7 @@ def make_schedule(
         raise ValueError(f"Invalid milestones: {milestones!r} (must be a sequence of integers)")
     milestones = tuple(milestones)
     if milestones and name != "step":
-        raise ValueError(
-            f"milestones={milestones} only apply to the 'step' schedule, not to {name!r}"
-        )
+        raise ValueError(f"milestones={milestones} only apply to the 'step' schedule, not to {name!r}")
     if name == "step":
         previous = warmup_steps - 1
         for m in milestones:

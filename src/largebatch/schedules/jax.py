@@ -33,9 +33,7 @@ class OptaxSchedule:
     def __call__(self, count: jax.typing.ArrayLike) -> jax.Array:
         kind = jnp.result_type(count)
         if not (jnp.issubdtype(kind, jnp.integer) or jnp.issubdtype(kind, jnp.floating)):
-            raise ValueError(
-                f"Invalid step: {count!r} of dtype {kind} (must be an integer or float count)"
-            )
+            raise ValueError(f"Invalid step: {count!r} of dtype {kind} (must be an integer or float count)")
         return self.schedule.evaluate(count, jnp, self.dtype)
 
 

@@ -47,8 +47,11 @@ def _scaled(name: str, base_lr: float, batch_size: int, base_batch_size: int, po
     checks.integer("batch_size", batch_size, 1)
     checks.integer("base_batch_size", base_batch_size, 1)
     try:
-        lr = (base_lr * batch_size / base_batch_size if power == 1.0
-              else base_lr * (batch_size / base_batch_size) ** power)
+        lr = (
+            base_lr * batch_size / base_batch_size
+            if power == 1.0
+            else base_lr * (batch_size / base_batch_size) ** power
+        )
     except OverflowError:
         lr = math.inf
     if not math.isfinite(lr):

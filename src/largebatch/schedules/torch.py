@@ -76,9 +76,7 @@ class ScheduleLR(LRScheduler):
         else:
             schedules = [cast("Callable[[int], float]", schedule)] * n_groups
         if len(schedules) != n_groups:
-            raise ValueError(
-                f"Expected one schedule per param group ({n_groups}), got {len(schedules)}"
-            )
+            raise ValueError(f"Expected one schedule per param group ({n_groups}), got {len(schedules)}")
         for i, s in enumerate(schedules):
             if not callable(s):
                 raise ValueError(f"Schedule {i} is not callable: {s!r}")

@@ -15,12 +15,35 @@ from typing import Any
 from largebatch import checks
 from largebatch.recipes.registry import COMPRESSIONS, TRAIN_IMAGES, Recipe, get_recipe
 
-__all__ = ["BASELINE", "COMPRESSIONS", "DEFAULT_BATCHES", "DEFAULT_OPTIMIZERS", "EXCHANGE_FIELDS",
-           "FULL_BATCHES", "GRID_CENTRES", "LARGE_BATCHES", "QUICK_PAIRS", "STUDY_MODELS",
-           "STUDY_OPTIMIZERS", "VAL_SIZE",
-           "RunSpec", "StudyConfig", "best_run", "check_config", "config_from_runs", "fastest_plan",
-           "held_out", "pair_plan", "pair_recipe", "plan", "round_lr", "runs_left", "run_steps",
-           "steps_to", "validation_target"]
+__all__ = [
+    "BASELINE",
+    "COMPRESSIONS",
+    "DEFAULT_BATCHES",
+    "DEFAULT_OPTIMIZERS",
+    "EXCHANGE_FIELDS",
+    "FULL_BATCHES",
+    "GRID_CENTRES",
+    "LARGE_BATCHES",
+    "QUICK_PAIRS",
+    "STUDY_MODELS",
+    "STUDY_OPTIMIZERS",
+    "VAL_SIZE",
+    "RunSpec",
+    "StudyConfig",
+    "best_run",
+    "check_config",
+    "config_from_runs",
+    "fastest_plan",
+    "held_out",
+    "pair_plan",
+    "pair_recipe",
+    "plan",
+    "round_lr",
+    "runs_left",
+    "run_steps",
+    "steps_to",
+    "validation_target",
+]
 
 BASELINE = (128, "sgd")
 LARGE_BATCHES = (384, 1536, 3072)
@@ -50,8 +73,12 @@ EXCHANGE_FIELDS = ("workers", "compression", "compression_warmup", "freeze_varia
 GRID_CENTRES: dict[tuple[str, int], float] = {
     ("sgd", 128): 0.2,
     **{(o, b): 0.2 * b / 128 for o in ("sgd", "nesterov") for b in LARGE_BATCHES},
-    ("lars", 384): 8.0, ("lars", 1536): 16.0, ("lars", 3072): 24.0,
-    ("lamb", 384): 0.064, ("lamb", 1536): 0.128, ("lamb", 3072): 0.18,
+    ("lars", 384): 8.0,
+    ("lars", 1536): 16.0,
+    ("lars", 3072): 24.0,
+    ("lamb", 384): 0.064,
+    ("lamb", 1536): 0.128,
+    ("lamb", 3072): 0.18,
 }
 
 
@@ -130,8 +157,7 @@ class StudyConfig:
     def settings(self) -> dict[str, Any]:
         """What the study runs, as JSON values (``OUT/settings.json``): every field but
         those saying where and how it runs (:data:`ENVIRONMENT`)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ENVIRONMENT}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ENVIRONMENT}
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], **environment: Any) -> StudyConfig:
@@ -150,8 +176,7 @@ class StudyConfig:
 
 
 # The StudyConfig fields that are True or False.
-_FLAGS = ("quick", "ablate", "report_only", "time_to_accuracy", "freeze_variance",
-          "scale_warmups")
+_FLAGS = ("quick", "ablate", "report_only", "time_to_accuracy", "freeze_variance", "scale_warmups")
 # The fields that are lists (tuples here), none of them empty.
 _LISTS = ("batches", "optimizers", "lr_factors", "small_warmups", "large_warmups")
 
@@ -176,8 +201,9 @@ def _check_kinds(cfg: StudyConfig) -> None:
     for f in cfg.lr_factors:
         checks.number("lr_factors", f, 0.0)
         if math.log2(f) != round(math.log2(f)):
-            raise ValueError(f"Invalid lr_factors: {f!r} (each must be a power of 2: the grid "
-                             "steps by factors of 2)")
+            raise ValueError(
+                f"Invalid lr_factors: {f!r} (each must be a power of 2: the grid steps by factors of 2)"
+            )
     for name in ("small_warmups", "large_warmups"):
         for w in getattr(cfg, name):
             checks.number(name, w, 0.0, strict=False)
@@ -185,10 +211,13 @@ def _check_kinds(cfg: StudyConfig) -> None:
     checks.integer("extend", cfg.extend, 0)
     if cfg.target is not None:
         checks.number("target", cfg.target, 0.0, high=1.0)
-    if cfg.only is not None and not (isinstance(cfg.only, tuple) and all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], str) for p in cfg.only)):
-        raise ValueError(f"Invalid only: {_listed(cfg.only)!r} (must be null or a list of [batch, "
-                         "optimizer] pairs)")
+    if cfg.only is not None and not (
+        isinstance(cfg.only, tuple)
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], str) for p in cfg.only)
+    ):
+        raise ValueError(
+            f"Invalid only: {_listed(cfg.only)!r} (must be null or a list of [batch, optimizer] pairs)"
+        )
 
 
 def check_config(cfg: StudyConfig) -> None:
@@ -196,24 +225,29 @@ def check_config(cfg: StudyConfig) -> None:
     _check_kinds(cfg)
     for b in cfg.batches:
         if b not in FULL_BATCHES:
-            raise ValueError(f"Invalid batch {b}: the study's recipes cover "
-                             f"{', '.join(map(str, FULL_BATCHES))}")
+            raise ValueError(
+                f"Invalid batch {b}: the study's recipes cover {', '.join(map(str, FULL_BATCHES))}"
+            )
     for o in cfg.optimizers:
         if o not in STUDY_OPTIMIZERS:
             raise ValueError(f"Invalid optimizer {o!r}: known {', '.join(STUDY_OPTIMIZERS)}")
     if not cfg.pairs():
-        raise ValueError("No (batch, optimizer) pair to run: the baseline is sgd at 128, the "
-                         f"other batches are {', '.join(map(str, LARGE_BATCHES))}")
+        raise ValueError(
+            "No (batch, optimizer) pair to run: the baseline is sgd at 128, the "
+            f"other batches are {', '.join(map(str, LARGE_BATCHES))}"
+        )
     for name, low in (("seeds", 1), ("epochs", 1), ("subset", 1), ("jobs", 1), ("threads", 1)):
         if getattr(cfg, name) is not None:
             checks.integer(name, getattr(cfg, name), low)
     largest = max(b for b, _ in cfg.pairs())
     if cfg.subset is not None and cfg.quick and min(cfg.subset, FASHION_IMAGES) < largest:
-        raise ValueError(f"Invalid subset: {cfg.subset} (the runs train on it: it must hold "
-                         f"one batch of {largest})")
+        raise ValueError(
+            f"Invalid subset: {cfg.subset} (the runs train on it: it must hold one batch of {largest})"
+        )
     if cfg.subset is not None and not cfg.quick and cfg.subset - cfg.subset // 6 < largest:
-        raise ValueError(f"Invalid subset: {cfg.subset} (its tuning split, five sixths, must "
-                         f"hold one batch of {largest})")
+        raise ValueError(
+            f"Invalid subset: {cfg.subset} (its tuning split, five sixths, must hold one batch of {largest})"
+        )
     if not 0 <= cfg.label_smoothing < 1:
         raise ValueError(f"Invalid label_smoothing: {cfg.label_smoothing} (must be in [0, 1))")
     checks.number("power", cfg.power, 0.0)
@@ -222,8 +256,9 @@ def check_config(cfg: StudyConfig) -> None:
     if cfg.time_to_accuracy not in (True, False):
         raise ValueError(f"Invalid time_to_accuracy: {cfg.time_to_accuracy!r} (must be True or False)")
     if cfg.time_to_accuracy and cfg.quick:
-        raise ValueError("Invalid time_to_accuracy with quick: it picks among the tuning runs, "
-                         "and a quick study has none")
+        raise ValueError(
+            "Invalid time_to_accuracy with quick: it picks among the tuning runs, and a quick study has none"
+        )
     checks.integer("workers", cfg.workers, 1)
     for b in cfg.batches:
         if b % cfg.workers:
@@ -235,11 +270,15 @@ def check_config(cfg: StudyConfig) -> None:
     if cfg.freeze_variance not in (True, False):
         raise ValueError(f"Invalid freeze_variance: {cfg.freeze_variance!r} (must be True or False)")
     if cfg.freeze_variance and "lamb" not in cfg.optimizers:
-        raise ValueError("Invalid freeze_variance: only LAMB has a second moment to freeze "
-                         f"(optimizers: {','.join(cfg.optimizers)})")
+        raise ValueError(
+            "Invalid freeze_variance: only LAMB has a second moment to freeze "
+            f"(optimizers: {','.join(cfg.optimizers)})"
+        )
     if cfg.freeze_variance and cfg.compression_warmup < 1:
-        raise ValueError("Invalid freeze_variance with compression_warmup 0: the variance is "
-                         "frozen when the plain exchange ends, and it needs an epoch of it")
+        raise ValueError(
+            "Invalid freeze_variance with compression_warmup 0: the variance is "
+            "frozen when the plain exchange ends, and it needs an epoch of it"
+        )
 
 
 def pair_recipe(batch: int, optimizer: str) -> Recipe:
@@ -281,14 +320,19 @@ class RunSpec:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     def describe(self) -> str:
-        return (f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
-                f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
-                f"power={self.power:g} seed={self.seed}"
-                + (f" workers={self.workers} {self.compression}" if self.workers > 1 else "")
-                + (f" after {self.compression_warmup}" if self.compression != "none" else "")
-                + (f" v frozen after {self.compression_warmup}"
-                   if self.freeze_variance and self.optimizer == "lamb" else "")
-                + (f" {self.model}" if self.model != "fmnist_cnn" else ""))
+        return (
+            f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
+            f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
+            f"power={self.power:g} seed={self.seed}"
+            + (f" workers={self.workers} {self.compression}" if self.workers > 1 else "")
+            + (f" after {self.compression_warmup}" if self.compression != "none" else "")
+            + (
+                f" v frozen after {self.compression_warmup}"
+                if self.freeze_variance and self.optimizer == "lamb"
+                else ""
+            )
+            + (f" {self.model}" if self.model != "fmnist_cnn" else "")
+        )
 
 
 def best_run(runs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -312,14 +356,32 @@ def _grid(cfg: StudyConfig, batch: int, optimizer: str, exponents: Sequence[int]
     ``exponents``, crossed with the batch's warmups, every technique on."""
     recipe = pair_recipe(batch, optimizer)
     centre, epochs = GRID_CENTRES[optimizer, batch], cfg.epochs or recipe.epochs
-    return [RunSpec("tune", batch, optimizer, round_lr(centre * 2.0**k), cfg.warmup(w, recipe),
-                    0, epochs, cfg.subset, cfg.label_smoothing, cfg.power, cfg.workers,
-                    cfg.compression, cfg.compression_warmup, cfg.freeze_variance, cfg.model)
-            for k in exponents for w in cfg.warmups(batch)]
+    return [
+        RunSpec(
+            "tune",
+            batch,
+            optimizer,
+            round_lr(centre * 2.0**k),
+            cfg.warmup(w, recipe),
+            0,
+            epochs,
+            cfg.subset,
+            cfg.label_smoothing,
+            cfg.power,
+            cfg.workers,
+            cfg.compression,
+            cfg.compression_warmup,
+            cfg.freeze_variance,
+            cfg.model,
+        )
+        for k in exponents
+        for w in cfg.warmups(batch)
+    ]
 
 
-def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
-              optimizer: str) -> tuple[list[RunSpec], list[RunSpec]]:
+def pair_plan(
+    cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
+) -> tuple[list[RunSpec], list[RunSpec]]:
     """One pair's ``(tuning runs, final runs)`` as far as the finished ``results`` (by
     :attr:`RunSpec.key`) settle them; the final runs stay empty while tuning is incomplete.
 
@@ -337,11 +399,25 @@ def pair_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
         return [dataclasses.replace(best, phase="final", seed=seed) for seed in range(cfg.seeds)]
 
     if cfg.quick:
-        return [], finals(RunSpec("final", batch, optimizer, round_lr(recipe.peak_lr),
-                                  cfg.warmup(recipe.warmup_epochs, recipe), 0, epochs,
-                                  cfg.subset, recipe.label_smoothing, recipe.power, cfg.workers,
-                                  cfg.compression, cfg.compression_warmup, cfg.freeze_variance,
-                                  cfg.model))
+        return [], finals(
+            RunSpec(
+                "final",
+                batch,
+                optimizer,
+                round_lr(recipe.peak_lr),
+                cfg.warmup(recipe.warmup_epochs, recipe),
+                0,
+                epochs,
+                cfg.subset,
+                recipe.label_smoothing,
+                recipe.power,
+                cfg.workers,
+                cfg.compression,
+                cfg.compression_warmup,
+                cfg.freeze_variance,
+                cfg.model,
+            )
+        )
     centre = GRID_CENTRES[optimizer, batch]
     exponents = sorted({round(math.log2(f)) for f in cfg.lr_factors})
     for grown in range(cfg.extend + 1):
@@ -374,8 +450,9 @@ def validation_target(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> f
     return math.floor((best_run(results[s.key] for s in tune)["accuracy"] - 0.01) * 1000) / 1000
 
 
-def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int,
-                 optimizer: str) -> tuple[list[RunSpec], list[RunSpec]]:
+def fastest_plan(
+    cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
+) -> tuple[list[RunSpec], list[RunSpec]]:
     """With ``cfg.time_to_accuracy``: the pair tuned for time to accuracy, as
     ``(tuning runs beyond pair_plan's, final runs)``. The pick is the tuning run that
     reaches :func:`validation_target` in the fewest steps (ties: the higher final accuracy,
@@ -400,14 +477,17 @@ def fastest_plan(cfg: StudyConfig, results: dict[str, dict[str, Any]], batch: in
         reached = [(n, r) for n, r in timed if n is not None]
         if not reached:
             return extra, []
-        _, best = min(reached, key=lambda x: (x[0], -x[1]["accuracy"], x[1]["spec"]["lr"],
-                                              x[1]["spec"]["warmup_epochs"]))
+        _, best = min(
+            reached,
+            key=lambda x: (x[0], -x[1]["accuracy"], x[1]["spec"]["lr"], x[1]["spec"]["warmup_epochs"]),
+        )
         spec = RunSpec(**best["spec"])
         lrs = [s.lr for s in (*tune, *extra)]
         if grown == cfg.extend or spec.lr not in (min(lrs), max(lrs)):
             break
-        more = _grid(cfg, batch, optimizer,
-                     [round(math.log2(spec.lr / centre)) + (1 if spec.lr == max(lrs) else -1)])
+        more = _grid(
+            cfg, batch, optimizer, [round(math.log2(spec.lr / centre)) + (1 if spec.lr == max(lrs) else -1)]
+        )
         extra += more
         if any(s.key not in results for s in more):
             return extra, []
@@ -455,16 +535,15 @@ def runs_left(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> list[RunS
         todo += [s for s in (*tune, *final) if s.key not in results]
         todo += [s for s in (*fast_tune, *fast) if s.key not in results and s not in final]
         if not final and tune:
-            if cfg.ablate and all((s.label_smoothing, s.power) == (cfg.label_smoothing, cfg.power)
-                                  for s in tune):
+            if cfg.ablate and all(
+                (s.label_smoothing, s.power) == (cfg.label_smoothing, cfg.power) for s in tune
+            ):
                 todo += _without_techniques(cfg, tune[0])
-            todo += [dataclasses.replace(tune[0], phase="final", seed=seed)
-                     for seed in range(cfg.seeds)]
+            todo += [dataclasses.replace(tune[0], phase="final", seed=seed) for seed in range(cfg.seeds)]
     return todo
 
 
-def config_from_runs(results: dict[str, dict[str, Any]],
-                     given: dict[str, Any] | None = None) -> StudyConfig:
+def config_from_runs(results: dict[str, dict[str, Any]], given: dict[str, Any] | None = None) -> StudyConfig:
     """The settings of the study whose finished runs are ``results``, read from the runs
     alone (a study folder without ``settings.json``), with ``scale_warmups`` False: each
     run's warmup is taken as it is recorded.
@@ -485,8 +564,9 @@ def config_from_runs(results: dict[str, dict[str, Any]],
             return given[name]
         values = sorted({getattr(s, name) for s in specs}, key=repr)
         if len(values) > 1:
-            raise ValueError(f"its runs differ in {name} ({', '.join(map(str, values))}): "
-                             f"give --{name.replace('_', '-')}")
+            raise ValueError(
+                f"its runs differ in {name} ({', '.join(map(str, values))}): give --{name.replace('_', '-')}"
+            )
         return values[0]
 
     def order(optimizer: str) -> tuple[int, str]:
@@ -496,20 +576,31 @@ def config_from_runs(results: dict[str, dict[str, Any]],
     common = {name: one(name) for name in ("epochs", "subset", "model", *EXCHANGE_FIELDS)}
     specs = [s for s in specs if all(getattr(s, k) == v for k, v in common.items())]
     if not specs:
-        raise ValueError("none of its runs has " + ", ".join(
-            f"{name.replace('_', ' ')} {value}" for name, value in given.items()))
+        raise ValueError(
+            "none of its runs has "
+            + ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in given.items())
+        )
     pairs = sorted({(s.batch, s.optimizer) for s in specs}, key=lambda p: (p[0], order(p[1])))
     batches = tuple(sorted({b for b, _ in pairs}))
     optimizers = tuple(sorted({o for _, o in pairs}, key=order))
     finals = [s for s in specs if s.phase == "final"]
     tune = [s for s in specs if s.phase == "tune"]
     seeds = max(s.seed for s in finals) + 1 if finals else 1 if not tune else StudyConfig.seeds
-    base = StudyConfig(quick=not tune, batches=batches, optimizers=optimizers,
-                       only=tuple(pairs), seeds=seeds, scale_warmups=False, **common)
+    base = StudyConfig(
+        quick=not tune,
+        batches=batches,
+        optimizers=optimizers,
+        only=tuple(pairs),
+        seeds=seeds,
+        scale_warmups=False,
+        **common,
+    )
     if not tune:
         return base
-    techniques = max({(s.label_smoothing, s.power) for s in tune},
-                     key=lambda t: sum((s.label_smoothing, s.power) == t for s in tune))
+    techniques = max(
+        {(s.label_smoothing, s.power) for s in tune},
+        key=lambda t: sum((s.label_smoothing, s.power) == t for s in tune),
+    )
     grid = [s for s in tune if (s.label_smoothing, s.power) == techniques]
     small = tuple(sorted({s.warmup_epochs for s in grid if s.batch == BASELINE[0]}))
     large = tuple(sorted({s.warmup_epochs for s in grid if s.batch != BASELINE[0]}))
@@ -531,6 +622,11 @@ def config_from_runs(results: dict[str, dict[str, Any]],
                     on_edge.append(grown[-1])
         extend = on_edge[0] if on_edge else max(extend, *grown)
     return dataclasses.replace(
-        base, label_smoothing=techniques[0], power=techniques[1], ablate=ablate,
-        extend=extend, small_warmups=small or StudyConfig.small_warmups,
-        large_warmups=large or StudyConfig.large_warmups)
+        base,
+        label_smoothing=techniques[0],
+        power=techniques[1],
+        ablate=ablate,
+        extend=extend,
+        small_warmups=small or StudyConfig.small_warmups,
+        large_warmups=large or StudyConfig.large_warmups,
+    )

@@ -15,7 +15,13 @@ from typing import Any, cast
 
 from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
 from largebatch.study.plan import (
-    BASELINE, StudyConfig, best_run, fastest_plan, pair_plan, steps_to, validation_target,
+    BASELINE,
+    StudyConfig,
+    best_run,
+    fastest_plan,
+    pair_plan,
+    steps_to,
+    validation_target,
 )
 
 __all__ = ["TOLERANCES", "compare_markdown", "plot", "study_markdown", "summarize"]
@@ -32,13 +38,30 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     for batch, optimizer in cfg.pairs():
         tune, final = pair_plan(cfg, results, batch, optimizer)
         tuned = [results[s.key] for s in tune if s.key in results]
-        on = [r for r in tuned if (r["spec"]["label_smoothing"], r["spec"]["power"]) == (
-            cfg.label_smoothing, cfg.power)]
+        on = [
+            r
+            for r in tuned
+            if (r["spec"]["label_smoothing"], r["spec"]["power"]) == (cfg.label_smoothing, cfg.power)
+        ]
         if on:
-            grids.append({"batch": batch, "optimizer": optimizer, "runs": sorted(
-                ({"lr": r["spec"]["lr"], "warmup_epochs": r["spec"]["warmup_epochs"],
-                  "accuracy": r["accuracy"], "diverged": r["diverged"]} for r in on),
-                key=lambda g: (g["warmup_epochs"], g["lr"]))})
+            grids.append(
+                {
+                    "batch": batch,
+                    "optimizer": optimizer,
+                    "runs": sorted(
+                        (
+                            {
+                                "lr": r["spec"]["lr"],
+                                "warmup_epochs": r["spec"]["warmup_epochs"],
+                                "accuracy": r["accuracy"],
+                                "diverged": r["diverged"],
+                            }
+                            for r in on
+                        ),
+                        key=lambda g: (g["warmup_epochs"], g["lr"]),
+                    ),
+                }
+            )
         if len(on) < len(tuned):
             techniques.append(_techniques(batch, optimizer, on, tuned))
         row = _row(batch, optimizer, tune, final, results)
@@ -53,11 +76,18 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     if target is None and base is not None:
         target = math.floor((base["accuracy_mean"] - 0.01) * 1000) / 1000
     _compare(rows, base, target)
-    summary = {"quick": cfg.quick, "target": target, "n_train": n_train, "rows": rows,
-               "grids": grids, "techniques": techniques, "model": cfg.model,
-               # What the folder's runs cost: each run's own wall time, summed
-               "runs": len(results),
-               "run_seconds": sum(r.get("seconds", 0.0) for r in results.values())}
+    summary = {
+        "quick": cfg.quick,
+        "target": target,
+        "n_train": n_train,
+        "rows": rows,
+        "grids": grids,
+        "techniques": techniques,
+        "model": cfg.model,
+        # What the folder's runs cost: each run's own wall time, summed
+        "runs": len(results),
+        "run_seconds": sum(r.get("seconds", 0.0) for r in results.values()),
+    }
     if cfg.time_to_accuracy:  # each pair also tuned for steps to the target (MLPerf's metric)
         fast_base = next((r for r in fast_rows if (r["batch"], r["optimizer"]) == BASELINE), None)
         _compare(fast_rows, fast_base, target)
@@ -65,8 +95,9 @@ def summarize(cfg: StudyConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     return summary
 
 
-def _row(batch: int, optimizer: str, tune: list[Any], final: list[Any],
-         results: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+def _row(
+    batch: int, optimizer: str, tune: list[Any], final: list[Any], results: dict[str, dict[str, Any]]
+) -> dict[str, Any] | None:
     """A pair's row from its finished ``final`` runs (None when none has finished)."""
     finals = [results[s.key] for s in final if s.key in results]
     if not finals:
@@ -75,17 +106,22 @@ def _row(batch: int, optimizer: str, tune: list[Any], final: list[Any],
     return {
         # The full training set names the batch, whatever the subset trained on (as in
         # ``largebatch train``).
-        "batch": batch, "imagenet_batch": imagenet_equivalent(batch, TRAIN_IMAGES["fashion-mnist"]),
-        "optimizer": optimizer, "epochs": spec.epochs,
-        "steps": spec.epochs * finals[0]["steps_per_epoch"], "lr": spec.lr,
-        "warmup_epochs": spec.warmup_epochs, "label_smoothing": spec.label_smoothing,
-        "power": spec.power, "seeds": len(accs),
+        "batch": batch,
+        "imagenet_batch": imagenet_equivalent(batch, TRAIN_IMAGES["fashion-mnist"]),
+        "optimizer": optimizer,
+        "epochs": spec.epochs,
+        "steps": spec.epochs * finals[0]["steps_per_epoch"],
+        "lr": spec.lr,
+        "warmup_epochs": spec.warmup_epochs,
+        "label_smoothing": spec.label_smoothing,
+        "power": spec.power,
+        "seeds": len(accs),
         "accuracy_mean": statistics.fmean(accs),
         "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-        "accuracies": accs, "curves": [r["curve"] for r in finals],
+        "accuracies": accs,
+        "curves": [r["curve"] for r in finals],
         "diverged": sum(r["diverged"] for r in finals),
-        "lr_on_grid_edge": bool(tune) and spec.lr in (min(t.lr for t in tune),
-                                                      max(t.lr for t in tune)),
+        "lr_on_grid_edge": bool(tune) and spec.lr in (min(t.lr for t in tune), max(t.lr for t in tune)),
     }
 
 
@@ -96,8 +132,7 @@ def _compare(rows: list[dict[str, Any]], base: dict[str, Any] | None, target: fl
     ``base``'s."""
     for row in rows:
         row["delta_vs_baseline"] = None if base is None else _points(row, base) / 100
-        row["delta_vs_baseline_se"] = (None if base is None or row is base
-                                       else _standard_error(row, base))
+        row["delta_vs_baseline_se"] = None if base is None or row is base else _standard_error(row, base)
         row["steps_to_target"] = [steps_to(c, target) for c in row["curves"]] if target is not None else []
     base_steps = _mean_steps(base["steps_to_target"]) if base is not None else None
     for row in rows:
@@ -116,8 +151,9 @@ def _mean_steps(steps: Sequence[int | None]) -> float | None:
     return statistics.fmean(cast("Sequence[int]", steps)) if steps and None not in steps else None
 
 
-def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],
-                tuned: list[dict[str, Any]]) -> dict[str, Any]:
+def _techniques(
+    batch: int, optimizer: str, on: list[dict[str, Any]], tuned: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The validation accuracy of the pair's best grid point with every technique on, and
     with each switched off: the other warmup of the grid at the same lr, label smoothing
     0, poly power 1."""
@@ -130,12 +166,20 @@ def _techniques(batch: int, optimizer: str, on: list[dict[str, Any]],
             off["no_label_smoothing"] = r["accuracy"]
         elif r["spec"]["power"] != spec["power"]:
             off["power_1"] = r["accuracy"]
-    return {"batch": batch, "optimizer": optimizer, "lr": spec["lr"],
-            "warmup_epochs": spec["warmup_epochs"], "label_smoothing": spec["label_smoothing"],
-            "power": spec["power"], "accuracy": best["accuracy"],
-            "other_warmup": [{"warmup_epochs": r["spec"]["warmup_epochs"],
-                              "accuracy": r["accuracy"]} for r in other_warmup],
-            **off, "chosen": best_run(tuned)["spec"]}
+    return {
+        "batch": batch,
+        "optimizer": optimizer,
+        "lr": spec["lr"],
+        "warmup_epochs": spec["warmup_epochs"],
+        "label_smoothing": spec["label_smoothing"],
+        "power": spec["power"],
+        "accuracy": best["accuracy"],
+        "other_warmup": [
+            {"warmup_epochs": r["spec"]["warmup_epochs"], "accuracy": r["accuracy"]} for r in other_warmup
+        ],
+        **off,
+        "chosen": best_run(tuned)["spec"],
+    }
 
 
 def _steps_text(steps: Sequence[int | None]) -> str:
@@ -156,8 +200,11 @@ def _table(rows: list[dict[str, Any]], reach: str) -> list[str]:
         "|---:|---:|---|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        delta = "-" if r["delta_vs_baseline"] is None else _shown(
-            100 * r["delta_vs_baseline"], r.get("delta_vs_baseline_se"))
+        delta = (
+            "-"
+            if r["delta_vs_baseline"] is None
+            else _shown(100 * r["delta_vs_baseline"], r.get("delta_vs_baseline_se"))
+        )
         div = f", {r['diverged']} diverged" if r["diverged"] else ""
         lines.append(
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
@@ -165,7 +212,8 @@ def _table(rows: list[dict[str, Any]], reach: str) -> list[str]:
             f"{r['warmup_epochs']:g} | {r['label_smoothing']:g}, poly {r['power']:g} | "
             f"{_mean_std(r)} ({r['seeds']}{div}) "
             f"| {delta} | {_steps_text(r['steps_to_target'])} | "
-            f"{'-' if r['fewer_steps'] is None else format(r['fewer_steps'], '.1f') + 'x'} |")
+            f"{'-' if r['fewer_steps'] is None else format(r['fewer_steps'], '.1f') + 'x'} |"
+        )
     return lines
 
 
@@ -176,46 +224,70 @@ def study_markdown(summary: dict[str, Any]) -> str:
     lines = _table(summary["rows"], reach)
     if "fast_rows" in summary:
         val = summary["validation_target"]
-        lines += ["", f"Tuned for time to accuracy: each pair's tuning run that reached "
-                  f"{'the validation target' if val is None else format(val, '.1%')} on "
-                  "validation in the fewest steps (the baseline's best validation accuracy "
-                  "minus one point), run again on the test set:", "",
-                  *_table(summary["fast_rows"], reach)]
+        lines += [
+            "",
+            f"Tuned for time to accuracy: each pair's tuning run that reached "
+            f"{'the validation target' if val is None else format(val, '.1%')} on "
+            "validation in the fewest steps (the baseline's best validation accuracy "
+            "minus one point), run again on the test set:",
+            "",
+            *_table(summary["fast_rows"], reach),
+        ]
     if any(r["lr_on_grid_edge"] for r in (*summary["rows"], *summary.get("fast_rows", []))):
         lines += ["", "(edge): the best lr lies on the edge of the tuned grid, after it grew."]
     if summary["grids"]:
-        lines += ["", "Tuning (validation accuracy, %; best of each pair in bold; "
-                  "`div` marks a run whose loss turned non-finite):", ""]
+        lines += [
+            "",
+            "Tuning (validation accuracy, %; best of each pair in bold; "
+            "`div` marks a run whose loss turned non-finite):",
+            "",
+        ]
         for g in summary["grids"]:
             lrs = sorted({run["lr"] for run in g["runs"]})
             warmups = sorted({run["warmup_epochs"] for run in g["runs"]})
             best = best_run({"accuracy": run["accuracy"], "spec": run} for run in g["runs"])["spec"]
             cell = {(run["lr"], run["warmup_epochs"]): run for run in g["runs"]}
-            lines.append(f"B={g['batch']:,} {g['optimizer']}: "
-                         + "; ".join(f"warmup {w:g}: " + ", ".join(
-                             _grid_cell(cell.get((lr, w)), lr, cell.get((lr, w)) is best)
-                             for lr in lrs) for w in warmups))
+            lines.append(
+                f"B={g['batch']:,} {g['optimizer']}: "
+                + "; ".join(
+                    f"warmup {w:g}: "
+                    + ", ".join(_grid_cell(cell.get((lr, w)), lr, cell.get((lr, w)) is best) for lr in lrs)
+                    for w in warmups
+                )
+            )
             lines.append("")
     if summary.get("techniques"):
-        lines += ["", "Techniques switched off one at a time at each pair's best grid point "
-                  "(validation accuracy, %, seed 0; the final runs use the best of the row):",
-                  "", "| batch | optimizer | best grid point | all on | other warmup "
-                  "| no label smoothing | poly power 1 | chosen |",
-                  "|---:|---|---|---:|---|---:|---:|---|"]
+        lines += [
+            "",
+            "Techniques switched off one at a time at each pair's best grid point "
+            "(validation accuracy, %, seed 0; the final runs use the best of the row):",
+            "",
+            "| batch | optimizer | best grid point | all on | other warmup "
+            "| no label smoothing | poly power 1 | chosen |",
+            "|---:|---|---|---:|---|---:|---:|---|",
+        ]
         for t in summary["techniques"]:
-            other = ", ".join(f"{100 * o['accuracy']:.2f} ({o['warmup_epochs']:g} ep.)"
-                              for o in t["other_warmup"]) or "-"
+            other = (
+                ", ".join(
+                    f"{100 * o['accuracy']:.2f} ({o['warmup_epochs']:g} ep.)" for o in t["other_warmup"]
+                )
+                or "-"
+            )
             chosen = t["chosen"]
             lines.append(
                 f"| {t['batch']:,} | {t['optimizer']} | lr {t['lr']:g}, warmup "
                 f"{t['warmup_epochs']:g} | {100 * t['accuracy']:.2f} | {other} | "
                 f"{_pct(t.get('no_label_smoothing'))} | {_pct(t.get('power_1'))} | "
                 f"ls {chosen['label_smoothing']:g}, poly {chosen['power']:g}, warmup "
-                f"{chosen['warmup_epochs']:g} |")
+                f"{chosen['warmup_epochs']:g} |"
+            )
     if summary.get("runs"):
-        lines += ["", f"Run time: {summary['runs']} runs, {summary['run_seconds'] / 3600:.1f} h "
-                  "of training, each run's wall time summed (runs side by side share the "
-                  "machine: divide by the jobs at a time for the folder's wall time)."]
+        lines += [
+            "",
+            f"Run time: {summary['runs']} runs, {summary['run_seconds'] / 3600:.1f} h "
+            "of training, each run's wall time summed (runs side by side share the "
+            "machine: divide by the jobs at a time for the folder's wall time).",
+        ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -226,28 +298,32 @@ def compare_markdown(summaries: Sequence[dict[str, Any]]) -> str:
     against SGD with the standard error of the difference of the means, and the most
     times fewer steps to the target any optimizer takes than the baseline when each pair is
     tuned for it (a study run with ``--time-to-accuracy``); then each study's run time."""
-    lines = ["| model | batch (ImageNet-eq.) | baseline | sgd | lars | lamb "
-             "| best of lars/lamb vs baseline | lars vs sgd | lamb vs sgd "
-             "| fewer steps than baseline, tuned for speed |",
-             "|---|---:|---|---|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| model | batch (ImageNet-eq.) | baseline | sgd | lars | lamb "
+        "| best of lars/lamb vs baseline | lars vs sgd | lamb vs sgd "
+        "| fewer steps than baseline, tuned for speed |",
+        "|---|---:|---|---|---|---|---|---:|---:|---:|",
+    ]
     for summary in summaries:
         rows = {(r["batch"], r["optimizer"]): r for r in summary["rows"]}
         base = rows.get(BASELINE)
         for batch in sorted({b for b, _ in rows} - {BASELINE[0]}):
             sgd, lars, lamb = (rows.get((batch, o)) for o in ("sgd", "lars", "lamb"))
-            fast = [r for r in summary.get("fast_rows", []) if r["batch"] == batch
-                    and r["fewer_steps"] is not None]
+            fast = [
+                r
+                for r in summary.get("fast_rows", [])
+                if r["batch"] == batch and r["fewer_steps"] is not None
+            ]
             fastest = max(fast, key=lambda r: r["fewer_steps"], default=None)
-            speed = "-" if fastest is None else (
-                f"{fastest['fewer_steps']:.1f}x ({fastest['optimizer']})")
+            speed = "-" if fastest is None else (f"{fastest['fewer_steps']:.1f}x ({fastest['optimizer']})")
             lines.append(
                 f"| {summary['model']} | {batch:,} ({imagenet_equivalent(batch, summary['n_train']):,}) "
                 f"| {_cell(base)} | {_cell(sgd)} | {_cell(lars)} | {_cell(lamb)} "
                 f"| {_against_baseline([r for r in (lars, lamb) if r], base, TOLERANCES.get(batch))} "
                 f"| {_difference(lars, sgd)} | {_difference(lamb, sgd)} "
-                f"| {speed} |")
-    lines += ["", "| model | runs | hours of training (each run's wall time, summed) |",
-              "|---|---:|---:|"]
+                f"| {speed} |"
+            )
+    lines += ["", "| model | runs | hours of training (each run's wall time, summed) |", "|---|---:|---:|"]
     lines += [f"| {s['model']} | {s['runs']} | {s['run_seconds'] / 3600:.1f} |" for s in summaries]
     return "\n".join(lines) + "\n"
 
@@ -262,8 +338,7 @@ def _standard_error(row: dict[str, Any], other: dict[str, Any]) -> float | None:
     which has no spread to go by."""
     if min(row["seeds"], other["seeds"]) < 2:
         return None
-    return math.sqrt(row["accuracy_std"] ** 2 / row["seeds"]
-                     + other["accuracy_std"] ** 2 / other["seeds"])
+    return math.sqrt(row["accuracy_std"] ** 2 / row["seeds"] + other["accuracy_std"] ** 2 / other["seeds"])
 
 
 def _difference(row: dict[str, Any] | None, other: dict[str, Any] | None) -> str:
@@ -279,8 +354,9 @@ def _shown(points: float, error: float | None) -> str:
     return f"{points:+.2f}" if error is None else f"{points:+.2f} ± {100 * error:.2f}"
 
 
-def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
-                      tolerance: float | None) -> str:
+def _against_baseline(
+    rows: list[dict[str, Any]], base: dict[str, Any] | None, tolerance: float | None
+) -> str:
     """The best row's difference to ``base`` ± its standard error, and whether it is within
     ``tolerance`` by the one rule of every table: the difference of the means as shown
     (two decimals) at least ``-tolerance``."""
@@ -288,8 +364,11 @@ def _against_baseline(rows: list[dict[str, Any]], base: dict[str, Any] | None,
         return "-"
     best = max(rows, key=lambda r: r["accuracy_mean"])
     delta = _points(best, base)
-    verdict = "" if tolerance is None else (
-        f", {'within' if delta >= -100 * tolerance - 1e-9 else 'beyond'} {100 * tolerance:.1f}")
+    verdict = (
+        ""
+        if tolerance is None
+        else (f", {'within' if delta >= -100 * tolerance - 1e-9 else 'beyond'} {100 * tolerance:.1f}")
+    )
     return f"{_difference(best, base)} ({best['optimizer']}{verdict})"
 
 

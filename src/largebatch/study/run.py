@@ -23,14 +23,28 @@ from typing import Any
 
 from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
 from largebatch.study.plan import (
-    RunSpec, StudyConfig, check_config, config_from_runs, pair_recipe, plan, run_steps,
+    RunSpec,
+    StudyConfig,
+    check_config,
+    config_from_runs,
+    pair_recipe,
+    plan,
+    run_steps,
     runs_left,
 )
 from largebatch.study.report import compare_markdown, plot, study_markdown, summarize
 from largebatch.study.worker import WORKER, init_worker, run_one
 
-__all__ = ["SETTINGS", "Stopped", "append_run", "compare_studies", "load_results", "recorded_config",
-           "run_one", "run_study"]
+__all__ = [
+    "SETTINGS",
+    "Stopped",
+    "append_run",
+    "compare_studies",
+    "load_results",
+    "recorded_config",
+    "run_one",
+    "run_study",
+]
 
 SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
 
@@ -55,9 +69,12 @@ def load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
                 if not warn:
                     continue
                 reason = " ".join(f"{type(err).__name__}: {err}".split())
-                print(f"largebatch study: warning: {path}, line {number}: not a complete run "
-                      f"record ({reason}); skipped, its run is planned again",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"largebatch study: warning: {path}, line {number}: not a complete run "
+                    f"record ({reason}); skipped, its run is planned again",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             results[spec.key] = {**row, "spec": dataclasses.asdict(spec)}
     return results
@@ -84,8 +101,7 @@ def recorded_config(out: str | os.PathLike, given: dict[str, Any] | None = None)
         return cfg
     results = load_results(folder / "runs.jsonl", warn=False)
     if not results:
-        raise ValueError(f"{folder} holds no study: neither {SETTINGS} nor a finished run in "
-                         "runs.jsonl")
+        raise ValueError(f"{folder} holds no study: neither {SETTINGS} nor a finished run in runs.jsonl")
     try:
         return config_from_runs(results, given)
     except ValueError as err:
@@ -142,8 +158,7 @@ def _cpus() -> int:
 _say = functools.partial(print, flush=True)
 
 
-def run_study(cfg: StudyConfig = StudyConfig(),
-              print_fn: Callable[[str], None] = _say) -> dict[str, Any]:
+def run_study(cfg: StudyConfig = StudyConfig(), print_fn: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run every planned run (reusing those in ``OUT/runs.jsonl``), then summarize."""
     check_config(cfg)
     with lock_folder(cfg.out, "study") as out:
@@ -157,9 +172,11 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     results = load_results(log)
     start = time.perf_counter()
     if cfg.report_only:
-        print_fn(f"largebatch study: the report of the {len(results)} finished runs in {log}; "
-                 f"{len(plan(cfg, results))} runs are planned next (and more once they "
-                 "finish)")
+        print_fn(
+            f"largebatch study: the report of the {len(results)} finished runs in {log}; "
+            f"{len(plan(cfg, results))} runs are planned next (and more once they "
+            "finish)"
+        )
     else:
         atomic_write(out / SETTINGS, json.dumps(cfg.settings(), indent=2) + "\n")
         _train_planned(cfg, results, log, print_fn)
@@ -177,21 +194,27 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
     return summary
 
 
-def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log: Path,
-            reused: int) -> str:
+def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log: Path, reused: int) -> str:
     """The study's first line: what it runs, and where."""
-    what = ("quick study: the recipes' tuned settings, no tuning" if cfg.quick else
-            "full study: tune lr and warmup on a validation split, then re-run the best")
+    what = (
+        "quick study: the recipes' tuned settings, no tuning"
+        if cfg.quick
+        else "full study: tune lr and warmup on a validation split, then re-run the best"
+    )
     pairs = cfg.pairs()
     own = sorted({pair_recipe(b, o).epochs for b, o in pairs})
-    epochs = (f"{cfg.epochs} epochs (the recipes' schedules scaled from "
-              f"{'/'.join(map(str, own))})" if cfg.epochs and own != [cfg.epochs] else
-              f"{'/'.join(map(str, own))} epochs")
-    return (f"largebatch study ({what}): {', '.join(f'B={b} {o}' for b, o in pairs)}; "
-            f"{epochs}, {cfg.seeds} seed{'s' * (cfg.seeds != 1)}; "
-            f"{'' if cfg.quick else 'at least '}{len(todo)} run{'s' * (len(todo) != 1)}, "
-            f"{sum(map(run_steps, todo)):,} steps to go; {jobs} job(s) x {threads} thread(s) on "
-            f"{cfg.device}; runs in {log}" + (f", {reused} reused" if reused else ""))
+    epochs = (
+        f"{cfg.epochs} epochs (the recipes' schedules scaled from {'/'.join(map(str, own))})"
+        if cfg.epochs and own != [cfg.epochs]
+        else f"{'/'.join(map(str, own))} epochs"
+    )
+    return (
+        f"largebatch study ({what}): {', '.join(f'B={b} {o}' for b, o in pairs)}; "
+        f"{epochs}, {cfg.seeds} seed{'s' * (cfg.seeds != 1)}; "
+        f"{'' if cfg.quick else 'at least '}{len(todo)} run{'s' * (len(todo) != 1)}, "
+        f"{sum(map(run_steps, todo)):,} steps to go; {jobs} job(s) x {threads} thread(s) on "
+        f"{cfg.device}; runs in {log}" + (f", {reused} reused" if reused else "")
+    )
 
 
 class _StudyBar:
@@ -208,8 +231,15 @@ class _StudyBar:
         self.batch: dict[str, int] = {}
         self.done, self.done_images, self.left = 0, 0, len(todo)
         self.loss: float | None = None
-        self.bar = tqdm(total=sum(_images(s) for s in todo), desc="study", unit="img",
-                        unit_scale=True, leave=False, disable=None, smoothing=0.1)
+        self.bar = tqdm(
+            total=sum(_images(s) for s in todo),
+            desc="study",
+            unit="img",
+            unit_scale=True,
+            leave=False,
+            disable=None,
+            smoothing=0.1,
+        )
 
     def start(self, spec: RunSpec) -> None:
         self.running[spec.key], self.batch[spec.key] = 0, spec.batch
@@ -246,8 +276,10 @@ class _StudyBar:
         self.bar.close()
 
     def _postfix(self) -> None:
-        self.bar.set_postfix_str(f"runs {self.done}/{self.done + self.left}" + (
-            "" if self.loss is None else f", loss {self.loss:.3f}"))
+        self.bar.set_postfix_str(
+            f"runs {self.done}/{self.done + self.left}"
+            + ("" if self.loss is None else f", loss {self.loss:.3f}")
+        )
 
 
 def _images(spec: RunSpec) -> int:
@@ -263,8 +295,9 @@ def _drain(source: Any, handle: Callable[[Any], None]) -> None:
             return
 
 
-def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path,
-                   print_fn: Callable[[str], None]) -> None:
+def _train_planned(
+    cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path, print_fn: Callable[[str], None]
+) -> None:
     """Train every planned run on the pool (``jobs`` at a time, in the plan's order),
     re-planning as runs finish; each finished run goes into ``results`` and is appended
     to ``log``. The first line says what is to run; a bar shows the progress."""
@@ -277,15 +310,25 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
     bar = _StudyBar(cfg, todo)
     spawn = multiprocessing.get_context("spawn")
     progress = spawn.Queue() if jobs > 1 else None
-    pool = (concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=spawn, initializer=init_worker,
-        initargs=(threads, cfg.data, cfg.device, os.getpid(), progress)) if jobs > 1 else None)
+    pool = (
+        concurrent.futures.ProcessPoolExecutor(
+            jobs,
+            mp_context=spawn,
+            initializer=init_worker,
+            initargs=(threads, cfg.data, cfg.device, os.getpid(), progress),
+        )
+        if jobs > 1
+        else None
+    )
     if pool is None:
         init_worker(threads, cfg.data, cfg.device)
         WORKER["progress"] = bar.progress
     submit = pool.submit if pool is not None else _run_inline
-    previous = (signal.signal(signal.SIGTERM, _raise_stopped)
-                if threading.current_thread() is threading.main_thread() else None)
+    previous = (
+        signal.signal(signal.SIGTERM, _raise_stopped)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     finished_cleanly = False
     try:
         in_flight: dict[concurrent.futures.Future, RunSpec] = {}
@@ -304,8 +347,7 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
                 break
             finished: set[concurrent.futures.Future] = set()
             while not finished:
-                finished, _ = concurrent.futures.wait(in_flight, timeout=0.5,
-                                                      return_when="FIRST_COMPLETED")
+                finished, _ = concurrent.futures.wait(in_flight, timeout=0.5, return_when="FIRST_COMPLETED")
                 _drain(progress, bar.progress)
             for future in finished:
                 spec = in_flight.pop(future)
@@ -314,11 +356,15 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
                 append_run(log, row)
                 done += 1
                 bar.finish(spec, results)
-                bar.write(print_fn, (
-                    f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
-                    f"{'val' if spec.phase == 'tune' else 'test'} "
-                    f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
-                    f"({row['seconds']:.0f}s)"))
+                bar.write(
+                    print_fn,
+                    (
+                        f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
+                        f"{'val' if spec.phase == 'tune' else 'test'} "
+                        f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
+                        f"({row['seconds']:.0f}s)"
+                    ),
+                )
         finished_cleanly = True
     finally:
         bar.close()
@@ -334,10 +380,8 @@ def _train_planned(cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Pa
             progress.close()
 
 
-def _run_inline(fn: Callable[[RunSpec], dict[str, Any]],
-                spec: RunSpec) -> concurrent.futures.Future:
+def _run_inline(fn: Callable[[RunSpec], dict[str, Any]], spec: RunSpec) -> concurrent.futures.Future:
     """``fn(spec)`` in this process, as an already finished future (the one-job path)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(fn(spec))
     return future
-

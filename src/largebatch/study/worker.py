@@ -26,8 +26,9 @@ _EVAL_CHUNK = 2000
 WORKER: dict[str, Any] = {}
 
 
-def init_worker(threads: int, data: str | None, device: str, parent: int | None = None,
-                progress: Any = None) -> None:
+def init_worker(
+    threads: int, data: str | None, device: str, parent: int | None = None, progress: Any = None
+) -> None:
     """Set up a worker (or this process, for ``--jobs 1``). With ``parent`` (the study's
     process id), a watchdog thread ends the worker as soon as that process is gone, so a
     killed study never leaves its workers running. ``progress``, a queue, takes the
@@ -41,8 +42,9 @@ def init_worker(threads: int, data: str | None, device: str, parent: int | None 
         progress.cancel_join_thread()  # progress not yet sent never holds up the exit
         WORKER["progress"] = progress.put
     if parent is not None:
-        threading.Thread(target=exit_with_parent, args=(parent,), daemon=True,
-                         name="largebatch-parent-watch").start()
+        threading.Thread(
+            target=exit_with_parent, args=(parent,), daemon=True, name="largebatch-parent-watch"
+        ).start()
 
 
 def exit_with_parent(parent: int, interval: float = 0.5) -> None:
@@ -68,12 +70,11 @@ def phase_tensors(phase: str, subset: int | None) -> tuple[Any, Any, Any, Any]:
             train_idx, val_idx = order[:-n_val].sort().values, order[-n_val:].sort().values
             data = (x[train_idx], y[train_idx], x[val_idx], y[val_idx])
         else:
-            x_test, y_test = fashion_mnist_tensors(*load_fashion_mnist("test", WORKER["data"]),
-                                                   subset)
+            x_test, y_test = fashion_mnist_tensors(*load_fashion_mnist("test", WORKER["data"]), subset)
             data = (x, y, x_test, y_test)
         cache[(phase, subset)] = tuple(
-            t.to(device, memory_format=torch.channels_last) if t.ndim == 4 else t.to(device)
-            for t in data)
+            t.to(device, memory_format=torch.channels_last) if t.ndim == 4 else t.to(device) for t in data
+        )
     return cache[(phase, subset)]
 
 
@@ -96,16 +97,29 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
         init_worker(torch.get_num_threads(), None, "cpu")
     x_train, y_train, x_eval, y_eval = phase_tensors(spec.phase, spec.subset)
     device = x_train.device
-    recipe = dataclasses.replace(pair_recipe(spec.batch, spec.optimizer), model=spec.model,
-                                 label_smoothing=spec.label_smoothing, power=spec.power)
+    recipe = dataclasses.replace(
+        pair_recipe(spec.batch, spec.optimizer),
+        model=spec.model,
+        label_smoothing=spec.label_smoothing,
+        power=spec.power,
+    )
     steps_per_epoch = len(y_train) // spec.batch
     torch.manual_seed(spec.seed)
     model = build_model(recipe.model, 10).to(  # type: ignore[call-overload]  # torch's stubs
-        device, memory_format=torch.channels_last)
+        device, memory_format=torch.channels_last
+    )
     optimizer = run_optimizer(spec, recipe, model, steps_per_epoch)
-    scheduler = ScheduleLR(optimizer, build_schedule(
-        recipe, peak_lr=spec.lr, epochs=spec.epochs, n_train=len(y_train), batch=spec.batch,
-        warmup_epochs=spec.warmup_epochs))
+    scheduler = ScheduleLR(
+        optimizer,
+        build_schedule(
+            recipe,
+            peak_lr=spec.lr,
+            epochs=spec.epochs,
+            n_train=len(y_train),
+            batch=spec.batch,
+            warmup_epochs=spec.warmup_epochs,
+        ),
+    )
     order = torch.Generator().manual_seed(spec.seed)
     loss_fn = build_loss(recipe)
 
@@ -114,32 +128,39 @@ def run_one(spec: RunSpec) -> dict[str, Any]:
     curve, diverged, start = [], False, time.perf_counter()
     for epoch in range(1, spec.epochs + 1):
         perm = torch.randperm(len(y_train), generator=order).to(device)
-        batches = ((x_train[idx], y_train[idx])
-                   for idx in perm[: steps_per_epoch * spec.batch].split(spec.batch))
+        batches = (
+            (x_train[idx], y_train[idx]) for idx in perm[: steps_per_epoch * spec.batch].split(spec.batch)
+        )
         if sim is None:
-            loss_sum = train_epoch(model, batches, optimizer, scheduler, loss_fn,
-                                   after_step=progress.step)
+            loss_sum = train_epoch(model, batches, optimizer, scheduler, loss_fn, after_step=progress.step)
         else:
-            loss_sum = _train_epoch_workers(model, batches, optimizer, scheduler, loss_fn, sim,
-                                            progress.step)
+            loss_sum = _train_epoch_workers(model, batches, optimizer, scheduler, loss_fn, sim, progress.step)
         train_loss = float(loss_sum) / steps_per_epoch
         progress.epoch(train_loss)
         diverged = not math.isfinite(train_loss)
-        accuracy = evaluate(model, tensor_chunks(x_eval, y_eval, _EVAL_CHUNK),
-                            device=device).accuracy
-        curve.append({"epoch": epoch, "step": epoch * steps_per_epoch, "train_loss": train_loss,
-                      "accuracy": accuracy})
+        accuracy = evaluate(model, tensor_chunks(x_eval, y_eval, _EVAL_CHUNK), device=device).accuracy
+        curve.append(
+            {"epoch": epoch, "step": epoch * steps_per_epoch, "train_loss": train_loss, "accuracy": accuracy}
+        )
         if diverged:
             break
-    row = {"spec": dataclasses.asdict(spec), "accuracy": curve[-1]["accuracy"],
-           "diverged": diverged, "steps_per_epoch": steps_per_epoch, "curve": curve,
-           "seconds": time.perf_counter() - start,
-           # CPU kernels split their sums by thread: the same spec on another thread
-           # count rounds differently, and 30 epochs carry that to the last digit shown.
-           "threads": torch.get_num_threads()}
+    row = {
+        "spec": dataclasses.asdict(spec),
+        "accuracy": curve[-1]["accuracy"],
+        "diverged": diverged,
+        "steps_per_epoch": steps_per_epoch,
+        "curve": curve,
+        "seconds": time.perf_counter() - start,
+        # CPU kernels split their sums by thread: the same spec on another thread
+        # count rounds differently, and 30 epochs carry that to the last digit shown.
+        "threads": torch.get_num_threads(),
+    }
     if sim is not None and spec.compression != "none":
-        row["compression"] = {"rates": sim.compression_rates(), "stats": sim.stats,
-                              "warmup_steps": sim.warmup_steps}
+        row["compression"] = {
+            "rates": sim.compression_rates(),
+            "stats": sim.stats,
+            "warmup_steps": sim.warmup_steps,
+        }
     return row
 
 
@@ -148,8 +169,9 @@ class _Progress:
     training loss or None)``, given to ``send`` at most every ``interval`` seconds and at
     the end of every epoch (nothing without ``send``)."""
 
-    def __init__(self, key: str, send: Callable[[tuple[str, int, float | None]], object] | None,
-                 interval: float = 0.5) -> None:
+    def __init__(
+        self, key: str, send: Callable[[tuple[str, int, float | None]], object] | None, interval: float = 0.5
+    ) -> None:
         self.key, self.send, self.interval = key, send, interval
         self.steps, self.sent = 0, time.monotonic()
         self.loss: float | None = None
@@ -192,12 +214,20 @@ def _simulated_workers(spec: RunSpec, model: Any, steps_per_epoch: int) -> Any:
     params = list(model.named_parameters())
     steps = spec.epochs * steps_per_epoch
     warmup = steps if spec.compression == "none" else spec.compression_warmup * steps_per_epoch
-    return SimulatedWorkers([n for n, _ in params], [p.shape for _, p in params], spec.workers,
-                            warmup_steps=warmup)
+    return SimulatedWorkers(
+        [n for n, _ in params], [p.shape for _, p in params], spec.workers, warmup_steps=warmup
+    )
 
 
-def _train_epoch_workers(model: Any, batches: Any, optimizer: Any, scheduler: Any, loss_fn: Any,
-                         sim: Any, after_step: Callable[[int], object] | None = None) -> Any:
+def _train_epoch_workers(
+    model: Any,
+    batches: Any,
+    optimizer: Any,
+    scheduler: Any,
+    loss_fn: Any,
+    sim: Any,
+    after_step: Callable[[int], object] | None = None,
+) -> Any:
     """:func:`largebatch.training.loop.train_epoch` for simulated workers: each batch split
     over ``sim.n`` workers, their gradients exchanged by ``sim``
     (:func:`largebatch.comm.torch.simulate_step`), then the optimizer and schedule step,

@@ -9,5 +9,14 @@ from largebatch.training.loop import Evaluation, evaluate, tensor_chunks, train_
 from largebatch.training.run import Run, fail
 from largebatch.training.train import train
 
-__all__ = ["Evaluation", "Run", "check_device", "evaluate", "exit_process", "fail",
-           "tensor_chunks", "train", "train_epoch"]
+__all__ = [
+    "Evaluation",
+    "Run",
+    "check_device",
+    "evaluate",
+    "exit_process",
+    "fail",
+    "tensor_chunks",
+    "train",
+    "train_epoch",
+]

@@ -17,10 +17,18 @@ from largebatch.outputs import CommandError, atomic_write
 __all__ = ["gather_residuals", "gather_rng", "read_checkpoint", "to_device", "write_checkpoint"]
 
 # The settings a checkpoint records and ``--resume`` must match, with their flags.
-_SETTINGS = {"recipe": "--recipe", "batch_size": "--batch-size", "epochs": "--epochs",
-             "lr": "--lr", "seed": "--seed", "subset": "--subset", "precision": "--precision",
-             "fsdp": "--fsdp", "compression": "--compression",
-             "compression_warmup": "--compression-warmup"}
+_SETTINGS = {
+    "recipe": "--recipe",
+    "batch_size": "--batch-size",
+    "epochs": "--epochs",
+    "lr": "--lr",
+    "seed": "--seed",
+    "subset": "--subset",
+    "precision": "--precision",
+    "fsdp": "--fsdp",
+    "compression": "--compression",
+    "compression_warmup": "--compression-warmup",
+}
 # What a checkpoint made before a setting existed ran with.
 _SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None}
 
@@ -51,18 +59,25 @@ def read_checkpoint(path: Path, settings: dict[str, Any], world: int) -> dict[st
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 -- any unreadable checkpoint is a user error
         raise _fail(f"--resume: cannot read {path} ({type(err).__name__}: {err})") from None
-    saved = ({**_SETTINGS_BEFORE, **state["settings"]} if state.get("settings")
-             else {"recipe": state.get("recipe")})
+    saved = (
+        {**_SETTINGS_BEFORE, **state["settings"]}
+        if state.get("settings")
+        else {"recipe": state.get("recipe")}
+    )
     for key, flag in _SETTINGS.items():
         if key in saved and saved[key] != settings[key]:
-            raise _fail(f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
-                        f"{_show(settings[key])}; resume it with its own settings, or start "
-                        "a new run in another --out")
+            raise _fail(
+                f"--resume: {path} is a run with {flag} {_show(saved[key])}, not "
+                f"{_show(settings[key])}; resume it with its own settings, or start "
+                "a new run in another --out"
+            )
     saved_world = len(state.get("adacomp") or ())
     if settings["compression"] == "adacomp" and saved_world and saved_world != world:
-        raise _fail(f"--resume: {path} holds the AdaComp residuals of {saved_world} processes, "
-                    f"not {world}: resume it on {saved_world} (each process keeps its own "
-                    "residuals), or start a new run in another --out")
+        raise _fail(
+            f"--resume: {path} holds the AdaComp residuals of {saved_world} processes, "
+            f"not {world}: resume it on {saved_world} (each process keeps its own "
+            "residuals), or start a new run in another --out"
+        )
     return state
 
 
@@ -70,7 +85,8 @@ def gather_rng(device: torch.device, world: int) -> list[tuple[torch.Tensor, tor
     """Every process's CPU and (on CUDA) device RNG states, by rank (a collective when
     ``world`` > 1)."""
     rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [
-        (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)]
+        (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    ]
     if world > 1:
         mine, rng = rng[0], [None] * world
         dist.all_gather_object(rng, mine)

@@ -95,8 +95,10 @@ def load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> Train
         return TrainData(train_xy, test_xy, 10, len(train_xy[1]))
     # ImageNet recipes: an ImageFolder tree DIR/train/<class>/*.jpeg and DIR/val/<class>/*.
     if data_dir is None:
-        raise _fail(f"recipe {recipe.name!r} trains on ImageNet: pass --data DIR, an "
-                    "ImageFolder tree with DIR/train and DIR/val")
+        raise _fail(
+            f"recipe {recipe.name!r} trains on ImageNet: pass --data DIR, an "
+            "ImageFolder tree with DIR/train and DIR/val"
+        )
     root = Path(data_dir)
     for split in ("train", "val"):
         if not (root / split).is_dir():
@@ -104,21 +106,26 @@ def load_data(recipe: Recipe, data_dir: str | None, subset: int | None) -> Train
     from torchvision import transforms as T
 
     norm = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    train = _image_folder(root / "train", T.Compose(
-        [T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), norm]))
+    train = _image_folder(
+        root / "train", T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+    )
     if len(train.classes) < 2:
-        raise _fail(f"ImageFolder tree {root / 'train'} has {len(train.classes)} class "
-                    f"({', '.join(train.classes)}); a classifier needs at least 2")
-    test = _image_folder(root / "val", T.Compose(
-        [T.Resize(256), T.CenterCrop(224), T.ToTensor(), norm]))
+        raise _fail(
+            f"ImageFolder tree {root / 'train'} has {len(train.classes)} class "
+            f"({', '.join(train.classes)}); a classifier needs at least 2"
+        )
+    test = _image_folder(root / "val", T.Compose([T.Resize(256), T.CenterCrop(224), T.ToTensor(), norm]))
     if test.classes != train.classes:
         missing = sorted(set(train.classes) - set(test.classes))
         extra = sorted(set(test.classes) - set(train.classes))
         raise _fail(
             f"the classes of {root / 'val'} differ from those of {root / 'train'}, so its "
-            "labels would not match: " + "; ".join(
+            "labels would not match: "
+            + "; ".join(
                 [f"missing in val: {', '.join(missing)}"] * bool(missing)
-                + [f"not in train: {', '.join(extra)}"] * bool(extra)))
+                + [f"not in train: {', '.join(extra)}"] * bool(extra)
+            )
+        )
     num_classes = len(train.classes)
     if subset is not None:
         train = torch.utils.data.Subset(train, range(min(subset, len(train))))
@@ -134,8 +141,7 @@ class StreamSampler(torch.utils.data.Sampler[int]):
     the ``rank``-th equal slice of those. A batch may span two passes; where an epoch ends
     is the recipe's (``Recipe.epoch_end``), so a resumed run reads the same images."""
 
-    def __init__(self, n: int, batch: int, rank: int, world: int, seed: int, start: int,
-                 stop: int) -> None:
+    def __init__(self, n: int, batch: int, rank: int, world: int, seed: int, start: int, stop: int) -> None:
         if batch % world:
             raise ValueError(f"batch {batch} is not divisible by the world size {world}")
         self.n, self.batch, self.rank, self.world = n, batch, rank, world
@@ -157,8 +163,9 @@ class StreamSampler(torch.utils.data.Sampler[int]):
         return iter(order.tolist())
 
 
-def epoch_sampler(recipe: Recipe, n: int, batch: int, rank: int, world: int, seed: int,
-                  epoch: int) -> torch.utils.data.Sampler[int]:
+def epoch_sampler(
+    recipe: Recipe, n: int, batch: int, rank: int, world: int, seed: int, epoch: int
+) -> torch.utils.data.Sampler[int]:
     """This process's images for epoch ``epoch`` (from 0) under the recipe's
     ``epoch_steps``: for ``floor``, a fresh shuffle of the ``n`` images split over the
     processes, the remainder dropped (``DistributedSampler``); otherwise the steps
@@ -167,15 +174,18 @@ def epoch_sampler(recipe: Recipe, n: int, batch: int, rank: int, world: int, see
     if recipe.epoch_steps == "floor":
         images = cast("torch.utils.data.Dataset[int]", range(n))  # the sampler needs only its length
         sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
-            images, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+            images, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
         sampler.set_epoch(epoch)
         return sampler
-    return StreamSampler(n, batch, rank, world, seed, recipe.epoch_end(epoch, n, batch),
-                         recipe.epoch_end(epoch + 1, n, batch))
+    return StreamSampler(
+        n, batch, rank, world, seed, recipe.epoch_end(epoch, n, batch), recipe.epoch_end(epoch + 1, n, batch)
+    )
 
 
-def batches(data: Any, sampler: Any, batch: int, workers: int, device: torch.device,
-            dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    data: Any, sampler: Any, batch: int, workers: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This process's batches of one epoch in the sampler's order (partial batch dropped),
     on ``device``: images as ``dtype``, channels-last."""
     for x, y in _cpu_batches(data, sampler, batch, workers):
@@ -189,9 +199,9 @@ def _cpu_batches(data: Any, sampler: Any, batch: int, workers: int) -> Iterator[
             idx = order[i * batch : (i + 1) * batch]
             yield data[0][idx], data[1][idx]
     else:
-        for item in torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler,
-                                                drop_last=True, num_workers=workers,
-                                                collate_fn=_collate):
+        for item in torch.utils.data.DataLoader(
+            data, batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers, collate_fn=_collate
+        ):
             yield _checked(item)
 
 
@@ -201,5 +211,6 @@ def eval_chunks(data: Any, rank: int, world: int, workers: int) -> Batches:
     if isinstance(data, tuple):
         return tensor_chunks(data[0][rank::world], data[1][rank::world], 1000)
     shard = torch.utils.data.Subset(data, range(rank, len(data), world))
-    return map(_checked, torch.utils.data.DataLoader(
-        shard, batch_size=256, num_workers=workers, collate_fn=_collate))
+    return map(
+        _checked, torch.utils.data.DataLoader(shard, batch_size=256, num_workers=workers, collate_fn=_collate)
+    )

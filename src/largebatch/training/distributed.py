@@ -23,8 +23,18 @@ from largebatch.outputs import CommandError
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["buffers_sha256", "check_device", "exit_process", "full_optimizer_state", "full_state",
-           "join", "joined", "params_sha256", "shard_model", "sync_buffers"]
+__all__ = [
+    "buffers_sha256",
+    "check_device",
+    "exit_process",
+    "full_optimizer_state",
+    "full_state",
+    "join",
+    "joined",
+    "params_sha256",
+    "shard_model",
+    "sync_buffers",
+]
 
 _joined = False  # join() initialized the process group in this process
 
@@ -46,11 +56,15 @@ def check_device(device_arg: str | None, command: str = "train") -> str:
     if match is None:
         raise CommandError(command, f"invalid --device {device_arg!r} (cpu, cuda or cuda:N)")
     if not torch.cuda.is_available():
-        raise CommandError(command, f"--device {device_arg}: no CUDA GPU is available here "
-                           "(torch.cuda.is_available() is False); use --device cpu")
+        raise CommandError(
+            command,
+            f"--device {device_arg}: no CUDA GPU is available here "
+            "(torch.cuda.is_available() is False); use --device cpu",
+        )
     if match[1] is not None and int(match[1]) >= torch.cuda.device_count():
-        raise CommandError(command, f"--device {device_arg}: this machine has "
-                           f"{torch.cuda.device_count()} CUDA GPU(s)")
+        raise CommandError(
+            command, f"--device {device_arg}: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+        )
     return device_arg
 
 

@@ -78,8 +78,14 @@ def tensor_chunks(x: torch.Tensor, y: torch.Tensor, size: int) -> Batches:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, chunks: Batches, *, device: torch.device | str,
-             dtype: torch.dtype | None = None, world: int = 1) -> Evaluation:
+def evaluate(
+    model: nn.Module,
+    chunks: Batches,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    world: int = 1,
+) -> Evaluation:
     """Top-1 accuracy and mean cross-entropy of ``model`` (in eval mode, then back to train
     mode) over ``chunks`` of ``(x, y)``, moved to ``device`` (``x`` also to ``dtype``).
     With ``world > 1`` each process gives its own shard of the data set, and the counts

@@ -17,7 +17,12 @@ from torch import nn
 from largebatch import plots
 from largebatch.outputs import CommandError
 from largebatch.recipes.build import (
-    DTYPES, build_loss, build_model, build_optimizer, build_schedule, setup_options,
+    DTYPES,
+    build_loss,
+    build_model,
+    build_optimizer,
+    build_schedule,
+    setup_options,
 )
 from largebatch.recipes.registry import TRAIN_IMAGES, Recipe, imagenet_equivalent
 from largebatch.torch import ScheduleLR, to_half
@@ -72,8 +77,15 @@ class Run:
         return self.model if self.whole is None else self.whole
 
 
-def build_run(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
-           state: dict[str, Any] | None, device_name: str, micro: int) -> Run:
+def build_run(
+    args: argparse.Namespace,
+    recipe: Recipe,
+    settings: dict[str, Any],
+    out: Path,
+    state: dict[str, Any] | None,
+    device_name: str,
+    micro: int,
+) -> Run:
     """Joins the processes; the run's data, model, optimizer, schedule, scaler, loss and plot."""
     batch, epochs, lr = settings["batch_size"], settings["epochs"], settings["lr"]
     precision, fsdp = settings["precision"], settings["fsdp"]
@@ -94,25 +106,57 @@ def build_run(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any]
     scheduler = ScheduleLR(optimizer, schedule, follow_optimizer=hasattr(optimizer, "num_steps"))
     title = f"{recipe.name} (batch {batch:,})"
     return Run(
-        args=args, recipe=recipe, settings=settings, out=out, rank=rank, world=world,
-        device=device, batch=batch, local_batch=batch // world, micro=micro, epochs=epochs,
-        stop=min(epochs, args.stop_after or epochs), fsdp=fsdp, dtype=dtype, data=data,
-        ends=ends, model=model, whole=whole, optimizer=optimizer, scheduler=scheduler,
+        args=args,
+        recipe=recipe,
+        settings=settings,
+        out=out,
+        rank=rank,
+        world=world,
+        device=device,
+        batch=batch,
+        local_batch=batch // world,
+        micro=micro,
+        epochs=epochs,
+        stop=min(epochs, args.stop_after or epochs),
+        fsdp=fsdp,
+        dtype=dtype,
+        data=data,
+        ends=ends,
+        model=model,
+        whole=whole,
+        optimizer=optimizer,
+        scheduler=scheduler,
         scaler=torch.amp.GradScaler(device.type) if precision == "fp16" else None,
-        loss_fn=build_loss(recipe), shape=shape,
+        loss_fn=build_loss(recipe),
+        shape=shape,
         nominal=imagenet_equivalent(batch, TRAIN_IMAGES[recipe.data]),
-        plot=plots.Plotter("train", out / "plot.png",
-                           lambda h, path: plots.plot_history(h, path, title),
-                           "; the metrics, checkpoint and summary are unaffected"))
+        plot=plots.Plotter(
+            "train",
+            out / "plot.png",
+            lambda h, path: plots.plot_history(h, path, title),
+            "; the metrics, checkpoint and summary are unaffected",
+        ),
+    )
 
 
-def _build_model(recipe: Recipe, num_classes: int, device: torch.device, precision: str,
-                 fsdp: bool, state: dict[str, Any] | None) -> tuple[nn.Module, nn.Module | None]:
+def _build_model(
+    recipe: Recipe,
+    num_classes: int,
+    device: torch.device,
+    precision: str,
+    fsdp: bool,
+    state: dict[str, Any] | None,
+) -> tuple[nn.Module, nn.Module | None]:
     """The recipe's model on ``device``, and under FSDP its whole copy (None otherwise)."""
     model = build_model(recipe.model, num_classes)
     # FSDP2 shards contiguous params only: channels-last weights are not.
-    model = model.to(device) if fsdp else model.to(  # type: ignore[call-overload]  # torch's stubs
-        device, memory_format=torch.channels_last)
+    model = (
+        model.to(device)
+        if fsdp
+        else model.to(  # type: ignore[call-overload]  # torch's stubs
+            device, memory_format=torch.channels_last
+        )
+    )
     dtype = DTYPES[precision]
     whole = None
     if fsdp:  # sharded: fp32 params, FSDP2's policy computes in dtype; evaluated whole
@@ -149,8 +193,7 @@ def distribute(run: Run, state: dict[str, Any] | None) -> None:
     """Wraps the model in DDP (several processes, no FSDP) and registers its hook: the
     recipe's per-process clip (``clip_per_process``), or AdaComp (``--compression
     adacomp``), its residuals restored from the checkpoint ``state``."""
-    run.ddp = (nn.parallel.DistributedDataParallel(run.model) if run.world > 1 and not run.fsdp
-               else run.model)
+    run.ddp = nn.parallel.DistributedDataParallel(run.model) if run.world > 1 and not run.fsdp else run.model
     if run.recipe.clip_per_process is not None and run.world > 1:
         from largebatch.comm.torch import LocalClipState, local_clip_hook
 

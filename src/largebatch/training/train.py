@@ -27,7 +27,12 @@ from largebatch.torch import trust_ratios
 from largebatch.training.checkpoint import gather_residuals, gather_rng, read_checkpoint, write_checkpoint
 from largebatch.training.data import batches, epoch_sampler, eval_chunks
 from largebatch.training.distributed import (
-    buffers_sha256, check_device, full_optimizer_state, full_state, params_sha256, sync_buffers,
+    buffers_sha256,
+    check_device,
+    full_optimizer_state,
+    full_state,
+    params_sha256,
+    sync_buffers,
 )
 from largebatch.training.loop import evaluate, train_epoch
 from largebatch.training.run import Run, build_run, distribute, fail, restore
@@ -44,9 +49,15 @@ def _run_bar(run: Run, start_epoch: int) -> Any:
     evaluations and checkpoints included, so its estimate of the time left is the run's."""
     from tqdm import tqdm
 
-    return tqdm(total=run.ends[run.stop] - run.ends[start_epoch], unit="step", leave=False,
-                desc=f"epoch {start_epoch + 1}/{run.epochs}", disable=run.rank != 0 or None,
-                smoothing=0, dynamic_ncols=True)
+    return tqdm(
+        total=run.ends[run.stop] - run.ends[start_epoch],
+        unit="step",
+        leave=False,
+        desc=f"epoch {start_epoch + 1}/{run.epochs}",
+        disable=run.rank != 0 or None,
+        smoothing=0,
+        dynamic_ncols=True,
+    )
 
 
 class _EpochTelemetry:
@@ -54,8 +65,9 @@ class _EpochTelemetry:
     about once a second the epoch's mean training loss so far and its images/s), and the
     trust ratios at the epoch's last step, read before the optimizer applies the step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: Any, steps: int, batch: int,
-                 bar: Any, desc: str) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, scaler: Any, steps: int, batch: int, bar: Any, desc: str
+    ) -> None:
         self.optimizer, self.scaler, self.last, self.batch = optimizer, scaler, steps - 1, batch
         self.ratios: list[float] = []
         self.seen = 0
@@ -80,8 +92,7 @@ class _EpochTelemetry:
 
     def before_step(self, step: int) -> None:
         if step == self.last:
-            self.ratios = trust_ratios(self.optimizer,
-                                       self.scaler.get_scale() if self.scaler else 1.0)
+            self.ratios = trust_ratios(self.optimizer, self.scaler.get_scale() if self.scaler else 1.0)
 
     def after_step(self, step: int) -> None:
         self.seen += self.batch
@@ -90,8 +101,9 @@ class _EpochTelemetry:
         if not self.bar.disable and (now - self.shown >= 1.0 or step == self.last):
             self.shown = now
             loss = float(self.loss_sum) / self.losses if self.loss_sum is not None else math.nan
-            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{self.seen / (now - self.t0):,.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(
+                loss=f"{loss:.4f}", img_s=f"{self.seen / (now - self.t0):,.0f}", refresh=False
+            )
 
     def close(self) -> float:
         """The epoch's seconds."""
@@ -99,9 +111,11 @@ class _EpochTelemetry:
 
     def row(self) -> dict[str, float | None]:
         ratios = self.ratios
-        return {"trust_ratio_min": min(ratios) if ratios else None,
-                "trust_ratio_median": statistics.median(ratios) if ratios else None,
-                "trust_ratio_max": max(ratios) if ratios else None}
+        return {
+            "trust_ratio_min": min(ratios) if ratios else None,
+            "trust_ratio_median": statistics.median(ratios) if ratios else None,
+            "trust_ratio_max": max(ratios) if ratios else None,
+        }
 
 
 # --------------------------------------------------------------------------- training
@@ -144,28 +158,46 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     local_batch = batch // world
     micro = args.micro_batch or local_batch
     if micro > local_batch or local_batch % micro:
-        raise fail(f"micro-batch {micro} must divide the per-process batch {local_batch} "
-                    f"(batch {batch} / world size {world})")
+        raise fail(
+            f"micro-batch {micro} must divide the per-process batch {local_batch} "
+            f"(batch {batch} / world size {world})"
+        )
     if args.fsdp and world < 2:
-        raise fail("--fsdp shards the model over processes: run it under torchrun with 2 or "
-                    "more (torchrun --nproc_per_node=2 -m largebatch train --fsdp ...)")
+        raise fail(
+            "--fsdp shards the model over processes: run it under torchrun with 2 or "
+            "more (torchrun --nproc_per_node=2 -m largebatch train --fsdp ...)"
+        )
     if args.fsdp and precision == "fp16":
-        raise fail("--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
-                    "loss scaler over sharded grads: use --precision bf16")
+        raise fail(
+            "--fsdp runs fp32 or bf16 (FSDP2's mixed-precision policy); fp16 needs a "
+            "loss scaler over sharded grads: use --precision bf16"
+        )
     compression = args.compression
     if compression != "none" and (world < 2 or args.fsdp):
-        raise fail(f"--compression {compression} compresses DDP's all-reduce: run it under "
-                    "torchrun with 2 or more processes, without --fsdp")
+        raise fail(
+            f"--compression {compression} compresses DDP's all-reduce: run it under "
+            "torchrun with 2 or more processes, without --fsdp"
+        )
     if recipe.clip_per_process is not None and world > 1 and (args.fsdp or compression != "none"):
-        raise fail(f"recipe {recipe.name!r} has each process clip its gradients before DDP's "
-                    "all-reduce (a communication hook of its own): run it without --fsdp and "
-                    "--compression")
+        raise fail(
+            f"recipe {recipe.name!r} has each process clip its gradients before DDP's "
+            "all-reduce (a communication hook of its own): run it without --fsdp and "
+            "--compression"
+        )
     device_name = check_device(args.device)
     out = Path(args.out or Path("runs") / recipe.name)
-    settings = {"recipe": recipe.name, "batch_size": batch, "epochs": epochs, "lr": lr,
-                "seed": args.seed, "subset": args.subset, "precision": precision,
-                "fsdp": args.fsdp, "compression": compression,
-                "compression_warmup": args.compression_warmup if compression != "none" else None}
+    settings = {
+        "recipe": recipe.name,
+        "batch_size": batch,
+        "epochs": epochs,
+        "lr": lr,
+        "seed": args.seed,
+        "subset": args.subset,
+        "precision": precision,
+        "fsdp": args.fsdp,
+        "compression": compression,
+        "compression_warmup": args.compression_warmup if compression != "none" else None,
+    }
     with contextlib.ExitStack() as held:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
             held.enter_context(lock_folder(out, "train"))
@@ -174,16 +206,29 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         done, stop = (state["epoch"] if state else 0), min(epochs, args.stop_after or epochs)
         if done >= stop and (out / "summary.json").is_file():
             if rank == 0:
-                print(f"largebatch train: {out} "
-                      + (f"already finished: {done} of {epochs} epochs" if done >= epochs else
-                         f"is already at epoch {done} of {epochs} (--stop-after {stop})")
-                      + "; nothing to do", flush=True)
+                print(
+                    f"largebatch train: {out} "
+                    + (
+                        f"already finished: {done} of {epochs} epochs"
+                        if done >= epochs
+                        else f"is already at epoch {done} of {epochs} (--stop-after {stop})"
+                    )
+                    + "; nothing to do",
+                    flush=True,
+                )
             return _read_summary(out / "summary.json")
         return _fit(args, recipe, settings, out, state, device_name, micro)
 
 
-def _fit(args: argparse.Namespace, recipe: Recipe, settings: dict[str, Any], out: Path,
-         state: dict[str, Any] | None, device_name: str, micro: int) -> dict[str, Any]:
+def _fit(
+    args: argparse.Namespace,
+    recipe: Recipe,
+    settings: dict[str, Any],
+    out: Path,
+    state: dict[str, Any] | None,
+    device_name: str,
+    micro: int,
+) -> dict[str, Any]:
     """Trains from the checkpoint ``state`` (None: from the start) up to ``--stop-after``,
     checkpointing every epoch, then summarizes the run."""
     run = build_run(args, recipe, settings, out, state, device_name, micro)
@@ -207,31 +252,48 @@ def _print_header(run: Run, start_epoch: int) -> None:
     if run.rank != 0:
         return
     recipe, shape, epochs, batch = run.recipe, run.shape, run.epochs, run.batch
-    scaled = (f" (the recipe's {recipe.schedule_text} over {recipe.epochs} epochs, "
-              f"scaled to {epochs})" if shape.schedule_text != recipe.schedule_text else "")
-    span = (f"epochs {start_epoch + 1}-{run.stop} of {epochs}" if start_epoch < run.stop else
-            f"{start_epoch} of {epochs} epochs done, writing the summary")
-    print(f"{recipe.name}: {recipe.model} on {recipe.data} ({run.data.n_train:,} images), batch "
-          f"{batch:,} (ImageNet-equivalent {run.nominal:,}) "
-          f"= {run.world} x {run.local_batch // run.micro} x {run.micro}, {recipe.optimizer} "
-          f"peak lr {run.settings['lr']:g}, {run.settings['precision']}, {span}, "
-          f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}", flush=True)
+    scaled = (
+        f" (the recipe's {recipe.schedule_text} over {recipe.epochs} epochs, scaled to {epochs})"
+        if shape.schedule_text != recipe.schedule_text
+        else ""
+    )
+    span = (
+        f"epochs {start_epoch + 1}-{run.stop} of {epochs}"
+        if start_epoch < run.stop
+        else f"{start_epoch} of {epochs} epochs done, writing the summary"
+    )
+    print(
+        f"{recipe.name}: {recipe.model} on {recipe.data} ({run.data.n_train:,} images), batch "
+        f"{batch:,} (ImageNet-equivalent {run.nominal:,}) "
+        f"= {run.world} x {run.local_batch // run.micro} x {run.micro}, {recipe.optimizer} "
+        f"peak lr {run.settings['lr']:g}, {run.settings['precision']}, {span}, "
+        f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}",
+        flush=True,
+    )
 
 
 def _train(run: Run, epoch: int, bar: Any) -> tuple[torch.Tensor, _EpochTelemetry, float]:
     """Trains epoch ``epoch`` (from 0), advancing the run's ``bar``: its loss summed over
     its steps (averaged over the processes), its telemetry and its seconds."""
     steps = run.ends[epoch + 1] - run.ends[epoch]
-    sampler = epoch_sampler(run.recipe, run.data.n_train, run.batch, run.rank, run.world,
-                            run.args.seed, epoch)
-    telemetry = _EpochTelemetry(run.optimizer, run.scaler, steps, run.batch, bar,
-                                f"epoch {epoch + 1}/{run.epochs}")
+    sampler = epoch_sampler(
+        run.recipe, run.data.n_train, run.batch, run.rank, run.world, run.args.seed, epoch
+    )
+    telemetry = _EpochTelemetry(
+        run.optimizer, run.scaler, steps, run.batch, bar, f"epoch {epoch + 1}/{run.epochs}"
+    )
     loss_sum = train_epoch(
-        run.ddp, batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
-        run.optimizer, run.scheduler, telemetry.watch(run.loss_fn), micro_batch=run.micro,
+        run.ddp,
+        batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
+        run.optimizer,
+        run.scheduler,
+        telemetry.watch(run.loss_fn),
+        micro_batch=run.micro,
         scaler=run.scaler,
         no_sync=run.ddp.no_sync if isinstance(run.ddp, nn.parallel.DistributedDataParallel) else None,
-        before_step=telemetry.before_step, after_step=telemetry.after_step)
+        before_step=telemetry.before_step,
+        after_step=telemetry.after_step,
+    )
     seconds = telemetry.close()
     if run.world > 1:
         dist.all_reduce(loss_sum)
@@ -245,18 +307,27 @@ def _evaluate(run: Run) -> float:
     sync_buffers(run.model, run.world)  # one model: evaluated, checkpointed and summarized
     if run.whole is not None:
         run.whole.load_state_dict(full_state(run.model))
-    return evaluate(run.evaluated, eval_chunks(run.data.test, run.rank, run.world, run.args.workers),
-                    device=run.device, dtype=torch.float32 if run.fsdp else run.dtype,
-                    world=run.world).accuracy
+    return evaluate(
+        run.evaluated,
+        eval_chunks(run.data.test, run.rank, run.world, run.args.workers),
+        device=run.device,
+        dtype=torch.float32 if run.fsdp else run.dtype,
+        world=run.world,
+    ).accuracy
 
 
-def _record(run: Run, epoch: int, loss_sum: torch.Tensor, accuracy: float,
-            telemetry: _EpochTelemetry, seconds: float) -> dict[str, Any]:
+def _record(
+    run: Run, epoch: int, loss_sum: torch.Tensor, accuracy: float, telemetry: _EpochTelemetry, seconds: float
+) -> dict[str, Any]:
     """Epoch ``epoch``'s (from 0) line of ``metrics.jsonl``."""
     row = {
-        "epoch": epoch + 1, "train_loss": float(loss_sum) / (run.ends[epoch + 1] - run.ends[epoch]),
-        "test_accuracy": accuracy, "lr": run.optimizer.param_groups[0]["lr"],
-        "images_per_second": telemetry.seen / seconds, "seconds": seconds, **telemetry.row(),
+        "epoch": epoch + 1,
+        "train_loss": float(loss_sum) / (run.ends[epoch + 1] - run.ends[epoch]),
+        "test_accuracy": accuracy,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "images_per_second": telemetry.seen / seconds,
+        "seconds": seconds,
+        **telemetry.row(),
     }
     if run.comm is not None:  # elements per selected element so far, rank 0's
         row["compression_rates"] = run.comm.compression_rates()
@@ -277,14 +348,27 @@ def _checkpoint(run: Run, epoch: int, history: list[dict[str, Any]]) -> None:
 
     row = history[-1]
     with tqdm.external_write_mode():  # above the run's bar
-        print(f"epoch {epoch + 1:>3}/{run.epochs}  train loss {row['train_loss']:.4f}  "
-              f"test acc {row['test_accuracy']:.2%}  lr {row['lr']:.4g}  "
-              f"{row['images_per_second']:,.0f} img/s", flush=True)
-    write_checkpoint(run.out / "checkpoint.pt", {
-        "model": saved_model, "optimizer": saved_optimizer, "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict() if run.scaler else None, "epoch": epoch + 1, "rng": rng,
-        "history": history, "adacomp": residuals, "recipe": run.recipe.name,
-        "settings": run.settings})
+        print(
+            f"epoch {epoch + 1:>3}/{run.epochs}  train loss {row['train_loss']:.4f}  "
+            f"test acc {row['test_accuracy']:.2%}  lr {row['lr']:.4g}  "
+            f"{row['images_per_second']:,.0f} img/s",
+            flush=True,
+        )
+    write_checkpoint(
+        run.out / "checkpoint.pt",
+        {
+            "model": saved_model,
+            "optimizer": saved_optimizer,
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler else None,
+            "epoch": epoch + 1,
+            "rng": rng,
+            "history": history,
+            "adacomp": residuals,
+            "recipe": run.recipe.name,
+            "settings": run.settings,
+        },
+    )
     atomic_write(run.out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
     if epoch + 1 < run.stop:  # the last plot comes after the summary
         run.plot(history)
@@ -295,14 +379,17 @@ def _summarize(run: Run, history: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {
         "recipe": run.recipe.name,
         "test_accuracy": history[-1]["test_accuracy"] if history else float("nan"),
-        "epochs": len(history), "batch_size": run.batch, "imagenet_equivalent_batch": run.nominal,
-        "world_size": run.world, "precision": run.settings["precision"],
-        "peak_lr": run.settings["lr"], "schedule": run.shape.schedule_text,
+        "epochs": len(history),
+        "batch_size": run.batch,
+        "imagenet_equivalent_batch": run.nominal,
+        "world_size": run.world,
+        "precision": run.settings["precision"],
+        "peak_lr": run.settings["lr"],
+        "schedule": run.shape.schedule_text,
         "published_top1": run.recipe.published_top1,
         "params_sha256": params_sha256(run.evaluated),
         "buffers_sha256": buffers_sha256(run.evaluated),
-        "images_per_second": statistics.mean(h["images_per_second"] for h in history)
-        if history else None,
+        "images_per_second": statistics.mean(h["images_per_second"] for h in history) if history else None,
     }
     print(f"rank {run.rank}/{run.world}: params sha256 {summary['params_sha256']}", flush=True)
     print(f"rank {run.rank}/{run.world}: buffers sha256 {summary['buffers_sha256']}", flush=True)

@@ -57,8 +57,7 @@ def compressible(leaf: Any, conv_bin: int, fc_bin: int) -> int | None:
     return bin_length(shape, conv_bin, fc_bin)
 
 
-def default_capacity(numel: int, bin_len: int,
-                     bin_capacity: int | None = DEFAULT_BIN_CAPACITY) -> int:
+def default_capacity(numel: int, bin_len: int, bin_capacity: int | None = DEFAULT_BIN_CAPACITY) -> int:
     """The message length for ``numel`` elements in bins of ``bin_len``:
     ``bin_capacity`` entries per bin (the last, short bin counts as one), at most
     ``numel``; ``bin_capacity=None``: ``numel`` (never exceeded)."""
@@ -92,8 +91,7 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, (a - (s - bv)) + (b - bv)
 
 
-def _add_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
-              ) -> tuple[jax.Array, jax.Array]:
+def _add_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Double-word addition of two normalized pairs of nonnegative numbers."""
     s, e = _two_sum(a[0], b[0])
     e = e + (a[1] + b[1])
@@ -158,8 +156,9 @@ class CompressedRows(NamedTuple):
     selected: jax.Array
 
 
-def compress_rows(r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len: int,
-                   capacity: int, select: str, values: str) -> CompressedRows:
+def compress_rows(
+    r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len: int, capacity: int, select: str, values: str
+) -> CompressedRows:
     """Algorithm 1 on the flat ``r``, ``g`` (compute dtype), zero-padded to ``rows`` rows of
     ``row_len`` elements (whole bins), sending at most ``capacity`` per row: the first
     selected of each row in index order."""
@@ -180,8 +179,7 @@ def compress_rows(r: jax.Array, g: jax.Array, bin_len: int, rows: int, row_len: 
     col = jnp.broadcast_to(jnp.arange(row_len, dtype=jnp.int32), (rows, row_len))
     row = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, row_len))
     indices = jnp.full((rows, capacity), row_len, jnp.int32).at[row, slot].set(col, mode="drop")
-    picked = jnp.take_along_axis(gp.reshape(rows, row_len), indices, axis=1, mode="fill",
-                                 fill_value=0)
+    picked = jnp.take_along_axis(gp.reshape(rows, row_len), indices, axis=1, mode="fill", fill_value=0)
     keep = keep.reshape(-1)
     count = jnp.sum(keep, dtype=jnp.int32)
     selected = jnp.sum(mask, dtype=jnp.int32)
@@ -204,9 +202,15 @@ def flat_pair(residual: Any, grad: Any) -> tuple[jax.Array, jax.Array, jnp.dtype
     return r.astype(dtype), g.astype(dtype), dtype
 
 
-def compress(residual: Any, grad: Any, bin_len: int, *, capacity: int | None = None,
-             select: str = "adacomp", values: str = "ternary",
-             ) -> tuple[jax.Array, AdaCompMessage]:
+def compress(
+    residual: Any,
+    grad: Any,
+    bin_len: int,
+    *,
+    capacity: int | None = None,
+    select: str = "adacomp",
+    values: str = "ternary",
+) -> tuple[jax.Array, AdaCompMessage]:
     """AdaComp on one leaf (Algorithm 1, as ``reference.compress``), with a fixed-size message.
 
     Selection, scale and residual are the reference's, restricted to the first

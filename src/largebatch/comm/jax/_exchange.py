@@ -15,7 +15,13 @@ from jax import lax
 from largebatch import checks
 from largebatch.checks import AxisName
 from largebatch.comm.jax._compress import (
-    AdaCompMessage, CompressedRows, chunk_length, compress, compress_rows, divide, flat_pair,
+    AdaCompMessage,
+    CompressedRows,
+    chunk_length,
+    compress,
+    compress_rows,
+    divide,
+    flat_pair,
     message_capacity,
 )
 from largebatch.comm.reference import check_compression
@@ -26,8 +32,10 @@ _GATHER_TO = "to" in inspect.signature(lax.all_gather).parameters
 
 def _check_span(span: int, values: str) -> None:
     if values == "ternary" and span > _MAX_SPAN:
-        raise ValueError(f"a compressed leaf (or chunk) of {span} elements is too long for "
-                         f"the int32 message codes (at most {_MAX_SPAN})")
+        raise ValueError(
+            f"a compressed leaf (or chunk) of {span} elements is too long for "
+            f"the int32 message codes (at most {_MAX_SPAN})"
+        )
 
 
 def _pack(indices: jax.Array, signs: jax.Array) -> jax.Array:
@@ -81,10 +89,16 @@ def _exchanged(parts: CompressedRows, values: str, route: Any) -> tuple[jax.Arra
     return _unpack(route(codes), route(parts.scale))
 
 
-def allgather_mean(residual: Any, grad: Any, bin_len: int | None, axis_name: AxisName, *,
-                   capacity: int | None = None, select: str = "adacomp",
-                   values: str = "ternary",
-                   ) -> tuple[jax.Array, Any, AdaCompMessage | None]:
+def allgather_mean(
+    residual: Any,
+    grad: Any,
+    bin_len: int | None,
+    axis_name: AxisName,
+    *,
+    capacity: int | None = None,
+    select: str = "adacomp",
+    values: str = "ternary",
+) -> tuple[jax.Array, Any, AdaCompMessage | None]:
     """The all-gather exchange of one leaf, inside ``jax.shard_map`` over ``axis_name``.
 
     Each device compresses its ``grad`` (:func:`compress`), the messages are all-gathered
@@ -110,23 +124,30 @@ def allgather_mean(residual: Any, grad: Any, bin_len: int | None, axis_name: Axi
     axis_name = checks.axis_name("axis_name", axis_name)
     if bin_len is None:
         return lax.pmean(grad, axis_name), residual, None
-    new_residual, message = compress(residual, grad, bin_len, capacity=capacity,
-                                     select=select, values=values)
+    new_residual, message = compress(residual, grad, bin_len, capacity=capacity, select=select, values=values)
     shape, numel = jnp.shape(grad), math.prod(jnp.shape(grad))
     if numel == 0:
         return lax.pmean(grad, axis_name), new_residual, message
     _check_span(numel, values)
-    parts = CompressedRows(new_residual, message.indices, message.values, message.scale,
-                   message.count, message.selected)
+    parts = CompressedRows(
+        new_residual, message.indices, message.values, message.scale, message.count, message.selected
+    )
     indices, vals = _exchanged(parts, values, lambda x: _gather(x, axis_name))
     mean = _ordered_mean(indices, vals, numel)
     return mean.reshape(shape).astype(jnp.result_type(grad)), new_residual, message
 
 
-def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
-                   axis_name: AxisName, *, capacity: int | None = None,
-                   select: str = "adacomp", values: str = "ternary",
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, AdaCompMessage]:
+def two_phase_mean(
+    residual: Any,
+    chunk_residual: Any,
+    grad: Any,
+    bin_len: int,
+    axis_name: AxisName,
+    *,
+    capacity: int | None = None,
+    select: str = "adacomp",
+    values: str = "ternary",
+) -> tuple[jax.Array, jax.Array, jax.Array, AdaCompMessage]:
     """The two-phase exchange of one leaf, inside ``jax.shard_map`` over ``axis_name``.
 
     The leaf is cut into ``n`` chunks of :func:`chunk_length` (whole bins); device ``j``
@@ -164,12 +185,15 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
     span = chunk_length(numel, bin_len, n)
     cr = jnp.asarray(chunk_residual).reshape(-1).astype(dtype)
     if cr.shape != (span,):
-        raise ValueError(f"chunk residual has {cr.size} elements, the chunk {span} "
-                         f"({numel} elements in bins of {bin_len} over {n} devices)")
+        raise ValueError(
+            f"chunk residual has {cr.size} elements, the chunk {span} "
+            f"({numel} elements in bins of {bin_len} over {n} devices)"
+        )
     if numel == 0:
         zero = jnp.zeros((), jnp.int32)
-        message = AdaCompMessage(jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), dtype),
-                                 jnp.zeros((), dtype), zero, zero)
+        message = AdaCompMessage(
+            jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), dtype), jnp.zeros((), dtype), zero, zero
+        )
         return lax.pmean(grad, axis_name), r.reshape(shape), cr, message
     _check_span(span, values)
     cap = message_capacity(capacity, span, bin_len)
@@ -188,7 +212,6 @@ def two_phase_mean(residual: Any, chunk_residual: Any, grad: Any, bin_len: int,
     offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * span
     where = jnp.where(indices < span, indices + offsets, n * span)  # fill: dropped
     out = jnp.zeros(n * span, dtype).at[where.reshape(-1)].set(vals.reshape(-1), mode="drop")
-    message = AdaCompMessage(parts.indices, parts.values, parts.scale, parts.count,
-                             parts.selected)
+    message = AdaCompMessage(parts.indices, parts.values, parts.scale, parts.count, parts.selected)
     mean = out[:numel].reshape(shape).astype(jnp.result_type(grad))
     return mean, parts.residual.reshape(shape), again.residual, message

@@ -16,7 +16,11 @@ from jax.sharding import PartitionSpec as P
 from largebatch import checks
 from largebatch.checks import AxisName
 from largebatch.comm.jax._compress import (
-    DEFAULT_BIN_CAPACITY, chunk_length, compressible, compute_dtype, default_capacity,
+    DEFAULT_BIN_CAPACITY,
+    chunk_length,
+    compressible,
+    compute_dtype,
+    default_capacity,
 )
 from largebatch.comm.jax._exchange import allgather_mean, axis_size, two_phase_mean
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
@@ -46,15 +50,21 @@ class AdaCompState(NamedTuple):
 
 def _all_finite(leaves: Sequence[Any]) -> jax.Array:
     """Whether every element of every leaf is finite (True for no leaves)."""
-    flags = [jnp.isfinite(x).all() for x in leaves
-             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    flags = [jnp.isfinite(x).all() for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     return jnp.stack(flags).all() if flags else jnp.asarray(True)
 
 
-def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_BIN,
-            fc_bin: int = FC_BIN, bin_capacity: int | None = DEFAULT_BIN_CAPACITY,
-            form: str = "allgather", select: str = "adacomp", values: str = "ternary",
-            ) -> optax.GradientTransformationExtraArgs:
+def adacomp(
+    axis_name: AxisName,
+    *,
+    warmup_steps: int = 0,
+    conv_bin: int = CONV_BIN,
+    fc_bin: int = FC_BIN,
+    bin_capacity: int | None = DEFAULT_BIN_CAPACITY,
+    form: str = "allgather",
+    select: str = "adacomp",
+    values: str = "ternary",
+) -> optax.GradientTransformationExtraArgs:
     """AdaComp's compressed average of the gradients over ``axis_name``, as an optax
     transformation for use inside ``jax.shard_map``.
 
@@ -109,8 +119,9 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
     if axis_name is None:
         raise ValueError("axis_name must name the data-parallel mesh axis, got None")
     axis_name = checks.axis_name("axis_name", axis_name)
-    options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
-                            form=form, select=select, values=values)
+    options = check_options(
+        warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin, form=form, select=select, values=values
+    )
     warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
     if bin_capacity is not None:
         bin_capacity = checks.integer("bin_capacity", bin_capacity, 1)
@@ -126,8 +137,10 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(params)
         bins = bins_of(leaves)
-        res = [None if b is None else jnp.zeros((1, *jnp.shape(p)), compute_dtype(p))
-               for p, b in zip(leaves, bins)]
+        res = [
+            None if b is None else jnp.zeros((1, *jnp.shape(p)), compute_dtype(p))
+            for p, b in zip(leaves, bins)
+        ]
         selected = [None if b is None else jnp.zeros((1,), jnp.int32) for b in bins]
         chunks = None
         if two_phase:
@@ -136,28 +149,40 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             except NameError as e:
                 raise ValueError(
                     f"adacomp(form='two_phase').init must run inside shard_map over "
-                    f"{axis_name!r} (the chunk length depends on the axis size): {e}") from None
-            chunks = treedef.unflatten([
-                None if b is None else
-                jnp.zeros((1, chunk_length(math.prod(jnp.shape(p)), b, n)), compute_dtype(p))
-                for p, b in zip(leaves, bins)])
-        return AdaCompState(count=jnp.zeros([], jnp.int32), residuals=treedef.unflatten(res),
-                            chunk_residuals=chunks, selected=treedef.unflatten(selected))
+                    f"{axis_name!r} (the chunk length depends on the axis size): {e}"
+                ) from None
+            chunks = treedef.unflatten(
+                [
+                    None
+                    if b is None
+                    else jnp.zeros((1, chunk_length(math.prod(jnp.shape(p)), b, n)), compute_dtype(p))
+                    for p, b in zip(leaves, bins)
+                ]
+            )
+        return AdaCompState(
+            count=jnp.zeros([], jnp.int32),
+            residuals=treedef.unflatten(res),
+            chunk_residuals=chunks,
+            selected=treedef.unflatten(selected),
+        )
 
-    def exchange(grads: Sequence[jax.Array], bins: Sequence[Any], residuals: Sequence[Any],
-                 chunks: Sequence[Any]) -> tuple[list[Any], ...]:
+    def exchange(
+        grads: Sequence[jax.Array], bins: Sequence[Any], residuals: Sequence[Any], chunks: Sequence[Any]
+    ) -> tuple[list[Any], ...]:
         means, new_res, new_chunks, selected = [], [], [], []
         for g, b, r, c in zip(grads, bins, residuals, chunks):
             numel = math.prod(jnp.shape(g))
             if two_phase:
                 n = axis_size(axis_name)
                 cap = capacity(chunk_length(numel, b, n), b)
-                mean, r, c, message = two_phase_mean(r[0], c[0], g, b, axis_name, capacity=cap,
-                                                     select=select, values=values)
+                mean, r, c, message = two_phase_mean(
+                    r[0], c[0], g, b, axis_name, capacity=cap, select=select, values=values
+                )
                 c = c[None]
             else:
-                mean, r, sent = allgather_mean(r[0], g, b, axis_name, capacity=capacity(numel, b),
-                                               select=select, values=values)
+                mean, r, sent = allgather_mean(
+                    r[0], g, b, axis_name, capacity=capacity(numel, b), select=select, values=values
+                )
                 assert sent is not None  # a compressed leaf (b is not None) has a message
                 message = sent
             means.append(mean)
@@ -166,8 +191,9 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
             selected.append(message.selected[None])
         return means, new_res, new_chunks, selected
 
-    def update_fn(updates: optax.Updates, state: AdaCompState, params: optax.Params | None = None,
-                  **extra_args: Any) -> tuple[optax.Updates, AdaCompState]:  # as optax's aliases
+    def update_fn(
+        updates: optax.Updates, state: AdaCompState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, AdaCompState]:  # as optax's aliases
         del params, extra_args
         treedef: Any  # a PyTreeDef (no stubs)
         leaves, treedef = jax.tree.flatten(updates)
@@ -180,8 +206,7 @@ def adacomp(axis_name: AxisName, *, warmup_steps: int = 0, conv_bin: int = CONV_
         packed = [i for i, b in enumerate(bins) if b is not None]
         residuals = treedef.flatten_up_to(state.residuals)
         selected = treedef.flatten_up_to(state.selected)
-        chunks = (treedef.flatten_up_to(state.chunk_residuals) if two_phase
-                  else [None] * len(leaves))
+        chunks = treedef.flatten_up_to(state.chunk_residuals) if two_phase else [None] * len(leaves)
         if packed:
             operands = tuple([x[i] for i in packed] for x in (leaves, residuals, chunks, selected))
             pick = [bins[i] for i in packed]
@@ -248,41 +273,49 @@ def adacomp_state_specs(state: Any, axis_name: AxisName) -> Any:
 
     def accumulated(leaf: Any) -> P:
         if len(jnp.shape(leaf)) == 0:
-            raise ValueError("optax.MultiSteps accumulates a scalar gradient per device; "
-                             "adacomp_state_specs needs leaves of rank >= 1 to split")
+            raise ValueError(
+                "optax.MultiSteps accumulates a scalar gradient per device; "
+                "adacomp_state_specs needs leaves of rank >= 1 to split"
+            )
         return device
 
     def node(x: Any) -> Any:
         if isinstance(x, AdaCompState):
             # The specs of the state, in the state's own structure.
-            return AdaCompState(count=P(), residuals=per_device(x.residuals),  # type: ignore[arg-type]
-                                chunk_residuals=per_device(x.chunk_residuals),
-                                selected=per_device(x.selected))
+            return AdaCompState(
+                count=P(),  # type: ignore[arg-type]
+                residuals=per_device(x.residuals),
+                chunk_residuals=per_device(x.chunk_residuals),
+                selected=per_device(x.selected),
+            )
         if isinstance(x, optax.MultiStepsState):
             return x._replace(
-                mini_step=P(), gradient_step=P(),
+                mini_step=P(),
+                gradient_step=P(),
                 inner_opt_state=adacomp_state_specs(x.inner_opt_state, axis_name),
                 acc_grads=jax.tree.map(accumulated, x.acc_grads),
-                skip_state=jax.tree.map(lambda _: P(), x.skip_state))
+                skip_state=jax.tree.map(lambda _: P(), x.skip_state),
+            )
         return P()
 
-    return jax.tree.map(node, state,
-                        is_leaf=lambda x: isinstance(x, (AdaCompState, optax.MultiStepsState)))
+    return jax.tree.map(node, state, is_leaf=lambda x: isinstance(x, (AdaCompState, optax.MultiStepsState)))
 
 
-def _shard_map(f: Callable[..., Any], mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any,
-               check: bool) -> Callable[..., Any]:
+def _shard_map(
+    f: Callable[..., Any], mesh: jax.sharding.Mesh, in_specs: Any, out_specs: Any, check: bool
+) -> Callable[..., Any]:
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=check)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
     from jax.experimental.shard_map import shard_map  # pragma: no cover (older jax)
 
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                     check_rep=check)  # pragma: no cover
+    return shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check
+    )  # pragma: no cover
 
 
-def adacomp_init_state(optimizer: optax.GradientTransformation, params: Any,
-                       mesh: jax.sharding.Mesh, axis_name: AxisName) -> tuple[Any, Any]:
+def adacomp_init_state(
+    optimizer: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh, axis_name: AxisName
+) -> tuple[Any, Any]:
     """``optimizer.init(params)`` run inside ``shard_map``, and the state's specs.
 
     For an optimizer holding :func:`adacomp` (chained, wrapped in ``optax.MultiSteps`` or

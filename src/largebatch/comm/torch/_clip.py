@@ -29,16 +29,19 @@ class LocalClipState:
     makes every gradient NaN, as TensorFlow's clip does, so a loss scaler skips the step.
     """
 
-    def __init__(self, max_norm: float, process_group: dist.ProcessGroup | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(
+        self,
+        max_norm: float,
+        process_group: dist.ProcessGroup | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         self.max_norm = checks.number("max_norm", max_norm, 0.0)
         self.process_group = process_group
         self.scaler = scaler
         self._held: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
 
 
-def local_clip_hook(state: LocalClipState,
-                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def local_clip_hook(state: LocalClipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: ``model.register_comm_hook(state, local_clip_hook)``.
     The result is the sum over the processes of their clipped gradients (not the mean)."""
     buf = bucket.buffer()
@@ -58,5 +61,6 @@ def local_clip_hook(state: LocalClipState,
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
-local_clip_hook.__annotations__.update(state=LocalClipState, bucket=dist.GradBucket,
-                                       **{"return": torch.futures.Future[torch.Tensor]})
+local_clip_hook.__annotations__.update(
+    state=LocalClipState, bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+)

@@ -78,16 +78,29 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def make_layout(names: Sequence[str], shapes: Sequence[torch.Size], dtype: torch.dtype,
-            conv_bin: int, fc_bin: int,
-            strides: Sequence[tuple[int, ...] | None] | None = None) -> Layout:
+def make_layout(
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    dtype: torch.dtype,
+    conv_bin: int,
+    fc_bin: int,
+    strides: Sequence[tuple[int, ...] | None] | None = None,
+) -> Layout:
     layers, offset = [], 0
     for i, (name, shape) in enumerate(zip(names, shapes)):
         numel = math.prod(shape)
         bin_len = bin_length(tuple(shape), conv_bin, fc_bin)
         stride = None if strides is None else strides[i]
-        layers.append(Layer(name, offset, numel, bin_len, fc=len(shape) == 2,
-                             strided=None if stride is None else (torch.Size(shape), stride)))
+        layers.append(
+            Layer(
+                name,
+                offset,
+                numel,
+                bin_len,
+                fc=len(shape) == 2,
+                strided=None if stride is None else (torch.Size(shape), stride),
+            )
+        )
         offset += numel
     return Layout(tuple(layers), offset, _compute_dtype(dtype))
 
@@ -126,7 +139,8 @@ def to_memory(flat: torch.Tensor, layout: Layout) -> torch.Tensor:
     out = flat.clone()
     for layer, shape, stride in strided:
         out.narrow(0, layer.offset, layer.numel).as_strided(shape, stride).copy_(
-            flat.narrow(0, layer.offset, layer.numel).view(shape))
+            flat.narrow(0, layer.offset, layer.numel).view(shape)
+        )
     return out
 
 
@@ -157,8 +171,10 @@ def host_waits(device: torch.device) -> bool:
     return device.type != "cpu" and _STATIC_NONZERO_ON_GPU
 
 
-def _selected(masks: Sequence[torch.Tensor], device: torch.device,
-              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _selected(
+    masks: Sequence[torch.Tensor],
+    device: torch.device,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each mask's selected indices, and their counts (int64 on ``device``). On a GPU a
     ``nonzero`` makes the host wait for the device, once per mask; reading every count at
     once and then ``nonzero_static`` waits once in all. The CPU has nothing to wait for,
@@ -169,8 +185,12 @@ def _selected(masks: Sequence[torch.Tensor], device: torch.device,
     counts = torch.stack([m.sum() for m in masks])
     sizes = counts.tolist()  # the one host sync
     # An empty mask's indices are known (CUDA's nonzero_static failed on one before 2.9).
-    return [torch.nonzero_static(m, size=n).view(-1) if m.numel() else
-            torch.zeros(0, dtype=torch.int64, device=device) for m, n in zip(masks, sizes)], counts
+    return [
+        torch.nonzero_static(m, size=n).view(-1)
+        if m.numel()
+        else torch.zeros(0, dtype=torch.int64, device=device)
+        for m, n in zip(masks, sizes)
+    ], counts
 
 
 def _encode(parts: Sequence[tuple[Compressed, int, int]], width: int, values: str) -> torch.Tensor:
@@ -197,8 +217,9 @@ def _encode(parts: Sequence[tuple[Compressed, int, int]], width: int, values: st
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
 
 
-def _decode_into(out: Sequence[torch.Tensor], message: torch.Tensor, width: int, values: str,
-                 dtype: torch.dtype) -> None:
+def _decode_into(
+    out: Sequence[torch.Tensor], message: torch.Tensor, width: int, values: str, dtype: torch.dtype
+) -> None:
     """Add a message's decoded layers to ``out`` (one flat tensor per layer of the message)."""
     k = len(out)
     if k == 0:
@@ -206,18 +227,18 @@ def _decode_into(out: Sequence[torch.Tensor], message: torch.Tensor, width: int,
     item = torch.empty((), dtype=dtype).element_size()
     counts = message[: 8 * k].clone().view(torch.int64).tolist()  # clone: aligned
     pos = 8 * k
-    scales = message[pos: pos + item * k].clone().view(dtype)
+    scales = message[pos : pos + item * k].clone().view(dtype)
     pos += item * k
     total = sum(counts)
-    codes = _unpack(message[pos: pos + width * total], width)
+    codes = _unpack(message[pos : pos + width * total], width)
     pos += width * total
-    vals = message[pos: pos + item * total].clone().view(dtype) if values == "exact" else None
+    vals = message[pos : pos + item * total].clone().view(dtype) if values == "exact" else None
     start = 0
     for j, (dst, count) in enumerate(zip(out, counts)):
         if count:
-            code = codes[start: start + count]
+            code = codes[start : start + count]
             if vals is not None:  # values == "exact"
-                dst.index_add_(0, code, vals[start: start + count])
+                dst.index_add_(0, code, vals[start : start + count])
             else:
                 sign = 1 - 2 * (code & 1).to(dtype)
                 dst.index_add_(0, code >> 1, sign * scales[j])
@@ -241,14 +262,18 @@ class Exchange:
     def __init__(self, layout: Layout, world: int, select: str, values: str) -> None:
         self.layout, self.world, self.select, self.values = layout, world, select, values
 
-    def compress(self, worker: Worker, flat: torch.Tensor, scale: float = 1.0,
-                 ) -> dict[str, Compressed]:
+    def compress(
+        self,
+        worker: Worker,
+        flat: torch.Tensor,
+        scale: float = 1.0,
+    ) -> dict[str, Compressed]:
         """Each compressed layer of ``flat`` (the bucket, compute dtype) with the worker's
         residual times ``scale`` (a GradScaler's loss scale: residuals are kept unscaled);
         the residuals are not updated here."""
         out = {}
         for layer in self.layout.compressed:
-            g = flat[layer.offset: layer.offset + layer.numel]
+            g = flat[layer.offset : layer.offset + layer.numel]
             r = worker.residuals.get(layer.name)
             r = torch.zeros_like(g) if r is None else r * scale if scale != 1.0 else r
             out[layer.name] = compress(r, g, layer.bins, select=self.select, values=self.values)
@@ -274,13 +299,19 @@ class Exchange:
         """The all-gather form's result for the compressed layers: messages decoded and
         summed in rank order, divided by the world size (a flat tensor of the bucket)."""
         out = torch.zeros(self.layout.numel, dtype=self.layout.dtype, device=device)
-        views = [out[layer.offset: layer.offset + layer.numel] for layer in self.layout.compressed]
+        views = [out[layer.offset : layer.offset + layer.numel] for layer in self.layout.compressed]
         for message in messages:
             _decode_into(views, message, self.layout.width, self.values, self.layout.dtype)
         return out.div_(self.world)
 
-    def owner_compress(self, worker: Worker, j: int, messages: Sequence[torch.Tensor],
-                       device: torch.device, scale: float = 1.0) -> dict[str, Compressed]:
+    def owner_compress(
+        self,
+        worker: Worker,
+        j: int,
+        messages: Sequence[torch.Tensor],
+        device: torch.device,
+        scale: float = 1.0,
+    ) -> dict[str, Compressed]:
         """Phase 1's receiving side: the mean of everyone's chunk ``j`` (rank order), then
         compressed again with the owner's chunk residuals (not committed here)."""
         chunks = []
@@ -294,13 +325,11 @@ class Exchange:
             mean = total.div_(self.world)
             r = worker.chunk_residuals.get(layer.name)
             r = torch.zeros_like(mean) if r is None else r * scale if scale != 1.0 else r
-            parts[layer.name] = compress(r, mean, layer.bins, select=self.select,
-                                         values=self.values)
+            parts[layer.name] = compress(r, mean, layer.bins, select=self.select, values=self.values)
         return parts
 
     def owner_message(self, parts: dict[str, Compressed]) -> torch.Tensor:
-        items = [(parts[layer.name], 0, parts[layer.name].sent.numel())
-                 for layer in self.layout.compressed]
+        items = [(parts[layer.name], 0, parts[layer.name].sent.numel()) for layer in self.layout.compressed]
         return _encode(items, self.layout.width, self.values)
 
     def decode_chunks(self, messages: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -310,15 +339,16 @@ class Exchange:
             views = []
             for layer in self.layout.compressed:
                 lo, hi = self.chunk(layer, j)
-                views.append(out[layer.offset + lo: layer.offset + hi])
+                views.append(out[layer.offset + lo : layer.offset + hi])
             _decode_into(views, message, self.layout.width, self.values, self.layout.dtype)
         return out
 
     def count(self, stats: dict[str, dict[str, int]], parts: dict[str, Compressed]) -> None:
         layers = self.layout.compressed
         sums = [parts[layer.name].mask.sum() for layer in layers]
-        selected = dict(zip((layer.name for layer in layers),
-                            torch.stack(sums).tolist() if sums else []))  # one host sync
+        selected = dict(
+            zip((layer.name for layer in layers), torch.stack(sums).tolist() if sums else [])
+        )  # one host sync
         for layer in self.layout.layers:
             row = stats[layer.kind]
             row["elements"] += layer.numel
@@ -326,8 +356,13 @@ class Exchange:
 
 
 def new_stats() -> dict[str, Any]:
-    return {"steps": 0, "compressed_steps": 0, "dense_bytes": 0, "sent_bytes": 0,
-            **{kind: {"elements": 0, "selected": 0} for kind in KINDS}}
+    return {
+        "steps": 0,
+        "compressed_steps": 0,
+        "dense_bytes": 0,
+        "sent_bytes": 0,
+        **{kind: {"elements": 0, "selected": 0} for kind in KINDS},
+    }
 
 
 def copy_stats(stats: dict[str, Any]) -> dict[str, Any]:

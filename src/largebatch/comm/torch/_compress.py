@@ -20,8 +20,14 @@ class Compressed:
     scale: torch.Tensor
 
 
-def compress(residual: torch.Tensor, grad: torch.Tensor, bin_len: int, *,
-             select: str = "adacomp", values: str = "ternary") -> Compressed:
+def compress(
+    residual: torch.Tensor,
+    grad: torch.Tensor,
+    bin_len: int,
+    *,
+    select: str = "adacomp",
+    values: str = "ternary",
+) -> Compressed:
     """:func:`largebatch.comm.reference.compress` on flat tensors of one floating dtype."""
     big_g = residual + grad
     if select == "all":

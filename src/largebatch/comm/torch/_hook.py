@@ -8,13 +8,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from largebatch.comm.reference import (
-    CONV_BIN, FC_BIN, FORMS, bin_length, check_options, chunk_bounds,
-)
 from largebatch.comm.costs import DEFAULT_LINK, choose_form
+from largebatch.comm.reference import (
+    CONV_BIN,
+    FC_BIN,
+    FORMS,
+    bin_length,
+    check_options,
+    chunk_bounds,
+)
 from largebatch.comm.torch._codec import (
-    KINDS, Exchange, Layout, Worker, bucket_strides, copy_stats, make_layout, new_stats,
-    to_logical, to_memory,
+    KINDS,
+    Exchange,
+    Layout,
+    Worker,
+    bucket_strides,
+    copy_stats,
+    make_layout,
+    new_stats,
+    to_logical,
+    to_memory,
 )
 
 # 2: residuals in logical order; version 1 kept a channels_last weight's in memory order.
@@ -49,17 +62,35 @@ class AdaCompState:
     overflow): a step a GradScaler skips leaves them untouched.
     """
 
-    def __init__(self, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None, *,
-                 warmup_steps: int = 0, conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN,
-                 form: str = "auto", select: str = "adacomp", values: str = "ternary",
-                 network: Any = None, compression: float = 40.0,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
-        options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
-                                form=form, select=select, values=values, forms=(*FORMS, "auto"))
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        warmup_steps: int = 0,
+        conv_bin: int = CONV_BIN,
+        fc_bin: int = FC_BIN,
+        form: str = "auto",
+        select: str = "adacomp",
+        values: str = "ternary",
+        network: Any = None,
+        compression: float = 40.0,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        options = check_options(
+            warmup_steps=warmup_steps,
+            conv_bin=conv_bin,
+            fc_bin=fc_bin,
+            form=form,
+            select=select,
+            values=values,
+            forms=(*FORMS, "auto"),
+        )
         warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("AdaCompState needs an initialized process group "
-                             "(torch.distributed.init_process_group)")
+            raise ValueError(
+                "AdaCompState needs an initialized process group (torch.distributed.init_process_group)"
+            )
         module = getattr(model, "module", model)
         self.process_group = process_group
         self._world = dist.get_world_size(process_group)
@@ -67,9 +98,16 @@ class AdaCompState:
         self._names = {p: name for name, p in module.named_parameters()}
         if form == "auto":
             form = choose_model_form(self._world, module, compression, network)
-        self.config = {"world": self._world, "rank": self._rank, "warmup_steps": warmup_steps,
-                       "conv_bin": conv_bin, "fc_bin": fc_bin, "form": form, "select": select,
-                       "values": values}
+        self.config = {
+            "world": self._world,
+            "rank": self._rank,
+            "warmup_steps": warmup_steps,
+            "conv_bin": conv_bin,
+            "fc_bin": fc_bin,
+            "form": form,
+            "select": select,
+            "values": values,
+        }
         self.form, self.select, self.values = form, select, values
         self.warmup_steps, self.conv_bin, self.fc_bin = warmup_steps, conv_bin, fc_bin
         self.step = 0
@@ -97,27 +135,37 @@ class AdaCompState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: settings, iteration count, residuals (copies). Every rank has
         its own residuals: save one per rank (or gather them)."""
-        return {"version": _STATE_VERSION, "config": dict(self.config), "step": self.step,
-                "residuals": {k: v.clone() for k, v in self._worker.residuals.items()},
-                "chunk_residuals": {k: v.clone() for k, v in self._worker.chunk_residuals.items()},
-                "stats": copy_stats(self.stats)}
+        return {
+            "version": _STATE_VERSION,
+            "config": dict(self.config),
+            "step": self.step,
+            "residuals": {k: v.clone() for k, v in self._worker.residuals.items()},
+            "chunk_residuals": {k: v.clone() for k, v in self._worker.chunk_residuals.items()},
+            "stats": copy_stats(self.stats),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; a different world size, rank or setting is
         refused before anything changes."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"AdaComp state version {state.get('version')!r} is not "
-                             f"{_STATE_VERSION} (version 2 keeps residuals in logical order): "
-                             "start the compression afresh")
+            raise ValueError(
+                f"AdaComp state version {state.get('version')!r} is not "
+                f"{_STATE_VERSION} (version 2 keeps residuals in logical order): "
+                "start the compression afresh"
+            )
         saved = state["config"]
         diff = {k: (saved.get(k), v) for k, v in self.config.items() if saved.get(k) != v}
         if diff:
-            raise ValueError("AdaComp state was saved with different settings "
-                             + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items()))
+            raise ValueError(
+                "AdaComp state was saved with different settings "
+                + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            )
         self._check_residuals(state)
         self.step = int(state["step"])
-        self._worker = Worker({k: v.clone() for k, v in state["residuals"].items()},
-                              {k: v.clone() for k, v in state["chunk_residuals"].items()})
+        self._worker = Worker(
+            {k: v.clone() for k, v in state["residuals"].items()},
+            {k: v.clone() for k, v in state["chunk_residuals"].items()},
+        )
         self.stats = copy_stats(state["stats"])
 
     def _check_residuals(self, state: dict[str, Any]) -> None:
@@ -133,8 +181,7 @@ class AdaCompState:
                 p = params[name]
                 bin_len = bin_length(tuple(p.shape), self.conv_bin, self.fc_bin)
                 if bin_len is None:
-                    raise ValueError(f"AdaComp state has {which} for {name!r}, which is sent "
-                                     "uncompressed")
+                    raise ValueError(f"AdaComp state has {which} for {name!r}, which is sent uncompressed")
                 if which == "residuals":
                     length = p.numel()
                 else:
@@ -142,16 +189,20 @@ class AdaCompState:
                     length = hi - lo
                 ok = isinstance(r, torch.Tensor) and r.is_floating_point() and r.shape == (length,)
                 if not ok:
-                    got = (f"{r.dtype} of shape {tuple(r.shape)}" if isinstance(r, torch.Tensor)
-                           else type(r).__name__)
-                    raise ValueError(f"AdaComp state {which}[{name!r}]: expected a flat floating "
-                                     f"tensor of {length} elements (param of shape "
-                                     f"{tuple(p.shape)}), got {got}")
+                    got = (
+                        f"{r.dtype} of shape {tuple(r.shape)}"
+                        if isinstance(r, torch.Tensor)
+                        else type(r).__name__
+                    )
+                    raise ValueError(
+                        f"AdaComp state {which}[{name!r}]: expected a flat floating "
+                        f"tensor of {length} elements (param of shape "
+                        f"{tuple(p.shape)}), got {got}"
+                    )
 
     def compression_rates(self) -> dict[str, float]:
         """Per kind of layer, over the compressed steps so far: elements / selected."""
-        return {kind: self.stats[kind]["elements"] / max(self.stats[kind]["selected"], 1)
-                for kind in KINDS}
+        return {kind: self.stats[kind]["elements"] / max(self.stats[kind]["selected"], 1) for kind in KINDS}
 
 
 DEFAULT_NETWORK = tuple(DEFAULT_LINK)  # latency (s) and bandwidth (bytes/s) "auto" plans for
@@ -170,11 +221,19 @@ def _bucket_layout(state: AdaCompState, bucket: dist.GradBucket) -> Layout:
     names = []
     for p in params:
         if p not in state._names:
-            raise ValueError("a bucket holds a parameter the AdaCompState's model does not have: "
-                             "build the state with the DDP model the hook is registered on")
+            raise ValueError(
+                "a bucket holds a parameter the AdaCompState's model does not have: "
+                "build the state with the DDP model the hook is registered on"
+            )
         names.append(state._names[p])
-    return make_layout(names, [p.shape for p in params], bucket.buffer().dtype, state.conv_bin,
-                   state.fc_bin, [bucket_strides(p) for p in params])
+    return make_layout(
+        names,
+        [p.shape for p in params],
+        bucket.buffer().dtype,
+        state.conv_bin,
+        state.fc_bin,
+        [bucket_strides(p) for p in params],
+    )
 
 
 def adacomp_hook(state: AdaCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -195,8 +254,9 @@ def adacomp_hook(state: AdaCompState, bucket: dist.GradBucket) -> torch.futures.
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
-adacomp_hook.__annotations__.update(state=AdaCompState, bucket=dist.GradBucket,
-                                    **{"return": torch.futures.Future[torch.Tensor]})
+adacomp_hook.__annotations__.update(
+    state=AdaCompState, bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+)
 
 
 def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
@@ -220,16 +280,18 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
     device = buf.device
     if state.form == "allgather":
         mine = ex.message(parts) if finite else torch.zeros(0, dtype=torch.uint8, device=device)
-        sizes = _all_gather_sizes(torch.tensor([mine.numel() if finite else -1], device=device),
-                                  world, group)
+        sizes = _all_gather_sizes(torch.tensor([mine.numel() if finite else -1], device=device), world, group)
         if (sizes < 0).any():
             return _dense(state, buf, skip=True)
         messages = _all_gather_padded(mine, sizes, group)
         result = ex.decode_all(messages, device)
         sent = int(sizes.max()) * (world - 1)
     else:
-        outgoing = ([ex.message(parts, j) for j in range(world)] if finite
-                    else [torch.zeros(0, dtype=torch.uint8, device=device)] * world)
+        outgoing = (
+            [ex.message(parts, j) for j in range(world)]
+            if finite
+            else [torch.zeros(0, dtype=torch.uint8, device=device)] * world
+        )
         split = torch.tensor([m.numel() if finite else -1 for m in outgoing], device=device)
         incoming_sizes = torch.empty_like(split)
         dist.all_to_all_single(incoming_sizes, split, group=group)
@@ -239,25 +301,25 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
         if int(flag):
             return _dense(state, buf, skip=True)
         received = torch.empty(int(incoming_sizes.sum()), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(received, torch.cat(outgoing), incoming_sizes.tolist(),
-                               split.tolist(), group=group)
+        dist.all_to_all_single(
+            received, torch.cat(outgoing), incoming_sizes.tolist(), split.tolist(), group=group
+        )
         chunks = list(received.split(incoming_sizes.tolist()))
         owned = ex.owner_compress(state._worker, rank, chunks, device, scale)
         mine = ex.owner_message(owned)
         sizes = _all_gather_sizes(torch.tensor([mine.numel()], device=device), world, group)
         messages = _all_gather_padded(mine, sizes, group)
         result = ex.decode_chunks(messages, device)
-        state._pending += [("chunk_residuals", name, c.residual.div(scale))
-                           for name, c in owned.items()]
+        state._pending += [("chunk_residuals", name, c.residual.div(scale)) for name, c in owned.items()]
         sent = int(split.sum() - split[rank]) + int(sizes.max()) * (world - 1)
     dense = layout.dense
     if dense:
-        packed = torch.cat([buf[d.offset: d.offset + d.numel] for d in dense]).div_(world)
+        packed = torch.cat([buf[d.offset : d.offset + d.numel] for d in dense]).div_(world)
         dist.all_reduce(packed, group=group)
         result_dense = packed.to(layout.dtype)
         pos = 0
         for d in dense:
-            result[d.offset: d.offset + d.numel] = result_dense[pos: pos + d.numel]
+            result[d.offset : d.offset + d.numel] = result_dense[pos : pos + d.numel]
             pos += d.numel
         sent += packed.numel() * packed.element_size()
     state._pending += [("residuals", name, c.residual.div(scale)) for name, c in parts.items()]

@@ -19,13 +19,29 @@ class SimulatedWorkers:
     each worker's gradients (a list per worker, in ``names``' order) and returns the
     averaged gradients: what every rank of a real run would hold after the hook."""
 
-    def __init__(self, names: Sequence[str], shapes: Sequence[torch.Size], n: int, *,
-                 warmup_steps: int = 0, conv_bin: int = CONV_BIN, fc_bin: int = FC_BIN,
-                 form: str = "allgather", select: str = "adacomp", values: str = "ternary",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[torch.Size],
+        n: int,
+        *,
+        warmup_steps: int = 0,
+        conv_bin: int = CONV_BIN,
+        fc_bin: int = FC_BIN,
+        form: str = "allgather",
+        select: str = "adacomp",
+        values: str = "ternary",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         n = checks.integer("workers", n, 1)
-        options = check_options(warmup_steps=warmup_steps, conv_bin=conv_bin, fc_bin=fc_bin,
-                                form=form, select=select, values=values)
+        options = check_options(
+            warmup_steps=warmup_steps,
+            conv_bin=conv_bin,
+            fc_bin=fc_bin,
+            form=form,
+            select=select,
+            values=values,
+        )
         warmup_steps, conv_bin, fc_bin = (options[k] for k in ("warmup_steps", "conv_bin", "fc_bin"))
         self.n, self.form, self.warmup_steps = n, form, warmup_steps
         self.layout = make_layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
@@ -47,7 +63,7 @@ class SimulatedWorkers:
         self.stats["steps"] += 1
         out, pos = [], 0
         for layer, g in zip(self.layout.layers, grads[0]):
-            out.append(result[pos: pos + layer.numel].view_as(g))
+            out.append(result[pos : pos + layer.numel].view_as(g))
             pos += layer.numel
         return out
 
@@ -57,8 +73,10 @@ class SimulatedWorkers:
         if self.form == "allgather":
             result = ex.decode_all([ex.message(p) for p in parts], device)
         else:
-            owned = [ex.owner_compress(self.workers[j], j, [ex.message(p, j) for p in parts],
-                                       device) for j in range(self.n)]
+            owned = [
+                ex.owner_compress(self.workers[j], j, [ex.message(p, j) for p in parts], device)
+                for j in range(self.n)
+            ]
             result = ex.decode_chunks([ex.owner_message(o) for o in owned], device)
             for w, o in zip(self.workers, owned):
                 for name, c in o.items():
@@ -67,11 +85,12 @@ class SimulatedWorkers:
             ex.commit(w, p)
         dense = self.layout.dense
         if dense:
-            dense_sum = _ordered_sum([torch.cat([f[d.offset: d.offset + d.numel] for d in dense])
-                                      / self.n for f in flats])
+            dense_sum = _ordered_sum(
+                [torch.cat([f[d.offset : d.offset + d.numel] for d in dense]) / self.n for f in flats]
+            )
             pos = 0
             for d in dense:
-                result[d.offset: d.offset + d.numel] = dense_sum[pos: pos + d.numel]
+                result[d.offset : d.offset + d.numel] = dense_sum[pos : pos + d.numel]
                 pos += d.numel
         self.stats["compressed_steps"] += 1
         for p in parts:
@@ -80,23 +99,33 @@ class SimulatedWorkers:
 
     def compression_rates(self) -> dict[str, float]:
         """Per kind of layer: elements / selected over all workers and compressed steps."""
-        return {kind: self.stats[kind]["elements"] / max(self.stats[kind]["selected"], 1)
-                for kind in KINDS}
+        return {kind: self.stats[kind]["elements"] / max(self.stats[kind]["selected"], 1) for kind in KINDS}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "stats": copy_stats(self.stats),
-                "workers": [{"residuals": {k: v.clone() for k, v in w.residuals.items()},
-                             "chunk_residuals": {k: v.clone() for k, v in w.chunk_residuals.items()}}
-                            for w in self.workers]}
+        return {
+            "step": self.step,
+            "stats": copy_stats(self.stats),
+            "workers": [
+                {
+                    "residuals": {k: v.clone() for k, v in w.residuals.items()},
+                    "chunk_residuals": {k: v.clone() for k, v in w.chunk_residuals.items()},
+                }
+                for w in self.workers
+            ],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["workers"]) != self.n:
             raise ValueError(f"state has {len(state['workers'])} workers, this has {self.n}")
         self.step = int(state["step"])
         self.stats = copy_stats(state["stats"])
-        self.workers = [Worker({k: v.clone() for k, v in w["residuals"].items()},
-                                {k: v.clone() for k, v in w["chunk_residuals"].items()})
-                        for w in state["workers"]]
+        self.workers = [
+            Worker(
+                {k: v.clone() for k, v in w["residuals"].items()},
+                {k: v.clone() for k, v in w["chunk_residuals"].items()},
+            )
+            for w in state["workers"]
+        ]
 
 
 def _ordered_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -107,9 +136,12 @@ def _ordered_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def simulate_step(model: torch.nn.Module, sim: SimulatedWorkers,
-                  batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  loss_fn: Any) -> list[float]:
+def simulate_step(
+    model: torch.nn.Module,
+    sim: SimulatedWorkers,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Any,
+) -> list[float]:
     """One data-parallel step of ``len(batches)`` simulated workers, as DDP runs it: each
     worker's forward and backward on its own batch (normalization statistics from that
     batch), the exchange, and the averaged gradients in ``param.grad``. Buffers (running

@@ -15,9 +15,11 @@ import optax
 
 Mask = Any  # None, a pytree (or prefix) of bools, or a callable params -> such a pytree
 
-_STATIC = ("under optax.inject_hyperparams, name the masks in static_args, e.g. "
-           "inject_hyperparams(lars, static_args=('trust_ratio_mask', 'weight_decay_mask')), "
-           "so that they are not taken for hyperparameters or schedules")
+_STATIC = (
+    "under optax.inject_hyperparams, name the masks in static_args, e.g. "
+    "inject_hyperparams(lars, static_args=('trust_ratio_mask', 'weight_decay_mask')), "
+    "so that they are not taken for hyperparameters or schedules"
+)
 
 
 def check_masks(**masks: Mask) -> None:
@@ -29,7 +31,8 @@ def check_masks(**masks: Mask) -> None:
             raise TypeError(
                 f"Invalid {name}: an array ({type(mask).__name__} of shape "
                 f"{jnp.shape(mask)}); a mask is None, a pytree of bools or a callable on the "
-                f"params, fixed when the optimizer is built: {_STATIC}")
+                f"params, fixed when the optimizer is built: {_STATIC}"
+            )
 
 
 def exclusion_mask(params: Any) -> Any:
@@ -48,10 +51,12 @@ def exclusion_mask(params: Any) -> Any:
                 params,
             )
     """
-    if (isinstance(params, (jax.Array, np.ndarray, np.generic)) and jnp.ndim(params) == 0
-            and jnp.issubdtype(jnp.result_type(params), jnp.integer)):
-        raise TypeError(f"exclusion_mask was called on a step count ({params!r}), not on "
-                        f"params: {_STATIC}")
+    if (
+        isinstance(params, (jax.Array, np.ndarray, np.generic))
+        and jnp.ndim(params) == 0
+        and jnp.issubdtype(jnp.result_type(params), jnp.integer)
+    ):
+        raise TypeError(f"exclusion_mask was called on a step count ({params!r}), not on params: {_STATIC}")
     return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
 
 

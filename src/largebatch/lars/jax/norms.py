@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from largebatch.checks import AxisName
 
+
 def compute_dtype(x: jax.Array) -> jnp.dtype:
     """float32, or the dtype of ``x`` where that is wider (float64)."""
     return jnp.promote_types(x.dtype, jnp.float32)
@@ -126,8 +127,9 @@ def global_norm(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Arra
     return _norm(jnp.stack([n.astype(dtype) for n in norms]))
 
 
-def safe_ratio(numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array,
-               other_norm: jax.Array) -> jax.Array:
+def safe_ratio(
+    numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array, other_norm: jax.Array
+) -> jax.Array:
     """``numerator / denominator``, or 1 where ``w_norm`` or ``other_norm`` is zero."""
     zero = jnp.logical_or(w_norm == 0.0, other_norm == 0.0)
     return jnp.where(zero, jnp.ones_like(numerator), numerator / jnp.where(zero, 1.0, denominator))

@@ -28,7 +28,6 @@ from largebatch.schedules import Schedule
 from largebatch.schedules.jax import as_optax_schedule
 
 
-
 def _as_optax_schedule(learning_rate: Any) -> ScalarOrSchedule:
     """A :class:`largebatch.schedules.Schedule` becomes its jit-traceable JAX twin."""
     if isinstance(learning_rate, Schedule):
@@ -181,8 +180,9 @@ def lars(
     clip = learning_rate if trust_clip else None
 
     def adapt(wd: Any) -> optax.GradientTransformation:
-        return scale_by_lars_trust_ratio(wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip,
-                                         decayed_norm)
+        return scale_by_lars_trust_ratio(
+            wd, trust_coefficient, eps, clip, axis_name, zero_norm_skip, decayed_norm
+        )
 
     # The structure of the chain depends on the masks only, never on a value.
     if weight_decay_mask is None:
@@ -193,8 +193,12 @@ def lars(
             optax.masked(adapt(0.0), mask_and(trust_ratio_mask, weight_decay_mask, True)),
         ]
         if trust_ratio_mask is not None:  # decayed but not adapted: g + wd * w, ratio 1
-            adapted.append(optax.masked(optax.add_decayed_weights(weight_decay),
-                                        mask_and(weight_decay_mask, trust_ratio_mask, True)))
+            adapted.append(
+                optax.masked(
+                    optax.add_decayed_weights(weight_decay),
+                    mask_and(weight_decay_mask, trust_ratio_mask, True),
+                )
+            )
     rate = optax.scale_by_learning_rate(learning_rate)
     momentum_of = optax.trace(decay=momentum, nesterov=nesterov)
     return keep_dtypes(
@@ -340,17 +344,15 @@ def lamb(
     if grad_averaging and bias_correction and freeze_step is None:
         moments = optax.scale_by_adam(b1, b2, eps)
     else:
-        moments = scale_by_uncorrected_adam(b1, b2, eps, bias_correction, grad_averaging,
-                                            freeze_step)
+        moments = scale_by_uncorrected_adam(b1, b2, eps, bias_correction, grad_averaging, freeze_step)
     # Decay and adaptation are independent where weight_decay_mask is given.
     decay_mask = trust_ratio_mask if weight_decay_mask is None else weight_decay_mask
     decay = optax.add_decayed_weights(weight_decay, decay_mask)
     if adapt_without_decay:
         adapt = masked(scale_by_lamb_trust_ratio(axis_name), trust_ratio_mask)
     else:  # only where the leaf's weight decay is nonzero
-        adapt = masked(scale_by_lamb_trust_ratio(axis_name, weight_decay),
-                        mask_and(trust_ratio_mask, decay_mask))
+        adapt = masked(
+            scale_by_lamb_trust_ratio(axis_name, weight_decay), mask_and(trust_ratio_mask, decay_mask)
+        )
     steps = [decay, moments] if not adam_w_mode else [moments, decay]  # L2: decay first
-    return keep_dtypes(
-        optax.chain(*clip, *steps, adapt, optax.scale_by_learning_rate(learning_rate))
-    )
+    return keep_dtypes(optax.chain(*clip, *steps, adapt, optax.scale_by_learning_rate(learning_rate)))

@@ -66,8 +66,9 @@ def keep_dtypes(inner: optax.GradientTransformation) -> optax.GradientTransforma
 
     inner = optax.with_extra_args_support(inner)
 
-    def update_fn(updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None,
-                  **extra_args: Any) -> tuple[optax.Updates, optax.OptState]:  # as optax's aliases
+    def update_fn(
+        updates: optax.Updates, state: optax.OptState, params: optax.Params | None = None, **extra_args: Any
+    ) -> tuple[optax.Updates, optax.OptState]:  # as optax's aliases
         new_updates, new_state = inner.update(updates, state, params, **extra_args)
         new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
         new_state = jax.tree.map(lambda n, o: n.astype(jnp.result_type(o)), new_state, state)
@@ -122,8 +123,11 @@ def scale_by_lars_trust_ratio(
     counted once per device. Leave it None under plain ``jax.jit`` (sharded arrays
     already give global norms) and for replicated, data-parallel params.
     """
-    for name, value in [("weight_decay", weight_decay), ("trust_coefficient", trust_coefficient),
-                        ("eps", eps)]:
+    for name, value in [
+        ("weight_decay", weight_decay),
+        ("trust_coefficient", trust_coefficient),
+        ("eps", eps),
+    ]:
         LARS_SPEC.hyper(name).check(concrete_or_unknown(value), name)
     axis_name = checks.axis_name("axis_name", axis_name)
     flags = LARS_SPEC.check({"zero_norm_skip": zero_norm_skip, "decayed_norm": decayed_norm})
@@ -134,9 +138,11 @@ def scale_by_lars_trust_ratio(
         del params
         return LarsTrustRatioState(count=jnp.zeros([], jnp.int32))
 
-    def update_fn(updates: optax.Updates, state: LarsTrustRatioState,
-                  params: optax.Params | None = None,
-                  ) -> tuple[optax.Updates, LarsTrustRatioState]:
+    def update_fn(
+        updates: optax.Updates,
+        state: LarsTrustRatioState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, LarsTrustRatioState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
@@ -144,8 +150,9 @@ def scale_by_lars_trust_ratio(
         ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
         norms = leaf_norms(ws + (ds if decayed_norm else gs), axis_name)
 
-        def leaf(g: jax.Array, g32: jax.Array, d: jax.Array, w_norm: jax.Array,
-                 g_norm: jax.Array) -> jax.Array:
+        def leaf(
+            g: jax.Array, g32: jax.Array, d: jax.Array, w_norm: jax.Array, g_norm: jax.Array
+        ) -> jax.Array:
             if decayed_norm:  # g_norm is ||g + wd * w|| (optax)
                 ratio = safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
             else:
@@ -185,8 +192,9 @@ def scale_by_lamb_trust_ratio(
     """
     axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates: optax.Updates, state: optax.EmptyState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+    def update_fn(
+        updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, optax.EmptyState]:
         if params is None:
             raise ValueError(_NO_PARAMS)
         us, ws, treedef = _computed_leaves(updates, params)
@@ -205,9 +213,7 @@ def scale_by_lamb_trust_ratio(
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def divide_by_global_norm(
-    max_norm: float, axis_name: AxisName = None
-) -> optax.GradientTransformation:
+def divide_by_global_norm(max_norm: float, axis_name: AxisName = None) -> optax.GradientTransformation:
     """Divide all updates by ``max(1, ||all updates|| / max_norm)`` (NVIDIA's LAMB clip).
 
     The same rule as ``optax.clip_by_global_norm`` (which multiplies by
@@ -227,8 +233,9 @@ def divide_by_global_norm(
     _MAX_NORM.check(concrete_or_unknown(max_norm), "max_norm")
     axis_name = checks.axis_name("axis_name", axis_name)
 
-    def update_fn(updates: optax.Updates, state: optax.EmptyState,
-                  params: optax.Params | None = None) -> tuple[optax.Updates, optax.EmptyState]:
+    def update_fn(
+        updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
         leaves = jax.tree.leaves(updates)
         if not leaves:
@@ -241,8 +248,12 @@ def divide_by_global_norm(
 
 
 def scale_by_uncorrected_adam(
-    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-    bias_correction: bool = False, grad_averaging: bool = True, freeze_step: Any = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    bias_correction: bool = False,
+    grad_averaging: bool = True,
+    freeze_step: Any = None,
 ) -> optax.GradientTransformation:
     """Adam's scaling without bias correction: ``m / (sqrt(v) + eps)``.
 
@@ -265,9 +276,11 @@ def scale_by_uncorrected_adam(
             nu=optax.tree.zeros_like(params),
         )
 
-    def update_fn(updates: optax.Updates, state: optax.ScaleByAdamState,
-                  params: optax.Params | None = None,
-                  ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.ScaleByAdamState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, optax.ScaleByAdamState]:
         del params
         mu = jax.tree.map(lambda g, m: b3 * g + b1 * m, updates, state.mu)
         count = optax.safe_increment(state.count)
@@ -276,11 +289,12 @@ def scale_by_uncorrected_adam(
             count_v = count
         else:
             frozen = count > freeze_step
-            nu = jax.tree.map(lambda g, v: jnp.where(frozen, v, (1 - b2) * abs_sq(g) + b2 * v),
-                              updates, state.nu)
+            nu = jax.tree.map(
+                lambda g, v: jnp.where(frozen, v, (1 - b2) * abs_sq(g) + b2 * v), updates, state.nu
+            )
             count_v = jnp.minimum(count, freeze_step)
         if bias_correction:
-            bc1, bc2 = 1 - b1 ** count, 1 - b2 ** count_v
+            bc1, bc2 = 1 - b1**count, 1 - b2**count_v
             updates = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + eps), mu, nu)
         else:
             updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)

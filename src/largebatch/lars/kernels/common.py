@@ -121,9 +121,17 @@ def sum_of_squares(x):
 
 @triton.jit
 def check_tiles(
-    w_ptr, g_ptr, start, limit, inv_scale, wd,
-    W_SQ: tl.constexpr, DECAYED: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    g_ptr,
+    start,
+    limit,
+    inv_scale,
+    wd,
+    W_SQ: tl.constexpr,
+    DECAYED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """Sums of w^2 and of unscaled g^2 over a chunk (``sum_of_squares`` per tile, added in fp64);
     with DECAYED (and W_SQ), of (g + wd * w)^2 in place of g^2 (formed in fp32, as pass 2
     forms it)."""

@@ -11,14 +11,14 @@ import triton.language as tl
 from largebatch.lars.kernels.common import (
     COL_G,
     COL_GROUP,
-    GSQ,
     COL_P,
     COL_S0,
     COL_S1,
     COL_STEP,
     COL_W,
-    program_chunk,
+    GSQ,
     one_minus_pow,
+    program_chunk,
     store_part,
     sum_of_squares,
     tensor_ptr,
@@ -64,8 +64,7 @@ def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
     wd_g = tl.where(adam_w, 0.0, wd)
     wd_u = tl.where(adam_w, wd, 0.0)
     b3 = tl.where(tl.load(h + _GRAD_AVERAGING) != 0, 1.0 - b1, 1.0)  # fp64, then fp32
-    trust_ratio = (tl.load(h + _TRUST_RATIO) != 0) & (
-        (tl.load(h + _ADAPT_WITHOUT_DECAY) != 0) | (wd != 0))
+    trust_ratio = (tl.load(h + _TRUST_RATIO) != 0) & ((tl.load(h + _ADAPT_WITHOUT_DECAY) != 0) | (wd != 0))
     step = tl.load(tl.load(row + COL_STEP).to(tl.pointer_type(tl.float32)))
     e = step.to(tl.int32)  # this step's t: the count after it is counted
     if not COUNTED:
@@ -79,9 +78,27 @@ def _lamb_factors(hyper, row, group, COUNTED: tl.constexpr):
 
 @triton.jit
 def _moment_tiles(
-    w_ptr, g_ptr, m_ptr, v_ptr, start, limit, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-    frozen, W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    start,
+    limit,
+    g_mul,
+    b1,
+    b2,
+    b3,
+    inv_bc1,
+    inv_bc2,
+    eps,
+    wd_g,
+    wd,
+    frozen,
+    W_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """New m, v on elements [start, limit) of a chunk, stored; sums of w^2 and u^2.
     ``wd_g`` enters the gradient (L2 mode; 0 otherwise), ``wd`` enters u; v stays as it
     is where ``frozen``."""
@@ -150,23 +167,72 @@ def lamb_moments_kernel(
     end = start + BLOCK * TILES
     if end <= numel:
         w_sq, u_sq = _moment_tiles(
-            w_ptr, g_ptr, m_ptr, v_ptr, start, end, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-            frozen, W_DTYPE, P_DTYPE, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            start,
+            end,
+            g_mul,
+            b1,
+            b2,
+            b3,
+            inv_bc1,
+            inv_bc2,
+            eps,
+            wd_g,
+            wd,
+            frozen,
+            W_DTYPE,
+            P_DTYPE,
+            BLOCK,
+            TILES,
+        )
     else:
         w_sq, u_sq = _moment_tiles(
-            w_ptr, g_ptr, m_ptr, v_ptr, start, numel, g_mul, b1, b2, b3, inv_bc1, inv_bc2, eps, wd_g, wd,
-            frozen, W_DTYPE, P_DTYPE, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            start,
+            numel,
+            g_mul,
+            b1,
+            b2,
+            b3,
+            inv_bc1,
+            inv_bc2,
+            eps,
+            wd_g,
+            wd,
+            frozen,
+            W_DTYPE,
+            P_DTYPE,
+            BLOCK,
+            TILES,
+        )
     store_part(parts, slot, w_sq, u_sq)
 
 
 @triton.jit
 def _lamb_tiles(
-    w_ptr, p_ptr, m_ptr, v_ptr, start, limit, rate, inv_bc1, inv_bc2, eps, wd,
-    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-    BLOCK: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    start,
+    limit,
+    rate,
+    inv_bc1,
+    inv_bc2,
+    eps,
+    wd,
+    W_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """w -= rate * u on elements [start, limit) of a chunk (and the param rewritten)."""
     for i in range(TILES):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -214,11 +280,39 @@ def lamb_apply_kernel(
     end = start + BLOCK * TILES
     if end <= numel:
         _lamb_tiles(
-            w_ptr, p_ptr, m_ptr, v_ptr, start, end, rate, inv_bc1, inv_bc2, eps, wd,
-            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            start,
+            end,
+            rate,
+            inv_bc1,
+            inv_bc2,
+            eps,
+            wd,
+            W_DTYPE,
+            P_DTYPE,
+            HAS_MASTER,
+            BLOCK,
+            TILES,
+        )
     else:
         _lamb_tiles(
-            w_ptr, p_ptr, m_ptr, v_ptr, start, numel, rate, inv_bc1, inv_bc2, eps, wd,
-            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            p_ptr,
+            m_ptr,
+            v_ptr,
+            start,
+            numel,
+            rate,
+            inv_bc1,
+            inv_bc2,
+            eps,
+            wd,
+            W_DTYPE,
+            P_DTYPE,
+            HAS_MASTER,
+            BLOCK,
+            TILES,
+        )

@@ -71,10 +71,24 @@ def lars_norms_kernel(
 
 @triton.jit
 def _lars_tiles(
-    w_ptr, g_ptr, p_ptr, v_ptr, start, limit, inv_scale, rate, outer, wd, momentum, nesterov,
-    W_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr,
-    BLOCK: tl.constexpr, TILES: tl.constexpr,
-):  # fmt: skip
+    w_ptr,
+    g_ptr,
+    p_ptr,
+    v_ptr,
+    start,
+    limit,
+    inv_scale,
+    rate,
+    outer,
+    wd,
+    momentum,
+    nesterov,
+    W_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
     """LARS on elements [start, limit) of a chunk: v and w (and the param) written.
     ``rate`` scales the update into the buffer, ``outer`` the step out of it (1 with
     lr_in_momentum, else lr: an exact 1.0 leaves the default's bits as they were)."""
@@ -151,11 +165,41 @@ def lars_apply_kernel(
     end = start + BLOCK * TILES
     if end <= numel:
         _lars_tiles(
-            w_ptr, g_ptr, p_ptr, v_ptr, start, end, inv_scale, rate, outer, wd, momentum, nesterov,
-            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            g_ptr,
+            p_ptr,
+            v_ptr,
+            start,
+            end,
+            inv_scale,
+            rate,
+            outer,
+            wd,
+            momentum,
+            nesterov,
+            W_DTYPE,
+            P_DTYPE,
+            HAS_MASTER,
+            BLOCK,
+            TILES,
+        )
     else:
         _lars_tiles(
-            w_ptr, g_ptr, p_ptr, v_ptr, start, numel, inv_scale, rate, outer, wd, momentum, nesterov,
-            W_DTYPE, P_DTYPE, HAS_MASTER, BLOCK, TILES,
-        )  # fmt: skip
+            w_ptr,
+            g_ptr,
+            p_ptr,
+            v_ptr,
+            start,
+            numel,
+            inv_scale,
+            rate,
+            outer,
+            wd,
+            momentum,
+            nesterov,
+            W_DTYPE,
+            P_DTYPE,
+            HAS_MASTER,
+            BLOCK,
+            TILES,
+        )

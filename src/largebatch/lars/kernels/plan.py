@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from largebatch.lars.kernels.common import (
-    GSQ,
     COL_NUMEL,
     COL_STEP,
+    GSQ,
     WS_HEAD,
     finish_kernel,
     grad_check_kernel,
@@ -101,21 +101,26 @@ def check_fused(hyper: Hyperparams, i: int) -> None:
     > 0 (compiled for a GPU, fp32 sqrt and division flush denormals to zero, so a v_hat
     below 2**-126 would give u = m / 0 = inf where the other paths give a finite u)."""
     if isinstance(hyper, LambHyperparams) and hyper.eps == 0:
-        raise ValueError(f"Invalid group {i} eps: 0 (the fused LAMB kernels need eps > 0: on a "
-                         "GPU, sqrt(v_hat) of a denormal v_hat flushes to 0; use foreach=True "
-                         "for eps=0)")
+        raise ValueError(
+            f"Invalid group {i} eps: 0 (the fused LAMB kernels need eps > 0: on a "
+            "GPU, sqrt(v_hat) of a denormal v_hat flushes to 0; use foreach=True "
+            "for eps=0)"
+        )
 
 
 def _describe(x: torch.Tensor) -> str:
     return f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
 
 
-def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...],
-                 device: torch.device) -> None:
+def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device: torch.device) -> None:
     if set(group.state) != set(state_names):
         raise ValueError(f"group {i}: state must hold {state_names}, got {sorted(group.state)}")
-    lists = {"grads": group.grads, "masters": group.masters or group.params, "steps": group.steps,
-             **group.state}
+    lists = {
+        "grads": group.grads,
+        "masters": group.masters or group.params,
+        "steps": group.steps,
+        **group.state,
+    }
     for name, xs in lists.items():
         if len(xs) != len(group.params):
             raise ValueError(f"group {i}: {len(xs)} {name} for {len(group.params)} params")
@@ -131,8 +136,7 @@ def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...],
                 continue
             if (x.dtype, x.shape, x.stride(), x.device) != (want, p.shape, p.stride(), device):
                 raise ValueError(
-                    f"group {i} {name}[{j}]: expected {want} like param {_describe(p)},"
-                    f" got {_describe(x)}"
+                    f"group {i} {name}[{j}]: expected {want} like param {_describe(p)}, got {_describe(x)}"
                 )
         _check_scalar(f"group {i} steps[{j}]", group.steps[j], device)
 
@@ -160,20 +164,24 @@ def _key(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | 
     may move at any step. lr addresses are left out: when those tensors change, only
     their small table is refreshed (see _set_lrs).
     """
-    key: list[Any] = [spec.name, groups[0].params[0].device,
-                      None if counter is None else counter.data_ptr()]
+    key: list[Any] = [spec.name, groups[0].params[0].device, None if counter is None else counter.data_ptr()]
     ptr = torch.Tensor.data_ptr
     for i, g in enumerate(groups):
         if type(g.hyper) is not spec.hyperparams:  # its values were checked when it was made
-            raise TypeError(f"group {i}: hyper must be a {spec.hyperparams.__name__} (e.g. "
-                            f"{spec.name}_SPEC.make({{...}})), got {type(g.hyper).__name__}")
+            raise TypeError(
+                f"group {i}: hyper must be a {spec.hyperparams.__name__} (e.g. "
+                f"{spec.name}_SPEC.make({{...}})), got {type(g.hyper).__name__}"
+            )
         names = tuple(g.state)
         lists = (g.params, g.grads, g.steps, *(g.state[k] for k in names))
-        masters = None if g.masters is None else tuple(
-            [None if m is None else m.data_ptr() for m in g.masters])
+        masters = (
+            None if g.masters is None else tuple([None if m is None else m.data_ptr() for m in g.masters])
+        )
         key += [
             (g.hyper, names, tuple(map(len, lists))),
-            tuple(map(_DTYPE, g.params)), tuple(map(torch.Tensor.numel, g.params)), masters,
+            tuple(map(_DTYPE, g.params)),
+            tuple(map(torch.Tensor.numel, g.params)),
+            masters,
             tuple(map(ptr, chain.from_iterable(lists))),
         ]
     return tuple(key)
@@ -249,42 +257,56 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             slots += c
         repeats = torch.tensor(counts, dtype=torch.int64)
         tensor = torch.repeat_interleave(torch.arange(n), repeats, output_size=n_chunks)
-        tensor_first_chunk = torch.repeat_interleave(repeats.cumsum(0) - repeats, repeats,
-                                                     output_size=n_chunks)
+        tensor_first_chunk = torch.repeat_interleave(
+            repeats.cumsum(0) - repeats, repeats, output_size=n_chunks
+        )
         first = torch.arange(n_chunks) - tensor_first_chunk  # chunk index within its tensor
-        tables += [torch.stack([tensor, first], dim=1),
-                   torch.tensor(meta_rows, dtype=torch.int64)]
+        tables += [torch.stack([tensor, first], dim=1), torch.tensor(meta_rows, dtype=torch.int64)]
         aligned = all(a % 16 == 0 for r in meta_rows for a in r[: COL_STEP.value])
-        launches.append((acc, n_chunks, has_master, dict(
-            P_DTYPE=_TL_DTYPES[dtype],
-            W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
-            ALIGNED=aligned,
-            BLOCK=block,
-            TILES=tiles,
-            num_warps=_num_warps(block, aligned),
-        )))
+        launches.append(
+            (
+                acc,
+                n_chunks,
+                has_master,
+                dict(
+                    P_DTYPE=_TL_DTYPES[dtype],
+                    W_DTYPE=tl.float32 if has_master else _TL_DTYPES[dtype],
+                    ALIGNED=aligned,
+                    BLOCK=block,
+                    TILES=tiles,
+                    num_warps=_num_warps(block, aligned),
+                ),
+            )
+        )
 
     hyper = [g.hyper.row for g in groups]
     # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
     steps = [x.data_ptr() for g in groups for x in g.steps]
     steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
-    decayed = "decayed_norm" in spec.columns and any(
-        row[spec.columns.index("decayed_norm")] for row in hyper)
-    tables += [torch.tensor(hyper, dtype=torch.float64).view(torch.int64),
-               torch.tensor(steps, dtype=torch.int64),
-               torch.tensor(spans + [(0, slots)], dtype=torch.int64)]
+    decayed = "decayed_norm" in spec.columns and any(row[spec.columns.index("decayed_norm")] for row in hyper)
+    tables += [
+        torch.tensor(hyper, dtype=torch.float64).view(torch.int64),
+        torch.tensor(steps, dtype=torch.int64),
+        torch.tensor(spans + [(0, slots)], dtype=torch.int64),
+    ]
     source, views = _upload(tables, device)
     buckets = [
-        _Bucket(chunks=chunks, meta=meta, acc=acc, grid=(n_chunks,), has_master=has_master,
-                consts=consts)
-        for (acc, n_chunks, has_master, consts), chunks, meta
-        in zip(launches, views[0:-3:2], views[1:-3:2])
+        _Bucket(chunks=chunks, meta=meta, acc=acc, grid=(n_chunks,), has_master=has_master, consts=consts)
+        for (acc, n_chunks, has_master, consts), chunks, meta in zip(launches, views[0:-3:2], views[1:-3:2])
     ]
     # Every slot is written by its chunk's program before any sum reads it.
     parts = torch.empty(max(1, slots), 2, dtype=torch.float64, device=device)
-    return _Plan(buckets, views[-3].view(torch.float64), ws, parts=parts,
-                 spans=views[-1][:-1], every_slot=views[-1][-1:], steps=views[-2],
-                 decayed=decayed, sources={"tables": source})
+    return _Plan(
+        buckets,
+        views[-3].view(torch.float64),
+        ws,
+        parts=parts,
+        spans=views[-1][:-1],
+        every_slot=views[-1][-1:],
+        steps=views[-2],
+        decayed=decayed,
+        sources={"tables": source},
+    )
 
 
 def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
@@ -299,8 +321,7 @@ def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
     plan.lrs = lrs
 
 
-def _plan(spec: OptimizerSpec, groups: list[FusedGroup],
-          counter: torch.Tensor | None) -> _Plan | None:
+def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> _Plan | None:
     """The cached plan for these groups, or None when there is nothing to update."""
     groups = [g for g in groups if g.params]
     if not groups:
@@ -317,8 +338,7 @@ def _plan(spec: OptimizerSpec, groups: list[FusedGroup],
     return plan
 
 
-def _scalars(plan: _Plan, grad_scale: torch.Tensor | None,
-             found_inf: torch.Tensor | None) -> tuple:
+def _scalars(plan: _Plan, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> tuple:
     """Pointer arguments for the optional device scalars, and their flags.
 
     An absent one is replaced by the workspace: a valid pointer the kernels never read.
@@ -331,21 +351,36 @@ def _scalars(plan: _Plan, grad_scale: torch.Tensor | None,
     return scale, plan.ws if found_inf is None else found_inf, has
 
 
-def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *,
-            every_slot: bool = False) -> None:
+def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *, every_slot: bool = False) -> None:
     """One launch of finish_kernel: each tensor's sums from its chunks' partial sums
     (the pass's acc), the step counted after them; with ``every_slot``, the global sums
     of all chunks (ws[:WS_HEAD]) and nothing counted."""
     if every_slot:
-        finish_kernel[(1,)](plan.parts, plan.every_slot, plan.ws, 1, plan.steps, 0, found_inf,
-                             HAS_FOUND_INF=False, STEPS_BLOCK=1)
+        finish_kernel[(1,)](
+            plan.parts,
+            plan.every_slot,
+            plan.ws,
+            1,
+            plan.steps,
+            0,
+            found_inf,
+            HAS_FOUND_INF=False,
+            STEPS_BLOCK=1,
+        )
         return
     n_spans, n = len(plan.spans), len(plan.steps)
     block = min(BLOCK, triton.next_power_of_2(n))
     finish_kernel[(n_spans + triton.cdiv(n, block),)](
-        plan.parts, plan.spans, plan.ws[WS_HEAD:], n_spans, plan.steps, n, found_inf,
-        HAS_FOUND_INF=has_found_inf, STEPS_BLOCK=block,
-    )  # fmt: skip
+        plan.parts,
+        plan.spans,
+        plan.ws[WS_HEAD:],
+        n_spans,
+        plan.steps,
+        n,
+        found_inf,
+        HAS_FOUND_INF=has_found_inf,
+        STEPS_BLOCK=block,
+    )
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -367,20 +402,42 @@ def fused_lars_step_(
     for b in plan.buckets:
         if plan.decayed:  # some group's decayed_norm: ||g + wd * w||^2 for its tensors
             lars_norms_kernel[b.grid](
-                b.chunks, b.meta, plan.parts, plan.hyper, scale, inf, **has, **b.consts,
-            )  # fmt: skip
+                b.chunks,
+                b.meta,
+                plan.parts,
+                plan.hyper,
+                scale,
+                inf,
+                **has,
+                **b.consts,
+            )
             continue
         grad_check_kernel[b.grid](
-            b.chunks, b.meta, plan.parts, scale, inf, W_SQ=True, **has, **b.consts,
-        )  # fmt: skip
+            b.chunks,
+            b.meta,
+            plan.parts,
+            scale,
+            inf,
+            W_SQ=True,
+            **has,
+            **b.consts,
+        )
     _finish(plan, inf, has["HAS_FOUND_INF"])
     if reduce_norms is not None:
         reduce_norms(plan.ws[WS_HEAD:])
     for b in plan.buckets:
         lars_apply_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, scale, inf,
-            HAS_MASTER=b.has_master, **has, **b.consts,
-        )  # fmt: skip
+            b.chunks,
+            b.meta,
+            b.acc,
+            plan.hyper,
+            plan.gaddr,
+            scale,
+            inf,
+            HAS_MASTER=b.has_master,
+            **has,
+            **b.consts,
+        )
 
 
 def fused_lamb_step_(
@@ -402,21 +459,44 @@ def fused_lamb_step_(
     if clip:  # the global grad norm must be complete before any moment is formed
         for b in plan.buckets:
             grad_check_kernel[b.grid](
-                b.chunks, b.meta, plan.parts, scale, inf, W_SQ=False, **has, **b.consts,
-            )  # fmt: skip
+                b.chunks,
+                b.meta,
+                plan.parts,
+                scale,
+                inf,
+                W_SQ=False,
+                **has,
+                **b.consts,
+            )
         _finish(plan, inf, False, every_slot=True)
         if reduce_global is not None:
             reduce_global(plan.ws[GSQ : GSQ + 1])
     for b in plan.buckets:
         lamb_moments_kernel[b.grid](
-            b.chunks, b.meta, plan.parts, plan.ws, plan.hyper, scale, inf,
-            float(max_grad_norm) if max_grad_norm is not None else 1.0, CLIP=clip, **has, **b.consts,
-        )  # fmt: skip
+            b.chunks,
+            b.meta,
+            plan.parts,
+            plan.ws,
+            plan.hyper,
+            scale,
+            inf,
+            float(max_grad_norm) if max_grad_norm is not None else 1.0,
+            CLIP=clip,
+            **has,
+            **b.consts,
+        )
     _finish(plan, inf, has["HAS_FOUND_INF"])  # pass 2 reads the counted steps
     if reduce_norms is not None:
         reduce_norms(plan.ws[WS_HEAD:])
     for b in plan.buckets:
         lamb_apply_kernel[b.grid](
-            b.chunks, b.meta, b.acc, plan.hyper, plan.gaddr, inf,
-            HAS_MASTER=b.has_master, HAS_FOUND_INF=has["HAS_FOUND_INF"], **b.consts,
-        )  # fmt: skip
+            b.chunks,
+            b.meta,
+            b.acc,
+            plan.hyper,
+            plan.gaddr,
+            inf,
+            HAS_MASTER=b.has_master,
+            HAS_FOUND_INF=has["HAS_FOUND_INF"],
+            **b.consts,
+        )

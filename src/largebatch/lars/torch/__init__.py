@@ -8,5 +8,14 @@ from largebatch.lars.torch._lars import LARS, lars
 from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL
 from largebatch.lars.torch._ratios import trust_ratios
 
-__all__ = ["LARS", "LAMB", "lars", "lamb", "param_groups", "default_exclude", "trust_ratios",
-           "COMPILE_MIN_NUMEL", "COMPILE_MIN_TENSOR"]
+__all__ = [
+    "LARS",
+    "LAMB",
+    "lars",
+    "lamb",
+    "param_groups",
+    "default_exclude",
+    "trust_ratios",
+    "COMPILE_MIN_NUMEL",
+    "COMPILE_MIN_TENSOR",
+]

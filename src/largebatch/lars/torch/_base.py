@@ -51,8 +51,17 @@ class LayerwiseOptimizer(Optimizer):
     bodies: Bodies  # the unfused paths
     _extra_state: tuple[str, ...] = ("_applied",)  # pickled with the optimizer
 
-    def __init__(self, params: Any, lr: float | Tensor, hyper: Hyperparams, *, master_weights: bool,
-                 foreach: Any, fused: Any, compiled: Any) -> None:
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor,
+        hyper: Hyperparams,
+        *,
+        master_weights: bool,
+        foreach: Any,
+        fused: Any,
+        compiled: Any,
+    ) -> None:
         # Every default is checked here (``hyper`` when it was made), as torch's optimizers
         # check theirs, whether or not a group uses it, and before any group is.
         defaults = {"lr": lr, **hyper.values(), "master_weights": master_weights}
@@ -73,8 +82,9 @@ class LayerwiseOptimizer(Optimizer):
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         hyper = self._validate(merged)
         # The group's path, resolved once: the step reads it back with _paths.pick.
-        param_group.update(_paths.resolve(merged["foreach"], merged["fused"], merged["compiled"],
-                                          tensors_of([param_group])))
+        param_group.update(
+            _paths.resolve(merged["foreach"], merged["fused"], merged["compiled"], tensors_of([param_group]))
+        )
         if param_group["fused"]:
             _fused.check(hyper, len(self.param_groups))
         for p in param_group["params"]:
@@ -215,8 +225,9 @@ class LayerwiseOptimizer(Optimizer):
                 )
             step = entry["step"]
             if not (isinstance(step, numbers.Real) or (isinstance(step, Tensor) and step.numel() == 1)):
-                raise ValueError(f"param {pid!r}: step must be a number or a one-element Tensor, "
-                                 f"got {step!r}")
+                raise ValueError(
+                    f"param {pid!r}: step must be a number or a one-element Tensor, got {step!r}"
+                )
             for key in allowed - {"step"}:
                 value = entry.get(key)
                 if value is not None and (not isinstance(value, Tensor) or value.shape != param.shape):
@@ -249,9 +260,17 @@ class LayerwiseOptimizer(Optimizer):
     def _group_step(self, i: int, group: dict[str, Any], path: str) -> GroupStep:
         """Group ``i``'s params that have grads, with their state (created here, when a
         param first has a grad), its lr and its hyperparameters."""
-        out = GroupStep(params=[], grads=[], state={key: [] for key in self.spec.state}, masters=[],
-                        steps=[], lr=lr_value(group["lr"]), hyper=self._group_hyperparams(i, group),
-                        path=path, key=id(group))
+        out = GroupStep(
+            params=[],
+            grads=[],
+            state={key: [] for key in self.spec.state},
+            masters=[],
+            steps=[],
+            lr=lr_value(group["lr"]),
+            hyper=self._group_hyperparams(i, group),
+            path=path,
+            key=id(group),
+        )
         use_masters = group["master_weights"]
         for p in group["params"]:
             if p.grad is None:
@@ -309,14 +328,23 @@ class LayerwiseOptimizer(Optimizer):
         groups = [self._group_step(i, g, path) for i, (g, path) in enumerate(zip(self.param_groups, paths))]
         if fused:
             self._applied = _step.run(
-                self.bodies, groups, grad_scale=grad_scale, found_inf=found_inf, counter=self._applied,
+                self.bodies,
+                groups,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                counter=self._applied,
                 fused_options=self._fused_options(groups, reducer),
                 lr_buffers=self.__dict__.setdefault("_fused_lr", {}),
             )
         else:  # found_inf was read above
             grads = [g for group in groups for g in group.grads]
-            _step.run(self.bodies, groups, grad_scale=self._grad_scale(grads, grad_scale), found_inf=None,
-                      counter=self._applied)
+            _step.run(
+                self.bodies,
+                groups,
+                grad_scale=self._grad_scale(grads, grad_scale),
+                found_inf=None,
+                counter=self._applied,
+            )
         return loss
 
     @torch.no_grad()
@@ -339,11 +367,16 @@ class LayerwiseOptimizer(Optimizer):
                 saved = [state.get("master_param", p), p.grad, *(state.get(k) for k in self.spec.state)]
                 (w, grad, *moments), _ = _sharded.local(tuple([x] for x in saved))  # local blocks
                 trial = GroupStep(
-                    params=[w[0].clone()], grads=grad, masters=[None],
-                    state={k: [torch.zeros_like(w[0]) if x[0] is None else x[0].clone()]
-                           for k, x in zip(self.spec.state, moments)},
+                    params=[w[0].clone()],
+                    grads=grad,
+                    masters=[None],
+                    state={
+                        k: [torch.zeros_like(w[0]) if x[0] is None else x[0].clone()]
+                        for k, x in zip(self.spec.state, moments)
+                    },
                     steps=[state["step"].clone() if state else torch.zeros(())],
-                    lr=lr_value(group["lr"]), hyper=hyper,
+                    lr=lr_value(group["lr"]),
+                    hyper=hyper,
                 )
                 ratio = self.bodies.one_tensor(trial, divisor, functools.partial(_sharded.whole_norm, p))
                 out.append(float(ratio))

@@ -34,8 +34,7 @@ def compiled_path(single_tensor: Callable[..., None], foreach: Body) -> Body:
 
 
 @functools.cache
-def compiled_body(body: Callable[..., Any],
-                  flags: tuple[tuple[str, bool], ...] = ()) -> Callable[..., Any]:
+def compiled_body(body: Callable[..., Any], flags: tuple[tuple[str, bool], ...] = ()) -> Callable[..., Any]:
     """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
     (norms, then the fused elementwise update) serves every tensor of a given dtype and
     set of flags, whatever its size.
@@ -51,8 +50,9 @@ def compiled_body(body: Callable[..., Any],
     on-disk cache may serve a float baked in as a constant by another process with other
     values. Flags stay Python bools; they choose the graph's code and so its cache key.
     """
-    copy = types.FunctionType(body.__code__.replace(), body.__globals__, body.__name__,
-                              body.__defaults__, body.__closure__)
+    copy = types.FunctionType(
+        body.__code__.replace(), body.__globals__, body.__name__, body.__defaults__, body.__closure__
+    )
     copy.__kwdefaults__ = body.__kwdefaults__
     copy.__qualname__, copy.__module__ = body.__qualname__, body.__module__
     return torch.compile(copy, dynamic=True, fullgraph=True)
@@ -92,8 +92,9 @@ def split_for_compile(group: GroupStep) -> tuple[GroupStep, GroupStep]:
     return group.select(large), group.select(small)
 
 
-def pick_body(body: Callable, compiled: Callable | None,
-              tensors: dict[str, Tensor | None]) -> tuple[Callable, dict[str, Any]]:
+def pick_body(
+    body: Callable, compiled: Callable | None, tensors: dict[str, Tensor | None]
+) -> tuple[Callable, dict[str, Any]]:
     """The compiled body on flat views of contiguous tensors of 2+ elements, else the
     eager one (sizes 0 and 1 would each cost a compile of their own); ``tensors`` are
     the body's tensor keywords (None where a param has no master)."""

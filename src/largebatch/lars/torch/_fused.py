@@ -22,13 +22,31 @@ def check(hyper: Hyperparams, group: int) -> None:
 
 
 @overload
-def step(groups: list[GroupStep], *, counter: Tensor, found_inf: Tensor | None,
-         lr_buffers: dict | None = None, **kwargs: Any) -> Tensor: ...
+def step(
+    groups: list[GroupStep],
+    *,
+    counter: Tensor,
+    found_inf: Tensor | None,
+    lr_buffers: dict | None = None,
+    **kwargs: Any,
+) -> Tensor: ...
 @overload
-def step(groups: list[GroupStep], *, counter: None, found_inf: Tensor | None,
-         lr_buffers: dict | None = None, **kwargs: Any) -> None: ...
-def step(groups: list[GroupStep], *, counter: Tensor | None, found_inf: Tensor | None,
-         lr_buffers: dict | None = None, **kwargs: Any) -> Tensor | None:
+def step(
+    groups: list[GroupStep],
+    *,
+    counter: None,
+    found_inf: Tensor | None,
+    lr_buffers: dict | None = None,
+    **kwargs: Any,
+) -> None: ...
+def step(
+    groups: list[GroupStep],
+    *,
+    counter: Tensor | None,
+    found_inf: Tensor | None,
+    lr_buffers: dict | None = None,
+    **kwargs: Any,
+) -> Tensor | None:
     """One step of the kernels on ``groups`` (each with params); returns ``counter``,
     moved to the params' device if it was elsewhere (it is counted where the kernels
     run). ``kwargs`` go to the kernels' entry (``grad_scale``, ``max_grad_norm``,
@@ -48,8 +66,15 @@ def step(groups: list[GroupStep], *, counter: Tensor | None, found_inf: Tensor |
     if counter is not None and counter.device != device:
         counter = counter.to(device, non_blocking=True)
     fused = [
-        kernels.FusedGroup(params=g.params, grads=g.grads, masters=g.masters, state=g.state,
-                           steps=g.steps, lr=device_lr(g.lr, device, lr_buffers, g.key), hyper=g.hyper)
+        kernels.FusedGroup(
+            params=g.params,
+            grads=g.grads,
+            masters=g.masters,
+            state=g.state,
+            steps=g.steps,
+            lr=device_lr(g.lr, device, lr_buffers, g.key),
+            hyper=g.hyper,
+        )
         for g in groups
     ]
     if isinstance(groups[0].hyper, LambHyperparams):
@@ -59,8 +84,9 @@ def step(groups: list[GroupStep], *, counter: Tensor | None, found_inf: Tensor |
     return counter
 
 
-def device_lr(lr: float | Tensor, device: torch.device, buffers: dict | None = None,
-              key: Any = None) -> Tensor:
+def device_lr(
+    lr: float | Tensor, device: torch.device, buffers: dict | None = None, key: Any = None
+) -> Tensor:
     """``lr`` as an fp32 0-dim tensor on ``device``: ``lr`` itself when it is one (the
     CUDA-graph-friendly way, read in place), else a buffer filled with it, kept in
     ``buffers[key]`` so that the kernels' lr address table stays valid between steps."""

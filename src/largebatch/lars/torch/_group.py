@@ -38,21 +38,28 @@ class GroupStep:
         reducer that sums norms over the shards (None when nothing is sharded)."""
         names = tuple(self.state)
         lists, reducer = _sharded.local(
-            (self.params, self.grads, self.masters, self.steps, *(self.state[k] for k in names)))
+            (self.params, self.grads, self.masters, self.steps, *(self.state[k] for k in names))
+        )
         if reducer is None:
             return self, None
         params, grads, masters, steps, *state = lists
-        return dataclasses.replace(self, params=params, grads=grads, masters=masters, steps=steps,
-                                   state=dict(zip(names, state))), reducer
+        return dataclasses.replace(
+            self, params=params, grads=grads, masters=masters, steps=steps, state=dict(zip(names, state))
+        ), reducer
 
     def select(self, indices: list[int]) -> GroupStep:
         """This group restricted to the tensors at ``indices``."""
+
         def take(xs: list) -> list:
             return [xs[i] for i in indices]
 
         return dataclasses.replace(
-            self, params=take(self.params), grads=take(self.grads), masters=take(self.masters),
-            steps=take(self.steps), state={k: take(v) for k, v in self.state.items()},
+            self,
+            params=take(self.params),
+            grads=take(self.grads),
+            masters=take(self.masters),
+            steps=take(self.steps),
+            state={k: take(v) for k, v in self.state.items()},
         )
 
 

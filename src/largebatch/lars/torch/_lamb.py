@@ -50,14 +50,35 @@ def lamb(
     ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
     """
     hyper = LambHyperparams(
-        betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-        trust_ratio=trust_ratio, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
-        adapt_without_decay=adapt_without_decay, freeze_step=freeze_step,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+        trust_ratio=trust_ratio,
+        adam_w_mode=adam_w_mode,
+        grad_averaging=grad_averaging,
+        adapt_without_decay=adapt_without_decay,
+        freeze_step=freeze_step,
     )
-    group = GroupStep(params=params, grads=grads, state={"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs},
-                      masters=masters, steps=state_steps, lr=lr, hyper=hyper)
-    _step.run_functional(LAMB_SPEC, BODIES, group, foreach=foreach, fused=fused, compiled=compiled,
-                         grad_scale=grad_scale, found_inf=found_inf)
+    group = GroupStep(
+        params=params,
+        grads=grads,
+        state={"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs},
+        masters=masters,
+        steps=state_steps,
+        lr=lr,
+        hyper=hyper,
+    )
+    _step.run_functional(
+        LAMB_SPEC,
+        BODIES,
+        group,
+        foreach=foreach,
+        fused=fused,
+        compiled=compiled,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
 
 
 def lamb_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
@@ -70,8 +91,9 @@ def frozen(step: Tensor, freeze_step: int | None) -> bool:
     return freeze_step is not None and float(step) > freeze_step
 
 
-def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: bool,
-                     freeze_step: int | None = None) -> tuple[float, float]:
+def bias_corrections(
+    step: Tensor, betas: tuple[float, float], bias_correction: bool, freeze_step: int | None = None
+) -> tuple[float, float]:
     """``(1 - b1^t, 1 - b2^t')`` at the step count ``t``, ``t' = min(t, freeze_step)``
     (ones without bias correction)."""
     if not bias_correction:
@@ -80,8 +102,9 @@ def bias_corrections(step: Tensor, betas: tuple[float, float], bias_correction: 
     return 1.0 - betas[0] ** t, 1.0 - betas[1] ** (min(t, freeze_step) if freeze_step else t)
 
 
-def lamb_direction(w: Tensor, m: Tensor, v: Tensor, eps: Number, weight_decay: Number, bc1: Number,
-                   bc2: Number) -> Tensor:
+def lamb_direction(
+    w: Tensor, m: Tensor, v: Tensor, eps: Number, weight_decay: Number, bc1: Number, bc2: Number
+) -> Tensor:
     """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor."""
     u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
@@ -90,10 +113,26 @@ def lamb_direction(w: Tensor, m: Tensor, v: Tensor, eps: Number, weight_decay: N
 
 
 def _lamb_one(
-    *, p: Tensor, grad: Tensor, m: Tensor, v: Tensor, master: Tensor | None, grad_scale: Tensor | None,
-    lr: Number, b1: Number, b2: Number, eps: Number, weight_decay: Number, bc1: Number, bc2: Number,
-    trust_ratio: bool, adam_w_mode: bool = True, grad_averaging: bool = True, freeze: bool = False,
-    norm: Norm = norm, plain_norm: Norm = norm,
+    *,
+    p: Tensor,
+    grad: Tensor,
+    m: Tensor,
+    v: Tensor,
+    master: Tensor | None,
+    grad_scale: Tensor | None,
+    lr: Number,
+    b1: Number,
+    b2: Number,
+    eps: Number,
+    weight_decay: Number,
+    bc1: Number,
+    bc2: Number,
+    trust_ratio: bool,
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    freeze: bool = False,
+    norm: Norm = norm,
+    plain_norm: Norm = norm,
 ) -> tuple[Tensor | float, Tensor | None]:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already the applied one); ``freeze``: v stays as it is. The numbers are floats, or
@@ -124,8 +163,17 @@ def _lamb_one(
     return ratio, u_norm
 
 
-def _lamb_after_overflow(p: Tensor, m: Tensor, v: Tensor, master: Tensor | None, lr: Number, eps: Number,
-                         weight_decay: Number, bc1: Number, bc2: Number) -> None:
+def _lamb_after_overflow(
+    p: Tensor,
+    m: Tensor,
+    v: Tensor,
+    master: Tensor | None,
+    lr: Number,
+    eps: Number,
+    weight_decay: Number,
+    bc1: Number,
+    bc2: Number,
+) -> None:
     # ``weight_decay`` is the one in u: 0 in L2 mode.
     """The update of a tensor whose ``||u||`` overflowed an fp32 sum of squares (finite u,
     ``||u|| > ~1.8e19``: huge weights times weight decay) in the compiled body, which left
@@ -156,31 +204,62 @@ def _counted(h: LambHyperparams, step: Tensor) -> tuple[float, float, bool]:
     return bc1, bc2, frozen(step, h.freeze_step)
 
 
-def _single_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None,
-                        compiled: bool = False) -> None:
+def _single_tensor_lamb(
+    group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None, compiled: bool = False
+) -> None:
     h = group.hyper
     assert isinstance(h, LambHyperparams)
     flags, numbers = _flags(h), _numbers(group)
     compiled_numbers = dict(zip(numbers, _compiled.as_tensors(*numbers.values()))) if compiled else {}
     # One compiled body per value of the per-tensor freeze flag (each compiles on first use).
-    bodies = {f: _compiled.compiled_body(_lamb_one, tuple(sorted({**flags, "freeze": f}.items())))
-              for f in (False, True)} if compiled else {}
-    lists = zip(group.params, group.grads, group.state["exp_avg"], group.state["exp_avg_sq"],
-                group.masters, group.steps)
+    bodies = (
+        {
+            f: _compiled.compiled_body(_lamb_one, tuple(sorted({**flags, "freeze": f}.items())))
+            for f in (False, True)
+        }
+        if compiled
+        else {}
+    )
+    lists = zip(
+        group.params,
+        group.grads,
+        group.state["exp_avg"],
+        group.state["exp_avg_sq"],
+        group.masters,
+        group.steps,
+    )
     for i, (p, grad, m, v, master, step) in enumerate(lists):
         bc1, bc2, freeze = _counted(h, step)
-        chosen, tensors = _compiled.pick_body(_lamb_one, bodies.get(freeze),
-                                              dict(p=p, grad=grad, m=m, v=v, master=master))
+        chosen, tensors = _compiled.pick_body(
+            _lamb_one, bodies.get(freeze), dict(p=p, grad=grad, m=m, v=v, master=master)
+        )
         if reduce is not None:  # a sharded param: norms summed over its shards
             sharded_norm = reduce.norm_of(i)
-            _lamb_one(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags,
-                      freeze=freeze, norm=sharded_norm, plain_norm=sharded_norm)
+            _lamb_one(
+                **tensors,
+                grad_scale=grad_scale,
+                **numbers,
+                bc1=bc1,
+                bc2=bc2,
+                **flags,
+                freeze=freeze,
+                norm=sharded_norm,
+                plain_norm=sharded_norm,
+            )
         elif chosen is _lamb_one:
             chosen(**tensors, grad_scale=grad_scale, **numbers, bc1=bc1, bc2=bc2, **flags, freeze=freeze)
         else:
             bc1_t, bc2_t = _compiled.as_tensors(bc1, bc2)
-            _, u_norm = chosen(**tensors, grad_scale=grad_scale, **compiled_numbers, bc1=bc1_t, bc2=bc2_t,
-                               **flags, freeze=freeze, **_compiled.COMPILED_NORMS)
+            _, u_norm = chosen(
+                **tensors,
+                grad_scale=grad_scale,
+                **compiled_numbers,
+                bc1=bc1_t,
+                bc2=bc2_t,
+                **flags,
+                freeze=freeze,
+                **_compiled.COMPILED_NORMS,
+            )
             if u_norm is not None and bool(torch.isinf(u_norm)):  # not NaN: non-finite grads
                 u_decay = h.weight_decay if h.adam_w_mode else 0.0
                 _lamb_after_overflow(p, m, v, master, numbers["lr"], h.eps, u_decay, bc1, bc2)
@@ -190,10 +269,21 @@ def _one_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, norm: Callable
     h = group.hyper
     assert isinstance(h, LambHyperparams)
     bc1, bc2, freeze = _counted(h, group.steps[0])
-    ratio, _ = _lamb_one(p=group.params[0], grad=group.grads[0], m=group.state["exp_avg"][0],
-                         v=group.state["exp_avg_sq"][0], master=group.masters[0], grad_scale=grad_scale,
-                         **_numbers(group), bc1=bc1, bc2=bc2, **_flags(h), freeze=freeze, norm=norm,
-                         plain_norm=norm)
+    ratio, _ = _lamb_one(
+        p=group.params[0],
+        grad=group.grads[0],
+        m=group.state["exp_avg"][0],
+        v=group.state["exp_avg_sq"][0],
+        master=group.masters[0],
+        grad_scale=grad_scale,
+        **_numbers(group),
+        bc1=bc1,
+        bc2=bc2,
+        **_flags(h),
+        freeze=freeze,
+        norm=norm,
+        plain_norm=norm,
+    )
     return torch.as_tensor(ratio)
 
 
@@ -244,9 +334,12 @@ def _foreach_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
 
 
 # The unfused paths, for _step.run (the fused one is the kernels).
-BODIES = Bodies(single_tensor=_single_tensor_lamb, foreach=_foreach_lamb,
-                compiled=_compiled.compiled_path(_single_tensor_lamb, _foreach_lamb),
-                one_tensor=_one_tensor_lamb)
+BODIES = Bodies(
+    single_tensor=_single_tensor_lamb,
+    foreach=_foreach_lamb,
+    compiled=_compiled.compiled_path(_single_tensor_lamb, _foreach_lamb),
+    one_tensor=_one_tensor_lamb,
+)
 
 
 class LAMB(LayerwiseOptimizer):
@@ -350,12 +443,19 @@ class LAMB(LayerwiseOptimizer):
         if self.partitioned:
             _sharded.check_default_group("partitioned=True")
         hyper = LambHyperparams(
-            betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            trust_ratio=trust_ratio, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
-            adapt_without_decay=adapt_without_decay, freeze_step=freeze_step,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            trust_ratio=trust_ratio,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            adapt_without_decay=adapt_without_decay,
+            freeze_step=freeze_step,
         )
-        super().__init__(params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused,
-                         compiled=compiled)
+        super().__init__(
+            params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
+        )
 
     def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
         """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
@@ -364,8 +464,10 @@ class LAMB(LayerwiseOptimizer):
         (grads,), reducer = _sharded.local((grads,))
         if self.partitioned:  # the other ranks hold the other params' grads
             if reducer is not None:
-                raise ValueError("partitioned=True is for whole params (ZeroRedundancyOptimizer); "
-                                 "sharded (DTensor) params need no option")
+                raise ValueError(
+                    "partitioned=True is for whole params (ZeroRedundancyOptimizer); "
+                    "sharded (DTensor) params need no option"
+                )
             total = _sharded.partitioned_norm(grads, self._device())
         else:
             norms = stacked_norms(grads) if reducer is None else reducer.norms(grads)

@@ -50,19 +50,50 @@ def lars(
     path, as in :class:`LARS` (``largebatch.lars.torch._paths``).
     """
     hyper = LarsHyperparams(
-        momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
-        nesterov=nesterov, trust_clip=trust_clip, trust_ratio=trust_ratio,
-        lr_in_momentum=lr_in_momentum, zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        trust_coefficient=trust_coefficient,
+        eps=eps,
+        nesterov=nesterov,
+        trust_clip=trust_clip,
+        trust_ratio=trust_ratio,
+        lr_in_momentum=lr_in_momentum,
+        zero_norm_skip=zero_norm_skip,
+        decayed_norm=decayed_norm,
     )
-    group = GroupStep(params=params, grads=grads, state={"momentum_buffer": momentum_buffers},
-                      masters=masters, steps=state_steps, lr=lr, hyper=hyper)
-    _step.run_functional(LARS_SPEC, BODIES, group, foreach=foreach, fused=fused, compiled=compiled,
-                         grad_scale=grad_scale, found_inf=found_inf)
+    group = GroupStep(
+        params=params,
+        grads=grads,
+        state={"momentum_buffer": momentum_buffers},
+        masters=masters,
+        steps=state_steps,
+        lr=lr,
+        hyper=hyper,
+    )
+    _step.run_functional(
+        LARS_SPEC,
+        BODIES,
+        group,
+        foreach=foreach,
+        fused=fused,
+        compiled=compiled,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
 
 
-def lars_ratio(w_norm: Tensor, g_norm: Tensor, *, lr: Any, weight_decay: Any, trust_coefficient: Any,
-               eps: Any, trust_clip: bool, zero_norm_skip: bool = False,
-               decayed_norm: bool = False) -> Tensor:
+def lars_ratio(
+    w_norm: Tensor,
+    g_norm: Tensor,
+    *,
+    lr: Any,
+    weight_decay: Any,
+    trust_coefficient: Any,
+    eps: Any,
+    trust_clip: bool,
+    zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
+) -> Tensor:
     """The LARS trust ratio from ``||w||`` and the unscaled ``||g||`` (tensors of norms);
     with ``decayed_norm``, ``g_norm`` is ``||g + wd * w||`` and the denominator
     ``||g + wd * w|| + eps`` (optax's ``lars``)."""
@@ -93,10 +124,25 @@ def _direction(g: Tensor, w: Tensor, weight_decay: Any) -> Tensor:
 
 
 def _lars_one(
-    *, p: Tensor, grad: Tensor, buf: Tensor, master: Tensor | None, grad_scale: Tensor | None,
-    lr: Number, momentum: Number, weight_decay: Number, trust_coefficient: Number, eps: Number,
-    nesterov: bool, trust_clip: bool, trust_ratio: bool, lr_in_momentum: bool = True,
-    zero_norm_skip: bool = False, decayed_norm: bool = False, norm: Norm = norm, plain_norm: Norm = norm,
+    *,
+    p: Tensor,
+    grad: Tensor,
+    buf: Tensor,
+    master: Tensor | None,
+    grad_scale: Tensor | None,
+    lr: Number,
+    momentum: Number,
+    weight_decay: Number,
+    trust_coefficient: Number,
+    eps: Number,
+    nesterov: bool,
+    trust_clip: bool,
+    trust_ratio: bool,
+    lr_in_momentum: bool = True,
+    zero_norm_skip: bool = False,
+    decayed_norm: bool = False,
+    norm: Norm = norm,
+    plain_norm: Norm = norm,
 ) -> Tensor | None:
     """LARS on one tensor (``weight_decay`` already the applied one); returns the trust
     ratio it applied (None without one). The numbers are floats, or 0-dim tensors when
@@ -110,9 +156,17 @@ def _lars_one(
         if decayed_norm:  # the norm of the direction itself (optax)
             d = _direction(g, w, weight_decay)
         w_norm, g_norm = norm(w), norm(g if d is None else d)
-        ratio = lars_ratio(w_norm, g_norm, lr=lr, weight_decay=weight_decay,
-                           trust_coefficient=trust_coefficient, eps=eps, trust_clip=trust_clip,
-                           zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm)
+        ratio = lars_ratio(
+            w_norm,
+            g_norm,
+            lr=lr,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            trust_clip=trust_clip,
+            zero_norm_skip=zero_norm_skip,
+            decayed_norm=decayed_norm,
+        )
         weight_decay = _decay(weight_decay, w_norm, g_norm, zero_norm_skip)
     if d is None:
         d = _direction(g, w, weight_decay)
@@ -132,19 +186,30 @@ def _numbers(group: GroupStep) -> dict[str, Any]:
     """The numbers ``_lars_one`` takes, by its keywords."""
     h = group.hyper
     assert isinstance(h, LarsHyperparams)
-    return dict(lr=group.lr, momentum=h.momentum, weight_decay=h.weight_decay,
-                trust_coefficient=h.trust_coefficient, eps=h.eps)
+    return dict(
+        lr=group.lr,
+        momentum=h.momentum,
+        weight_decay=h.weight_decay,
+        trust_coefficient=h.trust_coefficient,
+        eps=h.eps,
+    )
 
 
 def _flags(h: LarsHyperparams) -> dict[str, Any]:
     """The flags ``_lars_one`` takes, by its keywords (each set compiles its own graph)."""
-    return dict(nesterov=h.nesterov, trust_clip=h.trust_clip, trust_ratio=h.trust_ratio,
-                lr_in_momentum=h.lr_in_momentum, zero_norm_skip=h.zero_norm_skip,
-                decayed_norm=h.decayed_norm)
+    return dict(
+        nesterov=h.nesterov,
+        trust_clip=h.trust_clip,
+        trust_ratio=h.trust_ratio,
+        lr_in_momentum=h.lr_in_momentum,
+        zero_norm_skip=h.zero_norm_skip,
+        decayed_norm=h.decayed_norm,
+    )
 
 
-def _single_tensor_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None,
-                        compiled: bool = False) -> None:
+def _single_tensor_lars(
+    group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None, compiled: bool = False
+) -> None:
     assert isinstance(group.hyper, LarsHyperparams)
     flags, numbers = _flags(group.hyper), _numbers(group)
     body = _compiled.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
@@ -180,9 +245,17 @@ def _foreach_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
     if h.trust_ratio:
         norms = stacked_norms if reduce is None else reduce.norms
         w_norms, g_norms = norms(ws), norms(gs if ds is None else ds)
-        ratios = lars_ratio(w_norms, g_norms, lr=lr, weight_decay=wd,
-                            trust_coefficient=h.trust_coefficient, eps=h.eps, trust_clip=h.trust_clip,
-                            zero_norm_skip=h.zero_norm_skip, decayed_norm=h.decayed_norm)
+        ratios = lars_ratio(
+            w_norms,
+            g_norms,
+            lr=lr,
+            weight_decay=wd,
+            trust_coefficient=h.trust_coefficient,
+            eps=h.eps,
+            trust_clip=h.trust_clip,
+            zero_norm_skip=h.zero_norm_skip,
+            decayed_norm=h.decayed_norm,
+        )
     if ds is None:  # (with decayed_norm, formed above for its norm)
         if wd == 0:
             ds = gs
@@ -211,17 +284,27 @@ def _foreach_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
 
 def _one_tensor_lars(group: GroupStep, grad_scale: Tensor | None, norm: Callable[[Tensor], Tensor]) -> Tensor:
     assert isinstance(group.hyper, LarsHyperparams)
-    ratio = _lars_one(p=group.params[0], grad=group.grads[0], buf=group.state["momentum_buffer"][0],
-                      master=group.masters[0], grad_scale=grad_scale, **_numbers(group),
-                      **_flags(group.hyper), norm=norm)
+    ratio = _lars_one(
+        p=group.params[0],
+        grad=group.grads[0],
+        buf=group.state["momentum_buffer"][0],
+        master=group.masters[0],
+        grad_scale=grad_scale,
+        **_numbers(group),
+        **_flags(group.hyper),
+        norm=norm,
+    )
     group.steps[0].add_(1)
     return torch.ones(()) if ratio is None else ratio
 
 
 # The unfused paths, for _step.run (the fused one is the kernels).
-BODIES = Bodies(single_tensor=_single_tensor_lars, foreach=_foreach_lars,
-                compiled=_compiled.compiled_path(_single_tensor_lars, _foreach_lars),
-                one_tensor=_one_tensor_lars)
+BODIES = Bodies(
+    single_tensor=_single_tensor_lars,
+    foreach=_foreach_lars,
+    compiled=_compiled.compiled_path(_single_tensor_lars, _foreach_lars),
+    one_tensor=_one_tensor_lars,
+)
 
 
 class LARS(LayerwiseOptimizer):
@@ -322,9 +405,17 @@ class LARS(LayerwiseOptimizer):
         compiled: bool | None = None,
     ) -> None:
         hyper = LarsHyperparams(
-            momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps,
-            nesterov=nesterov, trust_clip=trust_clip, trust_ratio=trust_ratio,
-            lr_in_momentum=lr_in_momentum, zero_norm_skip=zero_norm_skip, decayed_norm=decayed_norm,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            trust_ratio=trust_ratio,
+            lr_in_momentum=lr_in_momentum,
+            zero_norm_skip=zero_norm_skip,
+            decayed_norm=decayed_norm,
         )
-        super().__init__(params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused,
-                         compiled=compiled)
+        super().__init__(
+            params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
+        )

@@ -18,6 +18,7 @@ from largebatch.lars.torch._common import check_paths
 COMPILE_MIN_NUMEL = 1 << 20
 PATHS = ("single_tensor", "foreach", "compiled", "fused")
 
+
 class PathSettings(TypedDict):
     """What :func:`resolve` returns."""
 
@@ -49,8 +50,12 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> P
     if fused and compiled:
         raise ValueError("compiled=True and fused=True cannot both be set")
     if fused is None:
-        fused = (not (foreach or compiled) and bool(tensors) and all(t.is_cuda for t in tensors)
-                 and triton_available())
+        fused = (
+            not (foreach or compiled)
+            and bool(tensors)
+            and all(t.is_cuda for t in tensors)
+            and triton_available()
+        )
     elif fused:
         if not triton_available():
             raise RuntimeError("fused=True needs triton: pip install triton")
@@ -67,9 +72,13 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> P
             "all-reduce between the passes; use foreach (the default) or fused"
         )
     if compiled is None:
-        compiled = (not fused and not sharded and bool(tensors)
-                    and all(t.device.type == "cpu" for t in tensors)
-                    and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL)
+        compiled = (
+            not fused
+            and not sharded
+            and bool(tensors)
+            and all(t.device.type == "cpu" for t in tensors)
+            and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL
+        )
     return {"foreach": foreach, "fused": bool(fused), "compiled": bool(compiled)}
 
 

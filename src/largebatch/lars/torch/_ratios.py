@@ -30,8 +30,14 @@ def trust_ratios(optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> l
             (ws, gs), _ = _sharded.local(([p.detach()], [p.grad]))  # FSDP2: the local blocks
             w, g = ws[0].float(), gs[0].float() / grad_scale
             w_norm, g_norm = _sharded.whole_norm(p, w), _sharded.whole_norm(p, g)
-            ratio = lars_ratio(w_norm, g_norm, lr=group["lr"], weight_decay=group.get("weight_decay", 0.0),
-                               trust_coefficient=LARS_SPEC.defaults["trust_coefficient"],
-                               eps=LARS_SPEC.defaults["eps"], trust_clip=False)
+            ratio = lars_ratio(
+                w_norm,
+                g_norm,
+                lr=group["lr"],
+                weight_decay=group.get("weight_decay", 0.0),
+                trust_coefficient=LARS_SPEC.defaults["trust_coefficient"],
+                eps=LARS_SPEC.defaults["eps"],
+                trust_clip=False,
+            )
             out.append(float(ratio))
     return out

@@ -63,14 +63,12 @@ def _local(tensor: Any, param: Tensor, what: str) -> Any:
     """``tensor``'s local block, after checking it is laid out as ``param`` is."""
     if tensor is None or not isinstance(param, DTensor):
         if isinstance(tensor, DTensor):
-            raise ValueError(
-                f"a {what} is a DTensor but its param of shape {tuple(param.shape)} is not")
+            raise ValueError(f"a {what} is a DTensor but its param of shape {tuple(param.shape)} is not")
         return tensor
     if not isinstance(tensor, DTensor):
         if tensor.ndim == 0:  # a step count: one per param, on every rank
             return tensor
-        raise ValueError(
-            f"a param of shape {tuple(param.shape)} is a DTensor but its {what} is not")
+        raise ValueError(f"a param of shape {tuple(param.shape)} is a DTensor but its {what} is not")
     if tensor.placements != param.placements or tensor.device_mesh != param.device_mesh:
         raise ValueError(
             f"a {what} is sharded as {tensor.placements} on {tensor.device_mesh}, its param "
@@ -216,9 +214,12 @@ def laid_out_as(param: Tensor, state: dict[str, Any]) -> dict[str, Any]:
         return state
     from torch.distributed.tensor import distribute_tensor
 
-    return {k: distribute_tensor(v, param.device_mesh, param.placements)
-            if isinstance(v, Tensor) and v.ndim and not isinstance(v, DTensor) else v
-            for k, v in state.items()}
+    return {
+        k: distribute_tensor(v, param.device_mesh, param.placements)
+        if isinstance(v, Tensor) and v.ndim and not isinstance(v, DTensor)
+        else v
+        for k, v in state.items()
+    }
 
 
 def check_not_flat(params: list[Tensor]) -> None:

@@ -17,9 +17,16 @@ from largebatch.lars.torch._group import Bodies, GroupStep
 Counter = TypeVar("Counter", Tensor, None)  # an optimizer's count of applied steps, or None
 
 
-def run(bodies: Bodies, groups: list[GroupStep], *, grad_scale: Tensor | None,
-        found_inf: Tensor | None, counter: Counter, fused_options: dict[str, Any] | None = None,
-        lr_buffers: dict | None = None) -> Counter:
+def run(
+    bodies: Bodies,
+    groups: list[GroupStep],
+    *,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    counter: Counter,
+    fused_options: dict[str, Any] | None = None,
+    lr_buffers: dict | None = None,
+) -> Counter:
     """Take one step on ``groups`` (all on the fused path, or none; the caller checks).
 
     Sharded (DTensor) lists become their local blocks and a reducer that sums norms over
@@ -31,8 +38,14 @@ def run(bodies: Bodies, groups: list[GroupStep], *, grad_scale: Tensor | None,
     """
     local = [g.local() for g in groups if g.params]
     if groups and groups[0].path == "fused":
-        return _fused.step([g for g, _ in local], counter=counter, grad_scale=grad_scale,
-                           found_inf=found_inf, lr_buffers=lr_buffers, **(fused_options or {}))
+        return _fused.step(
+            [g for g, _ in local],
+            counter=counter,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            lr_buffers=lr_buffers,
+            **(fused_options or {}),
+        )
     if skipped(found_inf):
         return counter
     for group, reducer in local:
@@ -42,8 +55,17 @@ def run(bodies: Bodies, groups: list[GroupStep], *, grad_scale: Tensor | None,
     return counter
 
 
-def run_functional(spec: OptimizerSpec, bodies: Bodies, group: GroupStep, *, foreach: Any, fused: Any,
-                   compiled: Any, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+def run_functional(
+    spec: OptimizerSpec,
+    bodies: Bodies,
+    group: GroupStep,
+    *,
+    foreach: Any,
+    fused: Any,
+    compiled: Any,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
     """What a functional does: resolve the path for its one group and :func:`run` it."""
     path = _paths.pick(**_paths.resolve(foreach, fused, compiled, group.params))
     reducer = _sharded.reducer_for(group.params)
@@ -53,5 +75,11 @@ def run_functional(spec: OptimizerSpec, bodies: Bodies, group: GroupStep, *, for
     if path == "fused":
         _fused.check(group.hyper, 0)
         options = reducer.fused_kwargs(spec) if reducer is not None else None
-    run(bodies, [dataclasses.replace(group, path=path)], grad_scale=grad_scale, found_inf=found_inf,
-        counter=None, fused_options=options)
+    run(
+        bodies,
+        [dataclasses.replace(group, path=path)],
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+        counter=None,
+        fused_options=options,
+    )

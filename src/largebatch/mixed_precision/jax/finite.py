@@ -87,9 +87,12 @@ def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTran
             last_finite=jnp.array(True),
         )
 
-    def update_fn(updates: optax.Updates, state: SkipIfNonfiniteState,
-                  params: optax.Params | None = None, **extra_args: Any,
-                  ) -> tuple[optax.Updates, SkipIfNonfiniteState]:
+    def update_fn(
+        updates: optax.Updates,
+        state: SkipIfNonfiniteState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SkipIfNonfiniteState]:
         finite = all_finite(updates)
 
         def apply(_: None) -> tuple[optax.Updates, optax.OptState]:

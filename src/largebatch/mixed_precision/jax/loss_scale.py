@@ -63,8 +63,9 @@ def _is_real_dtype(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
 
 
-def _check_number(name: str, value: Any, ok: Callable[[float], bool], rule: str,
-                  integral: bool = False) -> float | int:
+def _check_number(
+    name: str, value: Any, ok: Callable[[float], bool], rule: str, integral: bool = False
+) -> float | int:
     """``value`` as a Python number, checked; raises naming ``value`` otherwise.
 
     A number is a Python or NumPy int or float, or a 0-dim NumPy or JAX array of an
@@ -146,21 +147,15 @@ class DynamicLossScale(_LossScaleMethods):
     min_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        period = _check_number(
-            "period", self.period, lambda v: v >= 1, "an integer >= 1", integral=True
-        )
-        factor = _check_number(
-            "factor", self.factor, lambda v: 1 < v < np.inf, "a finite number > 1"
-        )
+        period = _check_number("period", self.period, lambda v: v >= 1, "an integer >= 1", integral=True)
+        factor = _check_number("factor", self.factor, lambda v: 1 < v < np.inf, "a finite number > 1")
         in_range = lambda v: 0 < v <= MAX_LOSS_SCALE  # noqa: E731
         rule = "a number, 0 < min_loss_scale <= 2**126"
         min_loss_scale = _check_number("min_loss_scale", self.min_loss_scale, in_range, rule)
         _check_loss_scale(self.loss_scale)
         scale = _concrete(self.loss_scale)
         if scale is not None and np.any(scale < min_loss_scale):
-            raise ValueError(
-                f"Invalid min_loss_scale: {min_loss_scale} > loss_scale {self.loss_scale}"
-            )
+            raise ValueError(f"Invalid min_loss_scale: {min_loss_scale} > loss_scale {self.loss_scale}")
         if _is_bool(self.counter):
             raise TypeError(f"Invalid counter: {self.counter!r} (a bool; need an integer >= 0)")
         counter = _concrete(self.counter)

@@ -11,12 +11,14 @@ import numpy as np
 
 from largebatch.mixed_precision.jax.finite import is_float
 
+# One line per dtype, holding its aliases (the layout the formatter would undo).
 _DTYPE_NAMES = {
     "float32": jnp.float32, "f32": jnp.float32, "fp32": jnp.float32,
     "single": jnp.float32, "full": jnp.float32,
     "float16": jnp.float16, "f16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
 }  # fmt: skip
+# One line per field of the policy, holding its aliases.
 _POLICY_KEYS = {
     "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
     "compute": "compute_dtype", "c": "compute_dtype",
