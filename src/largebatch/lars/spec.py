@@ -205,6 +205,12 @@ class OptimizerSpec:
                 self.check(values, {k: f"group {group} {k}" for k in keys})
             raise
 
+    def from_arguments(self, arguments: Mapping[str, Any]) -> Hyperparams:
+        """The typed hyperparameters from a function's arguments (its ``locals()``), each
+        taken by its name in the spec: the constructors and functionals name every one
+        in their signatures, and only there."""
+        return self.hyperparams(**{k: arguments[k] for k in self.group_keys[1:]})
+
     def row(self, values: Mapping[str, Any]) -> tuple[float, ...]:
         """A group's numbers in :attr:`columns` order (a flag as 0 or 1, an optional
         one's None as its ``none_as``)."""

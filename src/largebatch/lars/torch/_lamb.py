@@ -49,17 +49,7 @@ def lamb(
     is never written; a nonzero ``found_inf`` makes the step a no-op.
     ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
     """
-    hyper = LambHyperparams(
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        trust_ratio=trust_ratio,
-        adam_w_mode=adam_w_mode,
-        grad_averaging=grad_averaging,
-        adapt_without_decay=adapt_without_decay,
-        freeze_step=freeze_step,
-    )
+    hyper = LAMB_SPEC.from_arguments(locals())
     group = GroupStep(
         params=params,
         grads=grads,
@@ -442,17 +432,7 @@ class LAMB(LayerwiseOptimizer):
         self.partitioned = as_flag("partitioned", partitioned)
         if self.partitioned:
             _sharded.check_default_group("partitioned=True")
-        hyper = LambHyperparams(
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            bias_correction=bias_correction,
-            trust_ratio=trust_ratio,
-            adam_w_mode=adam_w_mode,
-            grad_averaging=grad_averaging,
-            adapt_without_decay=adapt_without_decay,
-            freeze_step=freeze_step,
-        )
+        hyper = LAMB_SPEC.from_arguments(locals())
         super().__init__(
             params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
         )

@@ -49,18 +49,7 @@ def lars(
     ``found_inf`` makes the step a no-op. ``foreach``/``fused``/``compiled`` pick the
     path, as in :class:`LARS` (``largebatch.lars.torch._paths``).
     """
-    hyper = LarsHyperparams(
-        momentum=momentum,
-        weight_decay=weight_decay,
-        trust_coefficient=trust_coefficient,
-        eps=eps,
-        nesterov=nesterov,
-        trust_clip=trust_clip,
-        trust_ratio=trust_ratio,
-        lr_in_momentum=lr_in_momentum,
-        zero_norm_skip=zero_norm_skip,
-        decayed_norm=decayed_norm,
-    )
+    hyper = LARS_SPEC.from_arguments(locals())
     group = GroupStep(
         params=params,
         grads=grads,
@@ -404,18 +393,7 @@ class LARS(LayerwiseOptimizer):
         fused: bool | None = None,
         compiled: bool | None = None,
     ) -> None:
-        hyper = LarsHyperparams(
-            momentum=momentum,
-            weight_decay=weight_decay,
-            trust_coefficient=trust_coefficient,
-            eps=eps,
-            nesterov=nesterov,
-            trust_clip=trust_clip,
-            trust_ratio=trust_ratio,
-            lr_in_momentum=lr_in_momentum,
-            zero_norm_skip=zero_norm_skip,
-            decayed_norm=decayed_norm,
-        )
+        hyper = LARS_SPEC.from_arguments(locals())
         super().__init__(
             params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
         )
