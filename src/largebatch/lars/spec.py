@@ -1,21 +1,7 @@
-"""LARS and LAMB hyperparameters: their names, defaults and valid values, stated once.
-
-Every implementation takes its defaults and its checks from here: the float64 reference
-(``reference.py``), the torch optimizers and functionals, the Triton kernels (whose
-per-group tables have one column per :attr:`OptimizerSpec.columns` entry, by name) and
-the optax factories. The update rules themselves are ``reference.py``.
-
-Names are the torch ones. The optax factories follow optax for two of them: the
-learning rate is ``learning_rate`` and LAMB's ``betas`` are two arguments ``b1, b2``
-(:attr:`Hyper.parts`, also the kernels' column names).
-
-Checks. A number is a Python or NumPy int or float, or a 0-dim array of an integer or
-floating dtype (NumPy or JAX); it must be finite and inside its range. Anything else,
-``bool`` included, is a TypeError; a flag is only ``True`` or ``False`` (NumPy's too).
-Messages name the argument and its value: ``Invalid momentum: 1.0 (must be in [0, 1))``.
-A value the caller cannot read (a JAX tracer) is passed as :data:`UNKNOWN` and is not
-checked.
-"""
+"""LARS and LAMB hyperparameters, stated once: names, defaults, valid values, the kernels'
+table columns, and each optimizer's typed, frozen group values (``LarsHyperparams``,
+``LambHyperparams``). Every implementation takes its defaults and checks from here
+(docs/design.md §8: the checks' rules, and what adding a hyperparameter touches)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""Sharded params (FSDP2's DTensors): the math on each rank's local shard, every norm from
-the sum of squares over the whole param.
-
-Under ``torch.distributed.fsdp.fully_shard`` a param, its grad and its optimizer state are
-DTensors with a ``Shard`` placement on some mesh dimensions: each rank holds a block of
-rows (an uneven split leaves the last ranks fewer rows, or none). The elementwise part of
-an update needs only the local block. A trust ratio needs ``||w||`` of the whole param:
-the local sums of squares are all-reduced over the process groups of the mesh dimensions
-that shard it, and only then turned into norms. A rank that formed its ratio from its own
-block alone would train a different model on every rank.
-
-:func:`local` is the one entry: it turns a path's lists of DTensors into lists of local
-tensors and returns a :class:`Reducer` that knows, for each tensor, over which groups its
-squares must be summed. Plain tensors (replicated on every rank, or no process group at
-all) pass through and are never reduced.
-"""
+"""Sharded params (FSDP2's DTensors): the math on each rank's local block, every norm from
+the sum of squares over the whole param (docs/design.md §7). :func:`local` turns a path's
+lists into local tensors and a :class:`Reducer` that sums each tensor's squares over the
+process groups that shard it; plain tensors pass through."""
 
 from __future__ import annotations
 
