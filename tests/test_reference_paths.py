@@ -43,9 +43,22 @@ def _unsupported(case, precision):
     return case.optimizer == "lamb" and precision == "fp16"
 
 
+@pytest.fixture
+def compile_every_tensor(monkeypatch):
+    """The compiled path's body for every tensor of 2+ elements (by default only tensors of
+    COMPILE_MIN_TENSOR+ elements take it, and the table's are smaller)."""
+    from largebatch.lars.torch import _compiled
+
+    monkeypatch.setattr(_compiled, "COMPILE_MIN_TENSOR", 2)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 @pytest.mark.parametrize("path,precision", TORCH_RUNS, ids=[f"{p}-{q}" for p, q in TORCH_RUNS])
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_torch_matches_the_spec(case, path, precision):
+def test_torch_matches_the_spec(case, path, precision, request):
+    if path == "compiled":
+        request.getfixturevalue("compile_every_tensor")
     if _unsupported(case, precision):
         pytest.skip("LAMB keeps fp16 state only with fp32 masters")
     dtype, masters, tolerance = PRECISIONS[precision]

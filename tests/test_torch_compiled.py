@@ -28,7 +28,7 @@ from cases import CASES, SHAPES, make_problem, run_torch
                          ids=lambda c: c.id)
 def test_compiled_path_takes_every_tensor_of_two_or_more_elements(case, compiled_calls):
     """The compiled body runs for each such tensor and step (its match with the spec is
-    tests/test_reference_compiled.py), the size-0 and size-1 ones go through the eager body."""
+    test_reference_paths.py's compiled rows), the size-0 and size-1 ones go through the eager body."""
     params, grads = make_problem(np.float32)
     run_torch(case, params, grads, dtype=torch.float32, compiled=True)
     n_compiled = sum(1 for s in SHAPES if np.prod(s) >= 2)
