@@ -637,12 +637,10 @@ def _stream_recipe(monkeypatch, epoch_steps):
             "--epochs", "3"]
 
 
-@pytest.mark.parametrize("epoch_steps, steps", [("floor", 3 * 3), ("ceil", 3 * 4),
-                                                ("exact", 12)])  # round(3 x 3.906) = 12
-def test_train_runs_the_recipes_step_arithmetic(tmp_path, monkeypatch, capsys, epoch_steps, steps):
-    args = _stream_recipe(monkeypatch, epoch_steps)
-    assert cli([*args, "--out", str(tmp_path)]) == 0
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+def _assert_step_arithmetic(out, capsys, epoch_steps: str, steps: int) -> None:
+    """The run in ``out`` took ``steps`` steps, and its header says how ``epoch_steps``
+    counts them."""
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["optimizer"]["num_steps"] == steps
     assert state["scheduler"]["last_epoch"] == steps
     header = capsys.readouterr().out.splitlines()[0]
@@ -651,10 +649,19 @@ def test_train_runs_the_recipes_step_arithmetic(tmp_path, monkeypatch, capsys, e
         in header, header
 
 
-def test_a_stream_epoch_resumes_bit_for_bit(tmp_path, monkeypatch):
+# "exact" (round(3 x 3.906) = 12 steps) is the straight run of the stream resume below.
+@pytest.mark.parametrize("epoch_steps, steps", [("floor", 3 * 3), ("ceil", 3 * 4)])
+def test_train_runs_the_recipes_step_arithmetic(tmp_path, monkeypatch, capsys, epoch_steps, steps):
+    args = _stream_recipe(monkeypatch, epoch_steps)
+    assert cli([*args, "--out", str(tmp_path)]) == 0
+    _assert_step_arithmetic(tmp_path, capsys, epoch_steps, steps)
+
+
+def test_a_stream_epoch_resumes_bit_for_bit(tmp_path, monkeypatch, capsys):
     args = _stream_recipe(monkeypatch, "exact")  # epoch 1 ends at step 4, inside pass 2
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert cli([*args, "--out", str(straight)]) == 0
+    _assert_step_arithmetic(straight, capsys, "exact", 12)
     assert cli([*args, "--out", str(split), "--stop-after", "1"]) == 0
     assert cli([*args, "--out", str(split), "--resume"]) == 0
     a, b = _params(straight), _params(split)
