@@ -401,12 +401,12 @@ def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str)
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_local_clip_hook_sums_each_ranks_clipped_gradients(two) -> None:
     c = two["local_clip/2"]
     assert c["bound"] and c["worst"] < 1e-6, c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
 def test_channels_last_weights_are_binned_in_logical_order(two, form: str) -> None:
     c = two[f"channels_last/{form}/2"]
