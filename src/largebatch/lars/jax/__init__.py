@@ -1,17 +1,17 @@
-"""LARS and LAMB as optax gradient transformations (docs/jax.md). One job a module:
-``optimizers`` (``lars``, ``lamb``: checks and chains), ``transforms`` (the transformations
-they chain), ``masks`` (``exclusion_mask``, how masks combine), ``norms`` (overflow-safe
-L2 norms). Import from here, or from ``largebatch.jax``."""
+"""LARS and LAMB as optax gradient transformations (docs/jax.md), one module an optimizer
+as in ``torch/``: ``_lars`` (``lars()`` and ``scale_by_lars_trust_ratio``), ``_lamb``
+(``lamb()`` and the transformations it chains), and what both share: ``common`` (checks of
+traced values, the rate, ``keep_dtypes``), ``masks`` (``exclusion_mask``, how masks
+combine), ``norms`` (overflow-safe L2 norms). Import from here, or from ``largebatch.jax``."""
 
-from largebatch.lars.jax.masks import exclusion_mask
-from largebatch.lars.jax.optimizers import lamb, lars
-from largebatch.lars.jax.transforms import (
-    LarsTrustRatioState,
+from largebatch.lars.jax._lamb import (
     divide_by_global_norm,
+    lamb,
     scale_by_lamb_trust_ratio,
-    scale_by_lars_trust_ratio,
     scale_by_uncorrected_adam,
 )
+from largebatch.lars.jax._lars import LarsTrustRatioState, lars, scale_by_lars_trust_ratio
+from largebatch.lars.jax.masks import exclusion_mask
 
 __all__ = [
     "LarsTrustRatioState",
