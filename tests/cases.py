@@ -52,13 +52,13 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-
 GPU_ROUNDING = {"single_tensor": 0, "foreach": 0, "compiled": 16, "fused": 16}
 
 
-def tolerance(precision: str, path: str | None = None, device: str = "cpu",
-              steps: int = len(LRS)) -> float:
+def tolerance(precision: str, path: str | None = None, device: str = "cpu", steps: int = len(LRS)) -> float:
     """The relative tolerance of a run of ``steps`` steps on ``path`` and ``device`` in
     ``precision`` against the float64 spec: :data:`TOLERANCE`, plus on a CUDA GPU the
     path's :data:`GPU_ROUNDING` for each step."""
     extra = GPU_ROUNDING[path] * steps * 2.0**-24 if device == "cuda" and path else 0.0
     return TOLERANCE[precision] + extra
+
 
 # The torch paths by name, as the optimizers' keywords: the one table every test takes its
 # paths from (a test that needs fewer picks them by name; DTensor params refuse compiled).
@@ -111,41 +111,75 @@ CASES = [
     Case("lars-defaults", "lars", {}),
     Case("lars-wd-excluded", "lars", {"weight_decay": 1e-3}, EXCLUDED),
     Case("lars-nesterov", "lars", {"nesterov": True, "weight_decay": 1e-4}, {"trust_ratio": False}),
-    Case("lars-trust-clip", "lars", {"trust_clip": True, "trust_coefficient": 0.5, "weight_decay": 1e-3},
-         {"trust_ratio": False}),
-    Case("lars-eps-tc-momentum", "lars", {"eps": 1e-3, "trust_coefficient": 0.02, "momentum": 0.5},
-         {"momentum": 0.0}),
+    Case(
+        "lars-trust-clip",
+        "lars",
+        {"trust_clip": True, "trust_coefficient": 0.5, "weight_decay": 1e-3},
+        {"trust_ratio": False},
+    ),
+    Case(
+        "lars-eps-tc-momentum",
+        "lars",
+        {"eps": 1e-3, "trust_coefficient": 0.02, "momentum": 0.5},
+        {"momentum": 0.0},
+    ),
     # lr outside the buffer (torch SGD, NVIDIA's MXNet LARS) while lr changes, nesterov;
     # the excluded group keeps its weight decay (NVIDIA decays the fc bias without LARS).
-    Case("lars-lr-outside", "lars", {"lr_in_momentum": False, "nesterov": True, "weight_decay": 1e-3},
-         {"trust_ratio": False}),
+    Case(
+        "lars-lr-outside",
+        "lars",
+        {"lr_in_momentum": False, "nesterov": True, "weight_decay": 1e-3},
+        {"trust_ratio": False},
+    ),
     # apex LARC: clip, and a zero norm leaves the gradient as it is (lr 2 makes the
     # difference from the clipped fallback ratio min(1 / lr, 1) show).
-    Case("lars-larc", "lars", {"lr_in_momentum": False, "trust_clip": True, "zero_norm_skip": True,
-                               "trust_coefficient": 0.5, "eps": 1e-8, "weight_decay": 1e-3}, EXCLUDED),
+    Case(
+        "lars-larc",
+        "lars",
+        {
+            "lr_in_momentum": False,
+            "trust_clip": True,
+            "zero_norm_skip": True,
+            "trust_coefficient": 0.5,
+            "eps": 1e-8,
+            "weight_decay": 1e-3,
+        },
+        EXCLUDED,
+    ),
     # optax's denominator ||g + wd * w|| (its zero-norm rule too: the zero grad's tensor is
     # adapted by tc / wd), beside a group with the default one (in one fused plan).
     Case("lars-decayed-norm", "lars", {"decayed_norm": True, "weight_decay": 1e-2}, {"decayed_norm": False}),
     Case("lamb-defaults", "lamb", {}),
     Case("lamb-wd-excluded", "lamb", {"weight_decay": 0.01}, EXCLUDED),
-    Case("lamb-no-bias-correction", "lamb", {"bias_correction": False, "weight_decay": 0.01},
-         {"betas": (0.8, 0.99)}),
+    Case(
+        "lamb-no-bias-correction",
+        "lamb",
+        {"bias_correction": False, "weight_decay": 0.01},
+        {"betas": (0.8, 0.99)},
+    ),
     Case("lamb-max-grad-norm", "lamb", {"weight_decay": 0.01}, {"trust_ratio": False}, max_grad_norm=5.0),
     Case("lamb-max-grad-norm-unused", "lamb", {"weight_decay": 0.01}, max_grad_norm=1e6),
     Case("lamb-eps", "lamb", {"eps": 1e-3}, {"eps": 0.0}),
     # apex FusedLAMB's L2 mode without gradient averaging; the group without decay adapts.
     # (Decay well above the small grads: where g + wd * w nearly cancels, the sign of a
     # bf16 m is noise, and so is that element's step.)
-    Case("lamb-l2-no-averaging", "lamb", {"adam_w_mode": False, "grad_averaging": False,
-                                          "weight_decay": 0.1}, {"weight_decay": 0.0}),
+    Case(
+        "lamb-l2-no-averaging",
+        "lamb",
+        {"adam_w_mode": False, "grad_averaging": False, "weight_decay": 0.1},
+        {"weight_decay": 0.0},
+    ),
     # apex FusedLAMB's and timm's default: the group without decay takes no trust ratio.
-    Case("lamb-adapt-only-decayed", "lamb", {"adapt_without_decay": False, "weight_decay": 0.01},
-         {"weight_decay": 0.0}),
+    Case(
+        "lamb-adapt-only-decayed",
+        "lamb",
+        {"adapt_without_decay": False, "weight_decay": 0.01},
+        {"weight_decay": 0.0},
+    ),
     # 1-bit LAMB's frozen variance: v and its bias correction kept after step 2 of 4 (the
     # grads change every step, so a v that moved would show), beside a group that never
     # freezes; a zero grad's tensor and a zero param among the frozen.
-    Case("lamb-frozen-variance", "lamb", {"freeze_step": 2, "weight_decay": 0.01},
-         {"freeze_step": None}),
+    Case("lamb-frozen-variance", "lamb", {"freeze_step": 2, "weight_decay": 0.01}, {"freeze_step": None}),
 ]
 CASE_IDS = [c.id for c in CASES]
 
@@ -179,9 +213,15 @@ class Result:
     state: dict[str, list[np.ndarray]]  # the spec's state names (empty where not read)
 
 
-def spec_step(optimizer: str, weights: list[np.ndarray], grads: list[np.ndarray],
-              state: dict[str, list[np.ndarray]], hypers: list[dict[str, Any]], steps: list[int],
-              max_grad_norm: float | None = None) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
+def spec_step(
+    optimizer: str,
+    weights: list[np.ndarray],
+    grads: list[np.ndarray],
+    state: dict[str, list[np.ndarray]],
+    hypers: list[dict[str, Any]],
+    steps: list[int],
+    max_grad_norm: float | None = None,
+) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
     """One step of the float64 spec: the reference runner every test uses.
 
     Each tensor has its own hyperparameters (``hypers[j]``: the spec's names, ``lr``
@@ -202,28 +242,50 @@ def spec_step(optimizer: str, weights: list[np.ndarray], grads: list[np.ndarray]
     return new_w, new_state
 
 
-def run_spec(optimizer: str, params: list[np.ndarray], grads: list[list[np.ndarray]],
-             hypers: list[dict[str, Any]], lrs: list[float],
-             max_grad_norm: float | None = None) -> Result:
+def run_spec(
+    optimizer: str,
+    params: list[np.ndarray],
+    grads: list[list[np.ndarray]],
+    hypers: list[dict[str, Any]],
+    lrs: list[float],
+    max_grad_norm: float | None = None,
+) -> Result:
     """:func:`spec_step` from zero state, one step per ``lrs[t]`` and ``grads[t]``."""
     names = LARS_SPEC.state if optimizer == "lars" else LAMB_SPEC.state
     state = {k: [np.zeros_like(p, dtype=np.float64) for p in params] for k in names}
     weights = [np.asarray(p, np.float64) for p in params]
     for t, (lr, step_grads) in enumerate(zip(lrs, grads), start=1):
         step_hypers = [{**h, "lr": lr} for h in hypers]
-        weights, state = spec_step(optimizer, weights, [np.asarray(g, np.float64) for g in step_grads],
-                                   state, step_hypers, [t] * len(params), max_grad_norm)
+        weights, state = spec_step(
+            optimizer,
+            weights,
+            [np.asarray(g, np.float64) for g in step_grads],
+            state,
+            step_hypers,
+            [t] * len(params),
+            max_grad_norm,
+        )
     return Result(weights, state)
 
 
-def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, Any]], *, lr: Any,
-                  trust_ratio_mask: Any = None, weight_decay_mask: Any = None,
-                  max_grad_norm: float | None = None, b1: float | None = None, b2: float | None = None,
-                  **hyper: Any) -> dict[str, np.ndarray]:
+def run_spec_tree(
+    optimizer: str,
+    params: dict[str, Any],
+    grads: list[dict[str, Any]],
+    *,
+    lr: Any,
+    trust_ratio_mask: Any = None,
+    weight_decay_mask: Any = None,
+    max_grad_norm: float | None = None,
+    b1: float | None = None,
+    b2: float | None = None,
+    **hyper: Any,
+) -> dict[str, np.ndarray]:
     """The JAX factories' keywords on the float64 spec, leaf by leaf (flat dicts of
     leaves): a mask (a dict, a callable or None) becomes each leaf's ``trust_ratio``
     and weight decay (``weight_decay_mask`` None: decayed where adapted), a schedule
     ``lr(t)`` the lr of step ``t`` (from 0)."""
+
     def flags(mask: Any) -> dict[str, bool]:
         if mask is None:
             return {k: True for k in params}
@@ -237,25 +299,43 @@ def run_spec_tree(optimizer: str, params: dict[str, Any], grads: list[dict[str, 
     if b1 is not None or b2 is not None:
         base["betas"] = (base["betas"][0] if b1 is None else b1, base["betas"][1] if b2 is None else b2)
     keys = list(params)
-    hypers = [{**base, "trust_ratio": adapt[k], "weight_decay": base["weight_decay"] if decay[k] else 0.0}
-              for k in keys]
+    hypers = [
+        {**base, "trust_ratio": adapt[k], "weight_decay": base["weight_decay"] if decay[k] else 0.0}
+        for k in keys
+    ]
     lrs = [lr(t) if callable(lr) else lr for t in range(len(grads))]
-    result = run_spec(optimizer, [params[k] for k in keys], [[g[k] for k in keys] for g in grads], hypers,
-                      lrs, max_grad_norm)
+    result = run_spec(
+        optimizer,
+        [params[k] for k in keys],
+        [[g[k] for k in keys] for g in grads],
+        hypers,
+        lrs,
+        max_grad_norm,
+    )
     return dict(zip(keys, result.params))
 
 
-def run_reference(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
-                  lrs=LRS, split: int = ADAPTED) -> Result:
+def run_reference(
+    case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], lrs=LRS, split: int = ADAPTED
+) -> Result:
     """``case`` on the float64 spec."""
     first, second = case.groups()
     hypers = [first] * split + [second] * (len(params) - split)
     return run_spec(case.optimizer, params, grads, hypers, lrs, case.max_grad_norm)
 
 
-def run_torch(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
-              masters: bool = False, lrs=LRS, split: int = ADAPTED, device: str = "cpu",
-              **paths: Any) -> Result:
+def run_torch(
+    case: Case,
+    params: list[np.ndarray],
+    grads: list[list[np.ndarray]],
+    *,
+    dtype: Any,
+    masters: bool = False,
+    lrs=LRS,
+    split: int = ADAPTED,
+    device: str = "cpu",
+    **paths: Any,
+) -> Result:
     """``case`` on ``largebatch.torch`` with params of ``dtype`` on ``device``; ``paths``:
     the constructor's ``foreach``/``fused``/``compiled``. With ``masters`` the result is
     the fp32 masters (the params are their casts)."""
@@ -303,8 +383,15 @@ def drive(opt: Any, params: list, grads: list[list[np.ndarray]], lrs: list[float
         opt.step()
 
 
-def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]], *, dtype: Any,
-            lrs=LRS, split: int = ADAPTED) -> Result:
+def run_jax(
+    case: Case,
+    params: list[np.ndarray],
+    grads: list[list[np.ndarray]],
+    *,
+    dtype: Any,
+    lrs=LRS,
+    split: int = ADAPTED,
+) -> Result:
     """``case`` on ``largebatch.jax`` with leaves of ``dtype`` (a NumPy dtype or "bfloat16").
 
     The second group is a ``trust_ratio_mask`` where it only excludes tensors, else an
@@ -330,9 +417,11 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
 
     first, second = case.groups()
     differs = {k for k in second if second[k] != first[k]}
-    only_excludes = not differs or (second["trust_ratio"] is False
-                                    and differs <= {"trust_ratio", "weight_decay"}
-                                    and second["weight_decay"] in (0.0, first["weight_decay"]))
+    only_excludes = not differs or (
+        second["trust_ratio"] is False
+        and differs <= {"trust_ratio", "weight_decay"}
+        and second["weight_decay"] in (0.0, first["weight_decay"])
+    )
     if only_excludes:
         mask = [label == "a" or second["trust_ratio"] for label in labels]
         decayed = [label == "a" or second["weight_decay"] != 0 for label in labels]
@@ -350,12 +439,22 @@ def run_jax(case: Case, params: list[np.ndarray], grads: list[list[np.ndarray]],
             updates, state = update([jnp.asarray(g, jdtype) for g in step_grads], state, ws)
             ws = optax.apply_updates(ws, updates)
             assert all(w.dtype == jdtype for w in ws)
-        return Result([np.asarray(w.astype(jnp.float64 if dtype == np.float64 else jnp.float32), np.float64)
-                       for w in ws], {})
+        return Result(
+            [
+                np.asarray(w.astype(jnp.float64 if dtype == np.float64 else jnp.float32), np.float64)
+                for w in ws
+            ],
+            {},
+        )
 
 
-def assert_matches(actual: Result, expected: Result, precision: str,
-                   start: list[np.ndarray] | None = None, rtol: float | None = None) -> None:
+def assert_matches(
+    actual: Result,
+    expected: Result,
+    precision: str,
+    start: list[np.ndarray] | None = None,
+    rtol: float | None = None,
+) -> None:
     """Every param and state tensor at :data:`TOLERANCE` ``[precision]`` (or ``rtol``,
     from :func:`tolerance`): of each element, and of the tensor's largest element (for a
     param, the largest of its start values too: an update may cancel it to rounding
@@ -367,5 +466,6 @@ def assert_matches(actual: Result, expected: Result, precision: str,
         for i, (a, e) in enumerate(zip(xs, es)):
             start = 0.0 if starts is None else np.max(np.abs(starts[i]), initial=0.0)
             scale = max(np.max(np.abs(e), initial=0.0), start)
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale,
-                                       err_msg=f"{what} {i} of shape {e.shape}")
+            np.testing.assert_allclose(
+                a, e, rtol=rtol, atol=rtol * scale, err_msg=f"{what} {i} of shape {e.shape}"
+            )

@@ -22,12 +22,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import (
-    AdaCompState, LocalClipState, SimulatedWorkers, adacomp_hook, local_clip_hook, simulate_step,
+    AdaCompState,
+    LocalClipState,
+    SimulatedWorkers,
+    adacomp_hook,
+    local_clip_hook,
+    simulate_step,
 )
 from largebatch.training.distributed import exit_process
 
-SHAPES = {"conv": (6, 3, 3, 3), "conv_bias": (6,), "fc": (10, 131), "fc_bias": (10,),
-          "norm": (7,), "zero": (4, 2, 3, 3), "small": (3, 17)}
+SHAPES = {
+    "conv": (6, 3, 3, 3),
+    "conv_bias": (6,),
+    "fc": (10, 131),
+    "fc_bias": (10,),
+    "norm": (7,),
+    "zero": (4, 2, 3, 3),
+    "small": (3, 17),
+}
 
 
 class Linear(nn.Module):
@@ -64,8 +76,9 @@ def names_shapes() -> tuple[list[str], list[tuple[int, ...]]]:
     return list(SHAPES), list(SHAPES.values())
 
 
-def run_linear(steps: int, dtype: torch.dtype, dyadic: bool, hook: bool,
-               **state_kwargs) -> tuple[list[dict[str, np.ndarray]], AdaCompState | None]:
+def run_linear(
+    steps: int, dtype: torch.dtype, dyadic: bool, hook: bool, **state_kwargs
+) -> tuple[list[dict[str, np.ndarray]], AdaCompState | None]:
     """The gradients every step's exchange leaves on this rank (DDP with the hook, or DDP's
     default all-reduce), and the hook's state."""
     model = DDP(Linear(dtype), bucket_cap_mb=0.001)  # several buckets
@@ -78,18 +91,19 @@ def run_linear(steps: int, dtype: torch.dtype, dyadic: bool, hook: bool,
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         model(coefs_for(rank, step, dtype, dyadic)).backward()
-        out.append({k: p.grad.detach().double().numpy().copy()
-                    for k, p in model.module.named_parameters()})
+        out.append({k: p.grad.detach().double().numpy().copy() for k, p in model.module.named_parameters()})
     return out, state
 
 
 def everything_equals_allreduce(form: str) -> dict:
     plain, _ = run_linear(3, torch.float32, True, hook=False)
-    hooked, state = run_linear(3, torch.float32, True, hook=True, form=form, select="all",
-                               values="exact")
+    hooked, state = run_linear(3, torch.float32, True, hook=True, form=form, select="all", values="exact")
     same = all(np.array_equal(a[k], b[k]) for a, b in zip(plain, hooked) for k in SHAPES)
-    return {"same": same, "compressed_steps": state.stats["compressed_steps"],
-            "shapes_kept": all(b[k].shape == SHAPES[k] for b in hooked for k in SHAPES)}
+    return {
+        "same": same,
+        "compressed_steps": state.stats["compressed_steps"],
+        "shapes_kept": all(b[k].shape == SHAPES[k] for b in hooked for k in SHAPES),
+    }
 
 
 def against_reference(form: str, steps: int = 5) -> dict:
@@ -97,14 +111,14 @@ def against_reference(form: str, steps: int = 5) -> dict:
     world = dist.get_world_size()
     hooked, state = run_linear(steps, torch.float64, False, hook=True, form=form, warmup_steps=1)
     residuals = {k: [np.zeros(int(np.prod(s))) for _ in range(world)] for k, s in SHAPES.items()}
-    server = {k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)),
-                                                                     ref.bin_length(s) or 1, world)]
-              for k, s in SHAPES.items()}
+    server = {
+        k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)), ref.bin_length(s) or 1, world)]
+        for k, s in SHAPES.items()
+    }
     worst, masks_equal = 0.0, True
     for step in range(steps):
         for k, shape in SHAPES.items():
-            grads = [coefs_for(r, step, torch.float64, False)[k].numpy().ravel()
-                     for r in range(world)]
+            grads = [coefs_for(r, step, torch.float64, False)[k].numpy().ravel() for r in range(world)]
             bin_len = ref.bin_length(shape)
             if step == 0 or bin_len is None:
                 want = np.sum([g / world for g in grads], axis=0)
@@ -112,7 +126,8 @@ def against_reference(form: str, steps: int = 5) -> dict:
                 want, residuals[k] = ref.allgather_exchange(residuals[k], grads, bin_len)
             else:
                 want, residuals[k], server[k] = ref.two_phase_exchange(
-                    residuals[k], server[k], grads, bin_len)
+                    residuals[k], server[k], grads, bin_len
+                )
             got = hooked[step][k].ravel()
             masks_equal &= bool(np.array_equal(got != 0, want != 0))
             scale = max(np.abs(want).max(), 1e-300)
@@ -120,8 +135,12 @@ def against_reference(form: str, steps: int = 5) -> dict:
     rank = dist.get_rank()
     mine = {k: v.numpy() for k, v in state.state_dict()["residuals"].items()}
     res_err = max(float(np.abs(mine[k] - residuals[k][rank]).max()) for k in mine)
-    return {"worst": worst, "masks_equal": masks_equal, "residual_err": res_err,
-            "compressed_steps": state.stats["compressed_steps"]}
+    return {
+        "worst": worst,
+        "masks_equal": masks_equal,
+        "residual_err": res_err,
+        "compressed_steps": state.stats["compressed_steps"],
+    }
 
 
 def against_simulation(form: str, steps: int = 4) -> dict:
@@ -134,14 +153,16 @@ def against_simulation(form: str, steps: int = 4) -> dict:
     sim = SimulatedWorkers(names, shapes, world, form=form)
     same = True
     for step in range(steps):
-        grads = [[coefs_for(r, step, torch.float32, False)[k] for k in names]
-                 for r in range(world)]
+        grads = [[coefs_for(r, step, torch.float32, False)[k] for k in names] for r in range(world)]
         want = sim.exchange(grads)
-        same &= all(np.array_equal(hooked[step][k], w.double().numpy())
-                    for k, w in zip(names, want))
+        same &= all(np.array_equal(hooked[step][k], w.double().numpy()) for k, w in zip(names, want))
     sent = state.stats["sent_bytes"]
-    return {"same": same, "sent_bytes": sent, "dense_bytes": state.stats["dense_bytes"],
-            "rates": state.compression_rates()}
+    return {
+        "same": same,
+        "sent_bytes": sent,
+        "dense_bytes": state.stats["dense_bytes"],
+        "rates": state.compression_rates(),
+    }
 
 
 class Net(nn.Module):
@@ -162,7 +183,7 @@ def batches(step: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(world * 16, 1, 16, 16, generator=g)
     y = torch.randint(0, 10, (world * 16,), generator=g)
-    return [(x[16 * r: 16 * (r + 1)], y[16 * r: 16 * (r + 1)]) for r in range(world)]
+    return [(x[16 * r : 16 * (r + 1)], y[16 * r : 16 * (r + 1)]) for r in range(world)]
 
 
 def training_equals_simulation(form: str, steps: int = 6) -> dict:
@@ -181,20 +202,17 @@ def training_equals_simulation(form: str, steps: int = 6) -> dict:
         loss_fn(model(x), y).backward()
         opt.step()
     names = [n for n, _ in sim_net.named_parameters()]
-    sim = SimulatedWorkers(names, [p.shape for p in sim_net.parameters()], world, form=form,
-                           warmup_steps=2)
+    sim = SimulatedWorkers(names, [p.shape for p in sim_net.parameters()], world, form=form, warmup_steps=2)
     sim_opt = torch.optim.SGD(sim_net.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         sim_opt.zero_grad(set_to_none=True)
         simulate_step(sim_net, sim, batches(step, world), loss_fn)
         sim_opt.step()
-    same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(),
-                                                 sim_net.state_dict().values()))
+    same = all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), sim_net.state_dict().values()))
     moved = any(not torch.equal(a, b) for a, b in zip(net.parameters(), Net().parameters()))
     residuals = state.state_dict()["residuals"]
     res_same = all(torch.equal(residuals[k], sim.workers[rank].residuals[k]) for k in residuals)
-    return {"same": same, "moved": moved, "residuals_same": res_same,
-            "rates": state.compression_rates()}
+    return {"same": same, "moved": moved, "residuals_same": res_same, "rates": state.compression_rates()}
 
 
 def nonfinite_leaves_residuals(form: str) -> dict:
@@ -212,11 +230,13 @@ def nonfinite_leaves_residuals(form: str) -> dict:
         coefs["fc"][3, 5] = float("inf")
     model(coefs).backward()
     after = state.state_dict()
-    kept = all(torch.equal(before["residuals"][k], after["residuals"][k])
-               for k in before["residuals"])
+    kept = all(torch.equal(before["residuals"][k], after["residuals"][k]) for k in before["residuals"])
     grad = model.module.fc.grad
-    return {"kept": kept, "inf_seen": bool(torch.isinf(grad[3, 5])),
-            "others_finite": int(torch.isfinite(grad).sum()) == grad.numel() - 1}
+    return {
+        "kept": kept,
+        "inf_seen": bool(torch.isinf(grad[3, 5])),
+        "others_finite": int(torch.isfinite(grad).sum()) == grad.numel() - 1,
+    }
 
 
 def overflow_keeps_residuals(form: str) -> dict:
@@ -235,12 +255,19 @@ def overflow_keeps_residuals(form: str) -> dict:
     model.zero_grad(set_to_none=True)
     model(coefs_for(rank, 1, torch.float16, False)).backward()
     after = state.state_dict()
-    kept = all(torch.equal(before[part][k], after[part][k])
-               for part in ("residuals", "chunk_residuals") for k in before[part])
-    return {"kept": kept, "inf_seen": bool(torch.isinf(model.module.fc.grad).any()),
-            "dtype": str(model.module.fc.grad.dtype),
-            "finite_in": all(bool(torch.isfinite(c).all())
-                             for c in coefs_for(rank, 1, torch.float16, False).values())}
+    kept = all(
+        torch.equal(before[part][k], after[part][k])
+        for part in ("residuals", "chunk_residuals")
+        for k in before[part]
+    )
+    return {
+        "kept": kept,
+        "inf_seen": bool(torch.isinf(model.module.fc.grad).any()),
+        "dtype": str(model.module.fc.grad.dtype),
+        "finite_in": all(
+            bool(torch.isfinite(c).all()) for c in coefs_for(rank, 1, torch.float16, False).values()
+        ),
+    }
 
 
 def channels_last_is_logical(form: str, steps: int = 3) -> dict:
@@ -267,10 +294,12 @@ def channels_last_is_logical(form: str, steps: int = 3) -> dict:
     saved, mine = plain.state_dict(), strided.state_dict()
     return {
         "strided": not model.conv.is_contiguous(),
-        "grads": all(torch.equal(a[k], b[k]) for a, b in zip(plain_grads, strided_grads)
-                     for k in a),
-        "residuals": all(torch.equal(saved[part][k], mine[part][k])
-                         for part in ("residuals", "chunk_residuals") for k in saved[part]),
+        "grads": all(torch.equal(a[k], b[k]) for a, b in zip(plain_grads, strided_grads) for k in a),
+        "residuals": all(
+            torch.equal(saved[part][k], mine[part][k])
+            for part in ("residuals", "chunk_residuals")
+            for k in saved[part]
+        ),
         "loads": refusal(strided, saved) == "",
     }
 
@@ -287,7 +316,7 @@ def local_clip_sums_clipped_gradients(steps: int = 2) -> dict:
     for step in range(steps):
         every = [coefs_for(r, step, torch.float64, False) for r in range(world)]
         norms = [math.sqrt(sum(float(c.pow(2).sum()) for c in g.values())) for g in every]
-        low, high = sorted(norms)[world // 2 - 1: world // 2 + 1]
+        low, high = sorted(norms)[world // 2 - 1 : world // 2 + 1]
         state.max_norm = (low + high) / 2  # binds on the upper half of the ranks only
         bound &= any(n > state.max_norm for n in norms) and any(n <= state.max_norm for n in norms)
         model.zero_grad(set_to_none=True)
@@ -319,19 +348,25 @@ def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
 
     model, state, opt = build()
     train(model, opt, range(first))
-    ckpt = copy.deepcopy({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                          "adacomp": state.state_dict()})
+    ckpt = copy.deepcopy(
+        {"model": model.module.state_dict(), "opt": opt.state_dict(), "adacomp": state.state_dict()}
+    )
     train(model, opt, range(first, first + then))
     model2, state2, opt2 = build()
     model2.module.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     state2.load_state_dict(ckpt["adacomp"])
     train(model2, opt2, range(first, first + then))
-    same = all(torch.equal(a, b) for a, b in zip(model.module.state_dict().values(),
-                                                 model2.module.state_dict().values()))
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(model.module.state_dict().values(), model2.module.state_dict().values())
+    )
     other = AdaCompState(model2, form="two_phase" if form == "allgather" else "allgather")
-    return {"same": same, "refused": refusal(other, ckpt["adacomp"]),
-            **bad_residuals_are_refused(state2, ckpt["adacomp"])}
+    return {
+        "same": same,
+        "refused": refusal(other, ckpt["adacomp"]),
+        **bad_residuals_are_refused(state2, ckpt["adacomp"]),
+    }
 
 
 def refusal(state: AdaCompState, saved: dict) -> str:
@@ -353,7 +388,8 @@ def bad_residuals_are_refused(state: AdaCompState, saved: dict) -> dict:
     out = {"short": refusal(state, short), "folded": refusal(state, folded)}
     after = state.state_dict()
     out["untouched"] = after["step"] == before["step"] and all(
-        torch.equal(after["residuals"][k], v) for k, v in before["residuals"].items())
+        torch.equal(after["residuals"][k], v) for k, v in before["residuals"].items()
+    )
     return out
 
 

@@ -26,16 +26,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--first-cases", action="store_true",
+        "--first-cases",
+        action="store_true",
         help="the inner loop (make test-fast): each test function with its first "
-             "parametrization only; make test runs every case",
+        "parametrization only; make test runs every case",
     )
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "gpu: needs a CUDA GPU and the compiled kernels: runs only with "
-                   "LARGEBATCH_CUDA_TESTS=1 (make gpu-check), skipped otherwise",
+        "markers",
+        "gpu: needs a CUDA GPU and the compiled kernels: runs only with "
+        "LARGEBATCH_CUDA_TESTS=1 (make gpu-check), skipped otherwise",
     )
 
 

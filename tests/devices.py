@@ -52,7 +52,7 @@ def _caller() -> str | None:
         if _TRITON and path.startswith(_TRITON):
             return None
         if path.startswith(_LARGEBATCH):
-            return f"{path[len(_LARGEBATCH):]}:{frame.f_lineno}"
+            return f"{path[len(_LARGEBATCH) :]}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
@@ -76,11 +76,19 @@ class _Functions(TorchFunctionMode):
             what = f"{name}()"
         elif name in _UPLOADS and kwargs.get("device") is not None:
             what = f"torch.{name}(..., device={kwargs['device']})"
-        elif name in ("to", "cuda") and not kwargs.get("non_blocking", False) and (
-                name == "cuda" or _names_device(args[1:], kwargs)):
+        elif (
+            name in ("to", "cuda")
+            and not kwargs.get("non_blocking", False)
+            and (name == "cuda" or _names_device(args[1:], kwargs))
+        ):
             what = f".{name}(device) not non_blocking"
-        elif name == "copy_" and not kwargs.get("non_blocking", False) and len(args) > 1 \
-                and isinstance(args[1], torch.Tensor) and args[1].device != args[0].device:
+        elif (
+            name == "copy_"
+            and not kwargs.get("non_blocking", False)
+            and len(args) > 1
+            and isinstance(args[1], torch.Tensor)
+            and args[1].device != args[0].device
+        ):
             what = "copy_ across devices not non_blocking"
         if what is not None:
             where = _caller()

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
+from test_docs_examples import ON_PROCESSES, blocks
 
 from largebatch.training.distributed import exit_process
-from test_docs_examples import ON_PROCESSES, blocks
 
 _GROUP = """
 import datetime
@@ -120,8 +120,10 @@ def main() -> None:
     codes = [code for code, where in blocks(page) if where == ON_PROCESSES]
     preludes = PRELUDES.get(page, [])
     if len(codes) != len(preludes):
-        raise SystemExit(f"{page} has {len(codes)} examples to run on processes, and "
-                         f"docs_worker.PRELUDES has stand-ins for {len(preludes)}")
+        raise SystemExit(
+            f"{page} has {len(codes)} examples to run on processes, and "
+            f"docs_worker.PRELUDES has stand-ins for {len(preludes)}"
+        )
     os.chdir(out)
     for i, (code, (prelude, check)) in enumerate(zip(codes, preludes)):
         namespace: dict = {"__name__": "__docs__"}

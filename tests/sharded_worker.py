@@ -21,13 +21,13 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from cases import torch_paths
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from largebatch.lars.torch import _sharded
 from largebatch.torch import LAMB, LARS, param_groups
-from cases import torch_paths
 from largebatch.training.distributed import exit_process
 
 STEPS = 4
@@ -93,9 +93,17 @@ def compare(model: nn.Module, ref: nn.Module, opt, ref_opt) -> float:
     return worst
 
 
-def train_fsdp2(name: str, path: str, *, dtype=torch.float32, mp_policy=None, master=False,
-                layers: tuple[str, ...] = ("fc1", "fc2", "head"), root: bool = True,
-                **options):
+def train_fsdp2(
+    name: str,
+    path: str,
+    *,
+    dtype=torch.float32,
+    mp_policy=None,
+    master=False,
+    layers: tuple[str, ...] = ("fc1", "fc2", "head"),
+    root: bool = True,
+    **options,
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(dtype)
@@ -131,8 +139,13 @@ def train_zero(name: str, path: str, partitioned: bool = True, **zero_kwargs):
     ref = copy.deepcopy(net)
     model = nn.parallel.DistributedDataParallel(net)
     extra = {"partitioned": partitioned} if name == "lamb" else {}
-    opt = ZeroRedundancyOptimizer(param_groups(net, 1e-2), optimizer_class=CLASSES[name],
-                                  **make_kwargs(name, path), **extra, **zero_kwargs)
+    opt = ZeroRedundancyOptimizer(
+        param_groups(net, 1e-2),
+        optimizer_class=CLASSES[name],
+        **make_kwargs(name, path),
+        **extra,
+        **zero_kwargs,
+    )
     ref_opt = make_optimizer(name, param_groups(ref, 1e-2), "foreach")
     whole = check_whole_params(opt, net)
     for x, y in batches(rank, world):
@@ -247,8 +260,12 @@ def resumes_exactly(name: str, zero: bool) -> bool:
         net = Net()
         if zero:
             extra = {"partitioned": True} if name == "lamb" else {}
-            opt = ZeroRedundancyOptimizer(param_groups(net, 1e-2), optimizer_class=CLASSES[name],
-                                          **make_kwargs(name, "foreach"), **extra)
+            opt = ZeroRedundancyOptimizer(
+                param_groups(net, 1e-2),
+                optimizer_class=CLASSES[name],
+                **make_kwargs(name, "foreach"),
+                **extra,
+            )
             return net, nn.parallel.DistributedDataParallel(net), opt
         fully_shard(net)
         return net, net, make_optimizer(name, param_groups(net, 1e-2), "foreach")
@@ -283,8 +300,7 @@ def resumes_exactly(name: str, zero: bool) -> bool:
         model_sd, optim_sd = get_state_dict(net_b, opt_b)
         loaded = {"model": model_sd, "optim": optim_sd}
         dcp.load(loaded, checkpoint_id=folder[0])
-        set_state_dict(net_b, opt_b, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
+        set_state_dict(net_b, opt_b, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     train(model, opt, steps[2:])
     train(model_b, opt_b, steps[2:])
     local = (lambda t: t.to_local()) if not zero else (lambda t: t)
@@ -335,16 +351,16 @@ def main() -> None:
         for path in PATHS:
             record(f"fsdp2/{name}/{path}", err=train_fsdp2(name, path))
             if name == "lars":  # optax's denominator: the norm of g + wd * w, over the shards
-                record(f"fsdp2-decayed-norm/lars/{path}",
-                       err=train_fsdp2(name, path, decayed_norm=True))
+                record(f"fsdp2-decayed-norm/lars/{path}", err=train_fsdp2(name, path, decayed_norm=True))
         with per_shard_norms():
             record(f"fsdp2-per-shard-norms/{name}/foreach", err=train_fsdp2(name, "foreach"))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        record(f"fsdp2-mp-policy/{name}/foreach",
-               err=train_fsdp2(name, "foreach", mp_policy=policy))
+        record(f"fsdp2-mp-policy/{name}/foreach", err=train_fsdp2(name, "foreach", mp_policy=policy))
         for path in ("foreach", "fused"):
-            record(f"fsdp2-bf16-masters/{name}/{path}",
-                   err=train_fsdp2(name, path, dtype=torch.bfloat16, master=True))
+            record(
+                f"fsdp2-bf16-masters/{name}/{path}",
+                err=train_fsdp2(name, path, dtype=torch.bfloat16, master=True),
+            )
         for path in ("foreach", "fused"):
             e, whole = train_zero(name, path)
             record(f"zero/{name}/{path}", err=e, whole=whole)
@@ -358,16 +374,15 @@ def main() -> None:
         for path in ("foreach", "fused"):
             record(f"grad-scaler/{name}/{path}", **with_grad_scaler(name, path))
     for path in ("foreach", "fused"):
-        record(f"zero-rank-without-grads/lamb/{path}",
-               err=partitioned_with_no_grads_on_one_rank(path))
+        record(f"zero-rank-without-grads/lamb/{path}", err=partitioned_with_no_grads_on_one_rank(path))
     for name in ("lars", "lamb"):
         record(f"resume-dcp/{name}", ok=resumes_exactly(name, zero=False))
         record(f"resume-zero/{name}", ok=resumes_exactly(name, zero=True))
         for path in ("single_tensor", "foreach"):  # fc1 sharded, the rest plain tensors
-            record(f"fsdp2-some-layers/{name}/{path}",
-                   err=train_fsdp2(name, path, layers=("fc1",), root=False))
-    record("refused/compiled",
-           message=refusal(lambda: LARS(sharded_net().parameters(), compiled=True)))
+            record(
+                f"fsdp2-some-layers/{name}/{path}", err=train_fsdp2(name, path, layers=("fc1",), root=False)
+            )
+    record("refused/compiled", message=refusal(lambda: LARS(sharded_net().parameters(), compiled=True)))
     record("refused/fused-mixed-layouts", message=refusal(fused_step_on_mixed_layouts))
 
 

@@ -28,8 +28,18 @@ def _corrected(momentum: float, lrs: Sequence[float]) -> list[float]:
     return [momentum] + [momentum * lr / last for last, lr in zip(lrs, lrs[1:])]
 
 
-def mlperf_tf_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-                   wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
+def mlperf_tf_lars(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    momentum: float,
+    eta: float = 0.001,
+    eps: float = 0.0,
+) -> Arrays:
     """mlcommons/training, image_classification/tensorflow/official/resnet/
     mlperf_lars_optimizer.py, MLPERF_LARSOptimizer.compute_lr and _resource_apply_dense
     (TF's apply_momentum at rate 1 on ``lr * ratio * (g + wd * w)``): the buffer holds
@@ -53,8 +63,18 @@ def mlperf_tf_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float]
     return ws
 
 
-def nvidia_mxnet_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-                      wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
+def nvidia_mxnet_lars(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    momentum: float,
+    eta: float = 0.001,
+    eps: float = 0.0,
+) -> Arrays:
     """mlcommons/training_results_v0.7, NVIDIA/benchmarks/resnet/implementations/mxnet/
     common/fit.py, SGDwFASTLARS._update_impl, with MXNet's multi_lars (the local rate
     ``lr * eta * ||w|| / (||g|| + wd * ||w|| + eps)``, ``lr`` at a zero norm) and
@@ -68,8 +88,18 @@ def nvidia_mxnet_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[flo
     return ws
 
 
-def _mxnet_lars_update(ws: Arrays, moms: Arrays, gs: Arrays, i: int, lr: float, m: float,
-                       adapt: bool, wd_i: float, eta: float, eps: float) -> None:
+def _mxnet_lars_update(
+    ws: Arrays,
+    moms: Arrays,
+    gs: Arrays,
+    i: int,
+    lr: float,
+    m: float,
+    adapt: bool,
+    wd_i: float,
+    eta: float,
+    eps: float,
+) -> None:
     """One param's update by multi_lars and lars_multi_mp_sgd_mom_update, in place."""
     w, g = ws[i], gs[i]
     local = lr
@@ -81,9 +111,20 @@ def _mxnet_lars_update(ws: Arrays, moms: Arrays, gs: Arrays, i: int, lr: float, 
     ws[i] = w + moms[i]
 
 
-def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *,
-                              adapt, decay, dtypes: Sequence[str], aggregate_num: int, wd: float,
-                              momentum: float, eta: float = 0.001, eps: float = 0.0) -> Arrays:
+def nvidia_mxnet_lars_chunked(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    dtypes: Sequence[str],
+    aggregate_num: int,
+    wd: float,
+    momentum: float,
+    eta: float = 0.001,
+    eps: float = 0.0,
+) -> Arrays:
     """The same update as MXNet runs it: ``Updater.__call__`` (apache/mxnet,
     python/mxnet/optimizer/optimizer.py, with aggregation) groups a step's params by
     ``dtypes``, in the order each dtype first appears, and calls the optimizer on
@@ -96,8 +137,9 @@ def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequ
     by_dtype: dict[str, list[int]] = {}
     for i, dtype in enumerate(dtypes):
         by_dtype.setdefault(dtype, []).append(i)
-    calls = [ids[k:k + aggregate_num] for ids in by_dtype.values()
-             for k in range(0, len(ids), aggregate_num)]
+    calls = [
+        ids[k : k + aggregate_num] for ids in by_dtype.values() for k in range(0, len(ids), aggregate_num)
+    ]
     last_lr = cur_lr = None
     for lr, gs in zip(lrs, grads):
         for call in calls:
@@ -108,13 +150,13 @@ def nvidia_mxnet_lars_chunked(params: Arrays, grads: Sequence[Arrays], lrs: Sequ
             cur_lr = lr
             m = momentum * cur_lr / last_lr
             for i in call:
-                _mxnet_lars_update(ws, moms, gs, i, lr, m, adapt[i], wd if decay[i] else 0.0,
-                                   eta, eps)
+                _mxnet_lars_update(ws, moms, gs, i, lr, m, adapt[i], wd if decay[i] else 0.0, eta, eps)
     return ws
 
 
-def _torch_sgd(w: np.ndarray, d: np.ndarray, buf: np.ndarray | None, lr: float, momentum: float,
-               nesterov: bool) -> tuple[np.ndarray, np.ndarray]:
+def _torch_sgd(
+    w: np.ndarray, d: np.ndarray, buf: np.ndarray | None, lr: float, momentum: float, nesterov: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """torch/optim/sgd.py, _single_tensor_sgd with dampening 0 and no weight decay: the
     first buffer is the direction itself, then ``buf = m * buf + d``; ``w -= lr * buf``
     (nesterov: ``lr * (d + m * buf)``)."""
@@ -122,9 +164,20 @@ def _torch_sgd(w: np.ndarray, d: np.ndarray, buf: np.ndarray | None, lr: float, 
     return w - lr * (d + momentum * buf if nesterov else buf), buf
 
 
-def apex_larc_sgd(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-                  wd: float, momentum: float, eta: float = 0.02, eps: float = 1e-8,
-                  clip: bool = True, nesterov: bool = False) -> Arrays:
+def apex_larc_sgd(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    momentum: float,
+    eta: float = 0.02,
+    eps: float = 1e-8,
+    clip: bool = True,
+    nesterov: bool = False,
+) -> Arrays:
     """NVIDIA/apex, apex/parallel/LARC.py, LARC.step, around torch.optim.SGD: where both
     norms are nonzero the gradient becomes ``(g + wd * w) * a`` with ``a = eta * ||w|| /
     (||g|| + ||w|| * wd + eps)``, clipped to ``min(a / lr, 1)``; elsewhere it is left as
@@ -145,9 +198,20 @@ def apex_larc_sgd(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float],
     return ws
 
 
-def timm_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-              wd: float, momentum: float, eta: float = 0.001, eps: float = 1e-8,
-              trust_clip: bool = False, nesterov: bool = False) -> Arrays:
+def timm_lars(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    momentum: float,
+    eta: float = 0.001,
+    eps: float = 1e-8,
+    trust_clip: bool = False,
+    nesterov: bool = False,
+) -> Arrays:
     """huggingface/pytorch-image-models, timm/optim/lars.py, Lars.step: a group with
     weight decay (timm's param groups give biases and ndim <= 1 params none) is adapted:
     ``d = (g + wd * w) * ratio``, ``ratio = eta * ||w|| / (||g|| + ||w|| * wd + eps)``,
@@ -168,9 +232,19 @@ def timm_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, 
     return ws
 
 
-def optax_lars(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-               wd: float, momentum: float, eta: float = 0.001, eps: float = 0.0,
-               nesterov: bool = False) -> Arrays:
+def optax_lars(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    momentum: float,
+    eta: float = 0.001,
+    eps: float = 0.0,
+    nesterov: bool = False,
+) -> Arrays:
     """google-deepmind/optax, optax/_src/alias.py, lars: a chain of four transformations
     on each leaf. add_decayed_weights (where the weight-decay mask holds) makes the
     update ``u = g + wd * w``; scale_by_trust_ratio (optax/_src/transform.py, where the
@@ -197,9 +271,19 @@ def _lamb_ratio(w: np.ndarray, u: np.ndarray) -> float:
     return wn / un if wn > 0 and un > 0 else 1.0
 
 
-def lamb_authors(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-                 wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                 clip_norm: float = 1.0) -> Arrays:
+def lamb_authors(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    clip_norm: float = 1.0,
+) -> Arrays:
     """fastalgo/imagenet_resnet50_lamb, optimization.py: create_optimizer clips all
     gradients to global norm ``clip_norm`` (``g * c / max(||g||, c)``);
     LAMBOptimizer.apply_gradients keeps Adam's moments without bias correction, ``u = m
@@ -226,10 +310,22 @@ def _bias_corrected(m: np.ndarray, v: np.ndarray, t: int, b1: float, b2: float, 
     return (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
 
 
-def apex_fused_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-                    wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                    max_grad_norm: float = 1.0, adam_w_mode: bool = True,
-                    grad_averaging: bool = True, use_nvlamb: bool = False) -> Arrays:
+def apex_fused_lamb(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    max_grad_norm: float = 1.0,
+    adam_w_mode: bool = True,
+    grad_averaging: bool = True,
+    use_nvlamb: bool = False,
+) -> Arrays:
     """NVIDIA/apex, apex/optimizers/fused_lamb.py FusedLAMB.step and
     csrc/multi_tensor_lamb.cu, LAMBStage1Functor and LAMBStage2Functor: one global norm
     ``G`` over every grad, ``g / (G / max_grad_norm)`` above the threshold; stage 1, in
@@ -257,8 +353,18 @@ def apex_fused_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float
     return ws
 
 
-def tfa_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, adapt, decay,
-             wd: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6) -> Arrays:
+def tfa_lamb(
+    params: Arrays,
+    grads: Sequence[Arrays],
+    lrs: Sequence[float],
+    *,
+    adapt,
+    decay,
+    wd: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+) -> Arrays:
     """tensorflow/addons, tensorflow_addons/optimizers/lamb.py, LAMB._resource_apply_dense:
     bias-corrected moments, ``u = m_hat / (sqrt(v_hat) + eps)``, ``u += wd * w`` unless
     excluded from weight decay, the ratio ``||w|| / ||u||`` (1 at a zero norm) unless
@@ -277,8 +383,9 @@ def tfa_lamb(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, a
     return ws
 
 
-def goyal_corrected_momentum(params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *,
-                             wd: float, momentum: float) -> Arrays:
+def goyal_corrected_momentum(
+    params: Arrays, grads: Sequence[Arrays], lrs: Sequence[float], *, wd: float, momentum: float
+) -> Arrays:
     """Goyal et al. 2017 (arXiv 1706.02677), §3, Remark 2: the buffer of eq. (10) holds
     lr-scaled steps, ``v = m * v + lr * (g + wd * w); w -= v``, and after a change of rate
     it takes the momentum correction ``m * lr_t / lr_(t-1)`` on ``v``."""

@@ -22,8 +22,14 @@ def test_packed_lars_is_lars_on_every_leaf() -> None:
     """Sizes off any block, one over two rows, a zero leaf (ratio 1) and a leaf whose
     gradient is zero."""
     rng = np.random.default_rng(0)
-    shapes = {"conv": (8, 3, 3, 3), "bias": (8,), "fc": (10, 33), "zero": (5,), "still": (7, 2),
-              "rows": (4099,)}
+    shapes = {
+        "conv": (8, 3, 3, 3),
+        "bias": (8,),
+        "fc": (10, 33),
+        "zero": (5,),
+        "still": (7, 2),
+        "rows": (4099,),
+    }
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     params["zero"][:] = 0
     ours, packed = lb.lars(0.5, momentum=0.9, weight_decay=1e-2), packed_lars(0.5, 0.9, 1e-2)
@@ -46,10 +52,14 @@ def test_a_provider_that_fails_is_reported_and_the_others_still_run(monkeypatch)
         raise RuntimeError("no graph here")
 
     monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(3, 4), (5,)]})
-    monkeypatch.setattr(bench, "PROVIDERS", [
-        bench.Provider("broken", "sgd", broken),
-        *[p for p in bench.PROVIDERS if p.name == "foreach SGD-momentum (floor)"],
-    ])
+    monkeypatch.setattr(
+        bench,
+        "PROVIDERS",
+        [
+            bench.Provider("broken", "sgd", broken),
+            *[p for p in bench.PROVIDERS if p.name == "foreach SGD-momentum (floor)"],
+        ],
+    )
     res = bench.run("tiny", "cpu", steps=2, warmup=1, names=None, rounds=2)
     assert res["skipped"] == {"broken": "failed: RuntimeError: no graph here"}
     assert [r["provider"] for r in res["rows"]] == ["foreach SGD-momentum (floor)"]
@@ -63,13 +73,11 @@ def test_gpu_check_fails_where_its_python_cannot_run_torch(python, tmp_path) -> 
     import subprocess
 
     if python == "no-torch":  # an interpreter without torch: a venv of no packages
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
         python = str(tmp_path / "venv" / "bin" / "python")
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
     env = {**os.environ, "GPU_PYTHON": python, "GPU_REPORT": str(tmp_path / "report")}
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert f"{python} cannot run torch" in done.stderr, done.stderr
     assert not (tmp_path / "report").exists()
@@ -85,8 +93,9 @@ def test_gpu_check_without_a_gpu_says_so_and_passes(tmp_path) -> None:
         pytest.skip("a CUDA GPU is here: gpu-check would run its checks")
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
     env = {**os.environ, "GPU_PYTHON": sys.executable, "GPU_REPORT": str(tmp_path / "report")}
-    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.stdout, done.stderr)
-    assert done.stdout == (f"make gpu-check: no CUDA GPU here ({sys.executable}: "
-                           "torch.cuda.is_available() is False); nothing to run\n")
+    assert done.stdout == (
+        f"make gpu-check: no CUDA GPU here ({sys.executable}: "
+        "torch.cuda.is_available() is False); nothing to run\n"
+    )

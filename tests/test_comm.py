@@ -6,8 +6,8 @@ for bit, real training, non-finite gradients, resume."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from devices import HostSyncs
 from helpers import BAD_ADACOMP_OPTIONS
+
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import AdaCompState, SimulatedWorkers, compress
 from largebatch.comm.torch import _codec as codec
@@ -33,8 +33,9 @@ FORMS = ("allgather", "two_phase")
 
 
 def _torch_compress(r, g, bin_len, **kwargs) -> ref.Compressed:
-    c = compress(torch.tensor(r, dtype=torch.float64), torch.tensor(g, dtype=torch.float64),
-                 bin_len, **kwargs)
+    c = compress(
+        torch.tensor(r, dtype=torch.float64), torch.tensor(g, dtype=torch.float64), bin_len, **kwargs
+    )
     return ref.Compressed(c.sent.numpy(), c.residual.numpy(), c.mask.numpy(), float(c.scale))
 
 
@@ -93,8 +94,7 @@ def test_error_feedback_identity() -> None:
 def test_everything_selected_and_exact_is_the_plain_average() -> None:
     rng = np.random.default_rng(1)
     grads = [rng.normal(size=(8, 3, 3, 3)) for _ in range(4)]
-    avg, res = ref.allgather_exchange([np.zeros(216)] * 4, grads, 50, select="all",
-                                      values="exact")
+    avg, res = ref.allgather_exchange([np.zeros(216)] * 4, grads, 50, select="all", values="exact")
     np.testing.assert_array_equal(avg, (((grads[0] + grads[1]) + grads[2]) + grads[3]).ravel() / 4)
     assert not any(r.any() for r in res)
 
@@ -227,8 +227,10 @@ def test_a_compressed_exchange_syncs_no_more_with_more_layers(monkeypatch, form,
 
 def _grads(n: int, steps: int, shapes, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [[[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(n)]
-            for _ in range(steps)]
+    return [
+        [[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(n)]
+        for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -239,9 +241,10 @@ def test_simulation_equals_reference(form: str, n: int) -> None:
     names = [f"p{i}" for i in range(len(shapes))]
     sim = SimulatedWorkers(names, shapes, n, form=form, dtype=torch.float64)
     res = {k: [np.zeros(int(np.prod(s)))] * n for k, s in zip(names, shapes)}
-    server = {k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)),
-                                                                     ref.bin_length(s) or 1, n)]
-              for k, s in zip(names, shapes)}
+    server = {
+        k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)), ref.bin_length(s) or 1, n)]
+        for k, s in zip(names, shapes)
+    }
     for step in _grads(n, 4, shapes):
         got = sim.exchange(step)
         for i, (k, s) in enumerate(zip(names, shapes)):
@@ -262,10 +265,10 @@ def test_message_widths_round_trip(numel: int) -> None:
     """Indices are packed into as few bytes as twice the layer size needs (a sign bit): at
     127 one byte, at 128 two, at 40,000 three; every index survives, the last included."""
     n = 2
-    sim = SimulatedWorkers(["w"], [(numel, 1, 1)], n, conv_bin=1, select="all", values="exact",
-                           dtype=torch.float64)
-    grads = [[torch.arange(1, numel + 1, dtype=torch.float64).view(numel, 1, 1) * (w + 1)]
-             for w in range(n)]
+    sim = SimulatedWorkers(
+        ["w"], [(numel, 1, 1)], n, conv_bin=1, select="all", values="exact", dtype=torch.float64
+    )
+    grads = [[torch.arange(1, numel + 1, dtype=torch.float64).view(numel, 1, 1) * (w + 1)] for w in range(n)]
     out = sim.exchange(grads)[0]
     torch.testing.assert_close(out, grads[0][0] * 1.5, rtol=0, atol=0)
     assert sim.layout.width == {127: 1, 128: 2, 40_000: 3}[numel]
@@ -275,9 +278,11 @@ def test_message_widths_round_trip(numel: int) -> None:
     torch.testing.assert_close(ternary.exchange([[g]])[0], g, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), BAD_ADACOMP_OPTIONS,
-                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values())))
-                              for k, _ in BAD_ADACOMP_OPTIONS])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    BAD_ADACOMP_OPTIONS,
+    ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _ in BAD_ADACOMP_OPTIONS],
+)
 def test_the_simulation_refuses_what_the_jax_transform_refuses(kwargs, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         SimulatedWorkers(["w"], [(4, 50)], 2, **kwargs)
@@ -320,8 +325,16 @@ def test_state_needs_a_process_group() -> None:
 
 def _run_worker(tmp_path_factory, nproc: int, *extra: str):
     out = tmp_path_factory.mktemp(f"comm{nproc}") / "cases.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(WORKER), str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(out),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     found = {}

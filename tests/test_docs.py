@@ -28,8 +28,18 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     site_dir = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # mkdocs-material's banner on stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--clean",
-         "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site_dir)],
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--clean",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site_dir),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -58,9 +68,15 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
         + "\n".join(warnings)
         + f"\n\nfull output:\n{output}"
     )
-    for page in ("index.html", "torch/index.html", "jax/index.html",
-                 "mixed_precision/index.html", "recipes/index.html", "study/index.html",
-                 "benchmarks/index.html"):
+    for page in (
+        "index.html",
+        "torch/index.html",
+        "jax/index.html",
+        "mixed_precision/index.html",
+        "recipes/index.html",
+        "study/index.html",
+        "benchmarks/index.html",
+    ):
         assert (site_dir / page).is_file(), page
     # study.md links its data files; they are copied, though not in the nav.
     assert (site_dir / "study" / "headline" / "runs.jsonl").is_file()
@@ -70,11 +86,36 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
 @pytest.mark.parametrize(
     ("page", "names"),
     [
-        ("api/torch", ["LARS", "LAMB", "lars", "lamb", "param_groups", "make_schedule",
-                       "ScheduleLR", "linear_scaling", "sqrt_scaling", "to_half",
-                       "AdaCompState", "adacomp_hook"]),
-        ("api/jax", ["lars", "lamb", "exclusion_mask", "make_schedule", "as_optax_schedule",
-                     "DynamicLossScale", "AdaCompState", "adacomp"]),
+        (
+            "api/torch",
+            [
+                "LARS",
+                "LAMB",
+                "lars",
+                "lamb",
+                "param_groups",
+                "make_schedule",
+                "ScheduleLR",
+                "linear_scaling",
+                "sqrt_scaling",
+                "to_half",
+                "AdaCompState",
+                "adacomp_hook",
+            ],
+        ),
+        (
+            "api/jax",
+            [
+                "lars",
+                "lamb",
+                "exclusion_mask",
+                "make_schedule",
+                "as_optax_schedule",
+                "DynamicLossScale",
+                "AdaCompState",
+                "adacomp",
+            ],
+        ),
         ("api/schedules", ["Schedule", "make_schedule", "linear_scaling", "sqrt_scaling"]),
         ("api/spec", []),
         ("api/comm", []),
@@ -82,8 +123,11 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
 )
 def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> None:
     html = (site / page / "index.html").read_text(encoding="utf-8")
-    module = {"api/torch": "largebatch.torch", "api/jax": "largebatch.jax",
-              "api/schedules": "largebatch.schedules"}.get(page)
+    module = {
+        "api/torch": "largebatch.torch",
+        "api/jax": "largebatch.jax",
+        "api/schedules": "largebatch.schedules",
+    }.get(page)
     for name in names:
         # each name gets its own heading, anchored at its path in the facade
         assert f'id="{module}.{name}"' in html, f"{page}: {name} is not rendered"
@@ -96,9 +140,16 @@ def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> 
             for member in ("spec", "bodies"):
                 assert f'id="{module}.{cls}.{member}"' not in html, (cls, member)
     if page == "api/comm":
-        for name in ("reference.compress", "torch.AdaCompState", "torch.adacomp_hook",
-                     "jax.adacomp", "jax.adacomp_init_state", "scaling.predict",
-                     "costs.choose_form", "costs.Network"):
+        for name in (
+            "reference.compress",
+            "torch.AdaCompState",
+            "torch.adacomp_hook",
+            "jax.adacomp",
+            "jax.adacomp_init_state",
+            "scaling.predict",
+            "costs.choose_form",
+            "costs.Network",
+        ):
             assert f'id="largebatch.comm.{name}"' in html, f"{page}: {name} is not rendered"
         # the cost formulas, which scaling imports, are shown once: under costs
         for name in ("choose_form", "Network", "ring"):

@@ -64,7 +64,7 @@ def blocks(page: str) -> list[tuple[str, str | None]]:
         before = text[: match.start()].rstrip().rsplit("\n", 1)[-1]
         where = None
         if before.startswith(SKIP):
-            where = before[len(SKIP):].removesuffix("-->").strip()
+            where = before[len(SKIP) :].removesuffix("-->").strip()
         elif before.startswith(PROCESSES):
             where = ON_PROCESSES
         out.append((match.group(1), where))
@@ -93,8 +93,9 @@ def test_every_example_is_run_by_a_test():
                 assert page in (ROOT / test).read_text(), f"{test} does not read {page}"
 
 
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p in COMPILES else p
-                                  for p in IN_PROCESS])
+@pytest.mark.parametrize(
+    "page", [pytest.param(p, marks=pytest.mark.slow) if p in COMPILES else p for p in IN_PROCESS]
+)
 def test_page_examples_run(page):
     namespace: dict = {"__name__": "__docs__"}
     exec(compile(PRELUDES.get(page, ""), f"{page} (prelude)", "exec"), namespace)  # noqa: S102
@@ -109,11 +110,20 @@ def test_process_examples_run(page, tmp_path):
     """The page's process-group examples on two gloo processes (``docs_worker.py``): every
     block runs on both ranks, and the processes end cleanly (exit status 0, no abort, none
     left behind)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), page, str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        page,
+        str(tmp_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # the CPU form
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
     finally:  # torchrun and its workers are one session: nothing outlives the test

@@ -10,8 +10,11 @@ import pytest
 
 import largebatch
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(largebatch.__path__, "largebatch.")
-                 if m.name != "largebatch.__main__")
+MODULES = sorted(
+    m.name
+    for m in pkgutil.walk_packages(largebatch.__path__, "largebatch.")
+    if m.name != "largebatch.__main__"
+)
 
 
 def _examples(name: str) -> list[doctest.DocTest]:

@@ -17,9 +17,10 @@ import torch
 pytest.importorskip("triton")
 
 from devices import FUSED_DEVICES, HostSyncs
-from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
+
 from largebatch.lars.kernels import FusedGroup, fused_lamb_step_, fused_lars_step_
 from largebatch.lars.kernels import plan as kplan
+from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC
 from largebatch.torch import LAMB, LARS
 
 SHAPES = [(33, 7), (5,), (1025,), (4, 3, 3, 2)]
@@ -50,11 +51,13 @@ def _group(kind: str, device: str, dtype: torch.dtype, masters: bool) -> FusedGr
     math = torch.float32 if masters else dtype
     names = ("momentum_buffer",) if kind == "lars" else ("exp_avg", "exp_avg_sq")
     return FusedGroup(
-        params=params, grads=[torch.zeros_like(p) for p in params],
+        params=params,
+        grads=[torch.zeros_like(p) for p in params],
         masters=[p.float() for p in params] if masters else None,
         state={k: [torch.zeros_like(p, dtype=math) for p in params] for k in names},
         steps=[torch.zeros((), device=device) for _ in params],
-        lr=torch.tensor(0.1, device=device), hyper=(LARS_SPEC if kind == "lars" else LAMB_SPEC).make({}),
+        lr=torch.tensor(0.1, device=device),
+        hyper=(LARS_SPEC if kind == "lars" else LAMB_SPEC).make({}),
     )
 
 

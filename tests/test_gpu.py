@@ -27,10 +27,17 @@ import torch
 pytest.importorskip("triton")
 
 import numpy as np
-
 from cases import (
-    CASE_IDS, CASES, TORCH_PATHS, assert_matches, make_problem, run_reference, run_torch, tolerance,
+    CASE_IDS,
+    CASES,
+    TORCH_PATHS,
+    assert_matches,
+    make_problem,
+    run_reference,
+    run_torch,
+    tolerance,
 )
+
 from largebatch.torch import LAMB, LARS
 
 pytestmark = pytest.mark.gpu
@@ -53,13 +60,16 @@ RUNS = {
     "compiled": ["fp32"],
 }
 COMPILED_CASES = ("lars-defaults", "lars-larc", "lamb-defaults", "lamb-max-grad-norm")
-GPU_RUNS = [(case, path, precision) for case, name in zip(CASES, CASE_IDS)
-            for path, ps in RUNS.items() for precision in ps
-            if path != "compiled" or name in COMPILED_CASES]
+GPU_RUNS = [
+    (case, path, precision)
+    for case, name in zip(CASES, CASE_IDS)
+    for path, ps in RUNS.items()
+    for precision in ps
+    if path != "compiled" or name in COMPILED_CASES
+]
 
 
-@pytest.mark.parametrize("case,path,precision", GPU_RUNS,
-                         ids=[f"{c.id}-{p}-{q}" for c, p, q in GPU_RUNS])
+@pytest.mark.parametrize("case,path,precision", GPU_RUNS, ids=[f"{c.id}-{p}-{q}" for c, p, q in GPU_RUNS])
 def test_every_path_matches_the_spec_on_cuda(case, path, precision):
     dtype, masters, name = PRECISIONS[precision]
     params, grads = make_problem(dtype)
@@ -68,8 +78,13 @@ def test_every_path_matches_the_spec_on_cuda(case, path, precision):
         with pytest.raises(ValueError, match="the fused LAMB kernels need eps > 0"):
             run_torch(case, params, grads, **run)
         return
-    assert_matches(run_torch(case, params, grads, **run), run_reference(case, params, grads),
-                   name, start=params, rtol=tolerance(name, path, "cuda"))
+    assert_matches(
+        run_torch(case, params, grads, **run),
+        run_reference(case, params, grads),
+        name,
+        start=params,
+        rtol=tolerance(name, path, "cuda"),
+    )
 
 
 # Tensors of many chunks (the fused path's 4,096 elements), one off every block.
@@ -77,8 +92,11 @@ BIG = [(1000, 1000), (4099,), (64, 33), (3,)]
 
 
 @pytest.mark.parametrize("path", TORCH_PATHS)
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-defaults", "lamb-max-grad-norm")],
-                         ids=["lars", "lamb-max-grad-norm"])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c.id in ("lars-defaults", "lamb-max-grad-norm")],
+    ids=["lars", "lamb-max-grad-norm"],
+)
 def test_every_path_is_bitwise_reproducible_on_cuda(case, path):
     """The same inputs give the same bits on every run: no sum is formed in an order the
     GPU's scheduling decides (the fused path's atomics were: docs/design.md §3)."""
@@ -206,12 +224,18 @@ def test_fsdp2_on_the_fused_path(cls):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group(
+        "nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
     try:
         torch.manual_seed(5)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
-                                    torch.nn.Linear(32, 4)).cuda()
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+        ).cuda()
         plain = copy.deepcopy(model)
         fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
         opts = [cls(m.parameters(), lr=0.1, weight_decay=1e-2, fused=True) for m in (model, plain)]

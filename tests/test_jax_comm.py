@@ -34,11 +34,11 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from helpers import BAD_ADACOMP_OPTIONS, shard_map  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from largebatch.comm import reference as ref  # noqa: E402
-from largebatch.comm.jax._compress import divide  # noqa: E402
 from largebatch.comm.jax import (  # noqa: E402
     DEFAULT_BIN_CAPACITY,
     AdaCompState,
@@ -52,8 +52,8 @@ from largebatch.comm.jax import (  # noqa: E402
     default_capacity,
     two_phase_mean,
 )
+from largebatch.comm.jax._compress import divide  # noqa: E402
 from largebatch.jax import lars  # noqa: E402
-from helpers import BAD_ADACOMP_OPTIONS, shard_map  # noqa: E402
 
 U = 2.0**-24  # float32 unit roundoff
 AXIS = "data"
@@ -105,8 +105,7 @@ HAND = {
         [0, 0, 1.5, 0.25, 1, -1, 0.5, 0, -1, -0.5, 0.25, 1, -0.5, 0],
         [1, 2, 11, 12],
     ),
-    "equal_magnitudes_all_sent": ([0.5, -0.5, 0.5, -0.5, 0.5], [0.5, -0.5, 0.25, 0, 0.5],
-                                  [0, 1, 2, 3, 4]),
+    "equal_magnitudes_all_sent": ([0.5, -0.5, 0.5, -0.5, 0.5], [0.5, -0.5, 0.25, 0, 0.5], [0, 1, 2, 3, 4]),
     "zero_leaf": ([0.0] * 9, [0.0] * 9, []),
 }
 
@@ -115,14 +114,12 @@ HAND = {
 @pytest.mark.parametrize("values", ["ternary", "exact"])
 @pytest.mark.parametrize("case", HAND)
 def test_compress_hand_made_bins_equal_the_reference_bit_for_bit(case, select, values):
-    big_g, g, expected = (np.array(v, np.float64) if v is not None else None
-                          for v in HAND[case])
+    big_g, g, expected = (np.array(v, np.float64) if v is not None else None for v in HAND[case])
     r = big_g - g
     want = ref.compress(r, g, 4, select=select, values=values)
     if select == "adacomp" and expected is not None:
         assert np.flatnonzero(want.mask).tolist() == expected.tolist()
-    mask, scale, sent, new_r, msg = run(f32(r), f32(g), 4, capacity=big_g.size,
-                                        select=select, values=values)
+    mask, scale, sent, new_r, msg = run(f32(r), f32(g), 4, capacity=big_g.size, select=select, values=values)
     np.testing.assert_array_equal(mask, want.mask)
     assert scale == np.float32(want.scale)
     np.testing.assert_array_equal(sent, f32(want.sent))
@@ -145,8 +142,7 @@ def test_compress_random_float32_equals_the_reference(select, values):
     for numel, bin_len in RANDOM:
         r, g = random_leaf(rng, numel)
         want = ref.compress(r, g, bin_len, select=select, values=values)
-        mask, scale, sent, new_r, _ = run(r, g, bin_len, capacity=numel, select=select,
-                                          values=values)
+        mask, scale, sent, new_r, _ = run(r, g, bin_len, capacity=numel, select=select, values=values)
         np.testing.assert_array_equal(mask, want.mask, err_msg=f"{numel}, {bin_len}")
         np.testing.assert_allclose(scale, want.scale, rtol=2 * U, atol=0)
         np.testing.assert_allclose(sent, want.sent, rtol=2 * U, atol=0)
@@ -167,8 +163,9 @@ def test_compress_float64_under_x64_equals_the_reference_bit_for_bit():
             r, g = (rng.standard_normal(numel) * spread for _ in range(2))
             for select, values in [("adacomp", "ternary"), ("all", "exact")]:
                 want = ref.compress(r, g, bin_len, select=select, values=values)
-                mask, scale, sent, new_r, msg = run(r, g, bin_len, capacity=numel,
-                                                    select=select, values=values)
+                mask, scale, sent, new_r, msg = run(
+                    r, g, bin_len, capacity=numel, select=select, values=values
+                )
                 assert new_r.dtype == np.float64 and msg.scale.dtype == jnp.float64
                 np.testing.assert_array_equal(mask, want.mask)
                 assert scale == want.scale
@@ -205,8 +202,7 @@ def test_capacity_overflow_keeps_the_leftover_in_the_residual():
     assert msg.indices.shape == (capacity,) and msg.values.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(msg.indices), chosen[:capacity])
     assert int(msg.count) == capacity and int(msg.selected) == chosen.size
-    assert scale == np.float32(math.fsum(np.abs(g[chosen[:capacity]].astype(np.float64)))
-                               / capacity)
+    assert scale == np.float32(math.fsum(np.abs(g[chosen[:capacity]].astype(np.float64))) / capacity)
     deferred = chosen[capacity:]
     np.testing.assert_array_equal(new_r[deferred], g[deferred])  # stays, whole
     assert not sent[deferred].any()
@@ -248,8 +244,10 @@ MAGNITUDES = {"conv": 1.0, "zero": 0.0, "fc": 1e-2, "bias": 1.0}
 
 def device_grads(rng, n):
     """One step's gradients: per leaf ``(n, *shape)``, device ``k``'s at ``[k]``."""
-    return {k: f32(MAGNITUDES[k] * 10.0 ** rng.uniform(-1, 1, (n, *s))
-                   * rng.standard_normal((n, *s))) for k, s in LEAVES.items()}
+    return {
+        k: f32(MAGNITUDES[k] * 10.0 ** rng.uniform(-1, 1, (n, *s)) * rng.standard_normal((n, *s)))
+        for k, s in LEAVES.items()
+    }
 
 
 def params_like():
@@ -279,22 +277,26 @@ def test_a_bin_longer_than_the_leaf_costs_the_leafs_memory(form):
     huge = exchange_step(adacomp(AXIS, form=form, conv_bin=10**6, fc_bin=10**6), mesh)
     fitted = exchange_step(adacomp(AXIS, form=form, conv_bin=216, fc_bin=2080), mesh)
     assert max(math.prod(s) for s in LEAVES.values()) == 2080
-    grads = {k: jnp.asarray(np.random.default_rng(1).standard_normal((4, *s)), jnp.float32)
-             for k, s in LEAVES.items()}
+    grads = {
+        k: jnp.asarray(np.random.default_rng(1).standard_normal((4, *s)), jnp.float32)
+        for k, s in LEAVES.items()
+    }
     (step, state, _), (step_fit, state_fit, _) = huge, fitted
     assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, state_fit)
     # Each step compiled once: its memory read, then the same executable run.
     compiled = [s.lower(grads, st).compile() for s, st in ((step, state), (step_fit, state_fit))]
     memory = [c.memory_analysis().temp_size_in_bytes for c in compiled]
     assert memory[0] == memory[1], memory
-    for a, b in zip(jax.tree.leaves(compiled[0](grads, state)[:2]),
-                    jax.tree.leaves(compiled[1](grads, state_fit)[:2]), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(compiled[0](grads, state)[:2]),
+        jax.tree.leaves(compiled[1](grads, state_fit)[:2]),
+        strict=True,
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _state_leaves(state):
-    return [np.asarray(x) for x in jax.tree.leaves(
-        (state.residuals, state.chunk_residuals, state.selected))]
+    return [np.asarray(x) for x in jax.tree.leaves((state.residuals, state.chunk_residuals, state.selected))]
 
 
 @pytest.mark.parametrize("form", ["allgather", "two_phase"])
@@ -319,8 +321,9 @@ def test_a_nonfinite_gradient_on_one_device_is_a_plain_step_that_keeps_the_resid
         assert not np.isfinite(np.asarray(mean[leaf])[where[1:]]), (bad, leaf)
         for a, b in zip(_state_leaves(state1), _state_leaves(state2), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{bad} in {leaf}")
-        for a, b in zip(jax.tree.leaves(step(later, state2)[:2]), jax.tree.leaves(expected_later),
-                        strict=True):
+        for a, b in zip(
+            jax.tree.leaves(step(later, state2)[:2]), jax.tree.leaves(expected_later), strict=True
+        ):
             if a.ndim:  # all but the step count
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -333,10 +336,8 @@ def test_an_fp16_average_that_overflows_commits_no_residual(form):
     dropped."""
     mesh = data_mesh(4)
     step, state, _ = exchange_step(adacomp(AXIS, form=form), mesh)
-    state = state._replace(residuals={**state.residuals,
-                                      "fc": jnp.full_like(state.residuals["fc"], 3e5)})
-    grads = {k: jnp.asarray(v, jnp.float16) for k, v in device_grads(np.random.default_rng(3),
-                                                                      4).items()}
+    state = state._replace(residuals={**state.residuals, "fc": jnp.full_like(state.residuals["fc"], 3e5)})
+    grads = {k: jnp.asarray(v, jnp.float16) for k, v in device_grads(np.random.default_rng(3), 4).items()}
     mean, after, _ = step(grads, state)
     assert mean["fc"].dtype == jnp.float16 and np.isinf(np.asarray(mean["fc"])).any()
     for a, b in zip(_state_leaves(state), _state_leaves(after), strict=True):
@@ -375,10 +376,18 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-@pytest.mark.parametrize(("n", "form", "check"), [
-    (2, "allgather", True), (4, "allgather", False), (8, "allgather", True),
-    (2, "two_phase", True), (4, "two_phase", True), (8, "two_phase", False),
-], ids=lambda v: {True: "check_vma", False: "no_check_vma"}.get(v, str(v)))
+@pytest.mark.parametrize(
+    ("n", "form", "check"),
+    [
+        (2, "allgather", True),
+        (4, "allgather", False),
+        (8, "allgather", True),
+        (2, "two_phase", True),
+        (4, "two_phase", True),
+        (8, "two_phase", False),
+    ],
+    ids=lambda v: {True: "check_vma", False: "no_check_vma"}.get(v, str(v)),
+)
 def test_exchange_in_shard_map_equals_the_reference(n, form, check):
     """One warm-up step (``pmean``, residuals untouched), then two compressed steps
     carrying the residuals: each step against the reference fed the same residuals."""
@@ -414,21 +423,23 @@ def test_exchange_in_shard_map_equals_the_reference(n, form, check):
                 cs = list(before.chunk_residuals[k])
                 bounds = ref.chunk_bounds(numel, bin_len, n)
                 want, want_rs, want_cs = ref.two_phase_exchange(
-                    rs, [c[: hi - lo] for c, (lo, hi) in zip(cs, bounds)], gs, bin_len)
+                    rs, [c[: hi - lo] for c, (lo, hi) in zip(cs, bounds)], gs, bin_len
+                )
                 mean, new_rs, new_cs = replay_two_phase(rs, cs, gs, bin_len)
                 magnitude = max(magnitude, max(np.max(np.abs(c)) for c in cs) + np.max(np.abs(want)))
                 for j, (lo, hi) in enumerate(bounds):
                     got = after.chunk_residuals[k][j]
-                    assert got.shape == (span,) and not got[hi - lo:].any()
-                    np.testing.assert_allclose(got[: hi - lo], want_cs[j], rtol=0,
-                                               atol=8 * U * magnitude)
+                    assert got.shape == (span,) and not got[hi - lo :].any()
+                    np.testing.assert_allclose(got[: hi - lo], want_cs[j], rtol=0, atol=8 * U * magnitude)
                     np.testing.assert_array_equal(got, new_cs[j])
-            np.testing.assert_allclose(updates[k].ravel(), want, rtol=0,
-                                       atol=4 * (n + 4) * U * magnitude, err_msg=k)
+            np.testing.assert_allclose(
+                updates[k].ravel(), want, rtol=0, atol=4 * (n + 4) * U * magnitude, err_msg=k
+            )
             np.testing.assert_array_equal(updates[k], mean.reshape(shape), err_msg=k)
             for i in range(n):
-                np.testing.assert_allclose(after.residuals[k][i].ravel(), want_rs[i], rtol=0,
-                                           atol=8 * U * magnitude)
+                np.testing.assert_allclose(
+                    after.residuals[k][i].ravel(), want_rs[i], rtol=0, atol=8 * U * magnitude
+                )
                 np.testing.assert_array_equal(after.residuals[k][i].ravel(), new_rs[i])
                 want_mask = ref.compress(rs[i], gs[i], bin_len).mask
                 assert int(after.selected[k][i]) == int(want_mask.sum())
@@ -468,27 +479,37 @@ def test_exchange_capacity_overflow_conserves_the_gradient(form):
         for k, bin_len in [("conv", ref.CONV_BIN), ("fc", ref.FC_BIN)]:
             numel = grads[k][0].size
             nbins = -(-numel // bin_len)
-            sent = sum(before.residuals[k][i].astype(np.float64) + grads[k][i]
-                       - after.residuals[k][i] for i in range(n)).ravel()
+            sent = sum(
+                before.residuals[k][i].astype(np.float64) + grads[k][i] - after.residuals[k][i]
+                for i in range(n)
+            ).ravel()
             got = n * updates[k].astype(np.float64).ravel()
             if form == "allgather":
                 assert np.all(after.selected[k] > nbins)  # overflowed on every device
             else:
                 span = chunk_length(numel, bin_len, n)
                 pad = n * span - numel
-                change = np.concatenate([after.chunk_residuals[k][j].astype(np.float64)
-                                         - before.chunk_residuals[k][j] for j in range(n)])
+                change = np.concatenate(
+                    [
+                        after.chunk_residuals[k][j].astype(np.float64) - before.chunk_residuals[k][j]
+                        for j in range(n)
+                    ]
+                )
                 got = got + n * change[: n * span - pad]
-                per_chunk = [np.pad(ref.compress(before.residuals[k][i], grads[k][i],
-                                                 bin_len).mask, (0, pad)).reshape(n, span)
-                             .sum(1) for i in range(n)]
+                per_chunk = [
+                    np.pad(ref.compress(before.residuals[k][i], grads[k][i], bin_len).mask, (0, pad))
+                    .reshape(n, span)
+                    .sum(1)
+                    for i in range(n)
+                ]
                 assert np.max(per_chunk) > span // bin_len  # some chunk overflowed
             magnitude = np.max(np.abs(sent)) + np.max(np.abs(got))
             np.testing.assert_allclose(got, sent, rtol=0, atol=4 * n * (n + 4) * U * magnitude)
 
 
-@pytest.mark.parametrize(("n", "form"), [(3, "allgather"), (8, "allgather"),
-                                       (6, "two_phase"), (8, "two_phase")])
+@pytest.mark.parametrize(
+    ("n", "form"), [(3, "allgather"), (8, "allgather"), (6, "two_phase"), (8, "two_phase")]
+)
 def test_same_gradients_same_result_as_the_torch_exchange(n, form):
     """The JAX transformation and the torch hook's exchange (``SimulatedWorkers``, the
     hook's arithmetic for ``n`` workers in one process) fed the same per-device
@@ -502,8 +523,7 @@ def test_same_gradients_same_result_as_the_torch_exchange(n, form):
     from largebatch.comm.torch import SimulatedWorkers
 
     names = list(LEAVES)
-    sim = SimulatedWorkers(names, [torch.Size(LEAVES[k]) for k in names], n, warmup_steps=1,
-                           form=form)
+    sim = SimulatedWorkers(names, [torch.Size(LEAVES[k]) for k in names], n, warmup_steps=1, form=form)
     tx = adacomp(AXIS, warmup_steps=1, form=form, bin_capacity=None)
     step, state, _ = exchange_step(tx, data_mesh(n))
     rng = np.random.default_rng(100 + n)
@@ -511,8 +531,7 @@ def test_same_gradients_same_result_as_the_torch_exchange(n, form):
         grads = device_grads(rng, n)
         updates, state, _ = step(grads, state)
         updates, after = host(updates), host(state)
-        theirs = sim.exchange([[torch.from_numpy(grads[k][i].copy()) for k in names]
-                               for i in range(n)])
+        theirs = sim.exchange([[torch.from_numpy(grads[k][i].copy()) for k in names] for i in range(n)])
         for k, got in zip(names, theirs):
             got = got.numpy()
             if k == "bias" or t == 0:  # averaged uncompressed
@@ -521,8 +540,9 @@ def test_same_gradients_same_result_as_the_torch_exchange(n, form):
                 continue
             np.testing.assert_array_equal(updates[k], got, err_msg=f"step {t}, {k}")
             for i, worker in enumerate(sim.workers):
-                np.testing.assert_array_equal(after.residuals[k][i].ravel(),
-                                              worker.residuals[k].numpy(), err_msg=k)
+                np.testing.assert_array_equal(
+                    after.residuals[k][i].ravel(), worker.residuals[k].numpy(), err_msg=k
+                )
         assert t == 0 or updates["conv"].any() and updates["fc"].any()
 
 
@@ -562,16 +582,16 @@ def train(opt, mesh, grads, params, resumes=(None,)):
 def model_problem(n, steps, seed=7):
     rng = np.random.default_rng(seed)
     params = {k: f32(rng.standard_normal(s)) for k, s in MODEL.items()}
-    grads = [{k: f32(rng.standard_normal((n, *s))) for k, s in MODEL.items()}
-             for _ in range(steps)]
+    grads = [{k: f32(rng.standard_normal((n, *s))) for k, s in MODEL.items()} for _ in range(steps)]
     return params, grads
 
 
 def test_chained_with_lars_compiles_once_and_resumes_bit_for_bit():
     n, steps = 4, 5
     params, grads = model_problem(n, steps)
-    opt = optax.chain(adacomp(AXIS, warmup_steps=2, form="two_phase"),
-                      lars(0.1, weight_decay=1e-4, trust_coefficient=0.01))
+    opt = optax.chain(
+        adacomp(AXIS, warmup_steps=2, form="two_phase"), lars(0.1, weight_decay=1e-4, trust_coefficient=0.01)
+    )
     mesh = data_mesh(n)
     whole, resumed = train(opt, mesh, grads, params, resumes=(None, 3))
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
@@ -593,15 +613,17 @@ def test_multi_steps_around_the_chain_equals_the_chain_on_the_averaged_gradient(
     params, grads = model_problem(n, 2 * k, seed=8)
 
     def inner():
-        return optax.chain(adacomp(AXIS, warmup_steps=1),
-                           optax.inject_hyperparams(lars)(learning_rate=0.1, weight_decay=1e-4))
+        return optax.chain(
+            adacomp(AXIS, warmup_steps=1),
+            optax.inject_hyperparams(lars)(learning_rate=0.1, weight_decay=1e-4),
+        )
 
     mesh = data_mesh(n)
     [multi] = train(optax.MultiSteps(inner(), every_k_schedule=k), mesh, grads, params)
     means = []
     for t in range(0, len(grads), k):
         acc = jax.tree.map(np.zeros_like, grads[t])
-        for i, g in enumerate(grads[t: t + k]):  # MultiSteps' update: acc + (g - acc) / (i + 1)
+        for i, g in enumerate(grads[t : t + k]):  # MultiSteps' update: acc + (g - acc) / (i + 1)
             acc = jax.tree.map(lambda a, x, i=i: a + (x - a) / np.float32(i + 1), acc, g)
         means.append(acc)
     [plain] = train(inner(), mesh, means, params)
@@ -666,13 +688,17 @@ def test_docs_example_runs():
 
 # ------------------------------------------------------------------------------ checks
 
-BAD_ADACOMP = [*BAD_ADACOMP_OPTIONS,
-               ({"bin_capacity": 0}, "Invalid bin_capacity: 0 (must be an integer >= 1)")]
+BAD_ADACOMP = [
+    *BAD_ADACOMP_OPTIONS,
+    ({"bin_capacity": 0}, "Invalid bin_capacity: 0 (must be an integer >= 1)"),
+]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), BAD_ADACOMP,
-                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values())))
-                              for k, _ in BAD_ADACOMP])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    BAD_ADACOMP,
+    ids=[next(iter(k)) + "=" + repr(next(iter(k.values()))) for k, _ in BAD_ADACOMP],
+)
 def test_bad_arguments_raise_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         adacomp(AXIS, **kwargs)
@@ -680,9 +706,11 @@ def test_bad_arguments_raise_at_construction(kwargs, message):
 
 def test_bad_arguments_of_the_compressor_and_the_axis():
     r = g = np.zeros(10, np.float32)
-    for kwargs, message in [({"capacity": 0}, "Invalid capacity: 0 (must be an integer >= 1)"),
-                            ({"select": "x"}, "Invalid select"),
-                            ({"values": "x"}, "Invalid values")]:
+    for kwargs, message in [
+        ({"capacity": 0}, "Invalid capacity: 0 (must be an integer >= 1)"),
+        ({"select": "x"}, "Invalid select"),
+        ({"values": "x"}, "Invalid values"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             compress(r, g, 5, **kwargs)
     with pytest.raises(ValueError, match=re.escape("Invalid bin length L_T: 0 (must be an integer >= 1)")):
@@ -722,13 +750,14 @@ def test_per_leaf_functions_outside_the_transformation():
 
     specs = (P(AXIS),) * 4
     outs = jax.jit(shard_map(body, mesh, specs, (P(), P(AXIS), P(), P(AXIS), P(AXIS), P())))(
-        zeros, chunk0, g, g)
+        zeros, chunk0, g, g
+    )
     a, ar, t, tr, tc, bias = map(np.asarray, outs)
     want, want_rs = ref.allgather_exchange(list(zeros), list(g), 50)
     np.testing.assert_allclose(a, want, rtol=0, atol=4 * (n + 4) * U * np.abs(g).max())
     want2, _, want_cs = ref.two_phase_exchange(
-        list(zeros), [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(numel, 50, n)],
-        list(g), 50)
+        list(zeros), [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(numel, 50, n)], list(g), 50
+    )
     np.testing.assert_allclose(t, want2, rtol=0, atol=4 * (n + 4) * U * np.abs(g).max())
     np.testing.assert_allclose(tc[0][:span], want_cs[0], rtol=0, atol=8 * U * np.abs(g).max())
     np.testing.assert_allclose(bias, g.mean(0), rtol=2 * U)
@@ -757,6 +786,7 @@ def test_the_jax_facade_exports_the_transforms_state():
     assert lj.AdaCompState is AdaCompState
     _, state, _ = exchange_step(lj.adacomp(AXIS), data_mesh(2))
     assert isinstance(state, lj.AdaCompState)
-    chained, _ = adacomp_init_state(optax.chain(lj.adacomp(AXIS), lars(0.1)), params_like(),
-                                    data_mesh(2), AXIS)
+    chained, _ = adacomp_init_state(
+        optax.chain(lj.adacomp(AXIS), lars(0.1)), params_like(), data_mesh(2), AXIS
+    )
     assert isinstance(chained[0], lj.AdaCompState)

@@ -14,9 +14,9 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from cases import run_spec_tree  # noqa: E402
 
 from largebatch.jax import exclusion_mask, lamb, lars  # noqa: E402
-from cases import run_spec_tree  # noqa: E402
 
 SHAPES = {"w": (4, 3), "v": (3, 2), "b": (3,)}
 ADAPT = {"w": True, "v": True, "b": False}  # a static pytree mask
@@ -24,29 +24,67 @@ NO_DECAY_W = {"w": False, "v": True, "b": True}
 
 CASES = {
     "lars": (lars, dict(learning_rate=0.1)),
-    "lars_wd_nesterov_clip": (lars, dict(
-        learning_rate=0.3, momentum=0.8, weight_decay=1e-2, trust_coefficient=0.5,
-        nesterov=True, trust_clip=True,
-    )),
-    "lars_eps_no_momentum": (lars, dict(
-        learning_rate=0.2, momentum=0.0, eps=1e-3, weight_decay=1e-3, trust_coefficient=0.1,
-    )),
-    "lars_exclusion": (lars, dict(
-        learning_rate=0.1, weight_decay=1e-2, trust_coefficient=0.02,
-        trust_ratio_mask=exclusion_mask,
-    )),
-    "lars_both_masks": (lars, dict(
-        learning_rate=0.1, weight_decay=1e-2, trust_ratio_mask=ADAPT, weight_decay_mask=NO_DECAY_W,
-    )),
+    "lars_wd_nesterov_clip": (
+        lars,
+        dict(
+            learning_rate=0.3,
+            momentum=0.8,
+            weight_decay=1e-2,
+            trust_coefficient=0.5,
+            nesterov=True,
+            trust_clip=True,
+        ),
+    ),
+    "lars_eps_no_momentum": (
+        lars,
+        dict(
+            learning_rate=0.2,
+            momentum=0.0,
+            eps=1e-3,
+            weight_decay=1e-3,
+            trust_coefficient=0.1,
+        ),
+    ),
+    "lars_exclusion": (
+        lars,
+        dict(
+            learning_rate=0.1,
+            weight_decay=1e-2,
+            trust_coefficient=0.02,
+            trust_ratio_mask=exclusion_mask,
+        ),
+    ),
+    "lars_both_masks": (
+        lars,
+        dict(
+            learning_rate=0.1,
+            weight_decay=1e-2,
+            trust_ratio_mask=ADAPT,
+            weight_decay_mask=NO_DECAY_W,
+        ),
+    ),
     "lamb": (lamb, dict(learning_rate=0.01)),
     "lamb_wd_max_grad_norm": (lamb, dict(learning_rate=0.01, weight_decay=1e-2, max_grad_norm=1.0)),
-    "lamb_uncorrected": (lamb, dict(
-        learning_rate=0.01, b1=0.8, b2=0.99, eps=1e-3, weight_decay=1e-2, bias_correction=False,
-    )),
-    "lamb_masks": (lamb, dict(
-        learning_rate=0.01, weight_decay=1e-2, trust_ratio_mask=exclusion_mask,
-        weight_decay_mask=NO_DECAY_W,
-    )),
+    "lamb_uncorrected": (
+        lamb,
+        dict(
+            learning_rate=0.01,
+            b1=0.8,
+            b2=0.99,
+            eps=1e-3,
+            weight_decay=1e-2,
+            bias_correction=False,
+        ),
+    ),
+    "lamb_masks": (
+        lamb,
+        dict(
+            learning_rate=0.01,
+            weight_decay=1e-2,
+            trust_ratio_mask=exclusion_mask,
+            weight_decay_mask=NO_DECAY_W,
+        ),
+    ),
 }
 NAMES = list(CASES)
 
@@ -96,8 +134,7 @@ def assert_same(a, b):
 
 
 def avals(tree):
-    return [(jnp.result_type(x), jnp.shape(x), getattr(x, "weak_type", False))
-            for x in jax.tree.leaves(tree)]
+    return [(jnp.result_type(x), jnp.shape(x), getattr(x, "weak_type", False)) for x in jax.tree.leaves(tree)]
 
 
 # ------------------------------------------------------------------ inject_hyperparams
@@ -141,8 +178,9 @@ def test_inject_hyperparams_without_static_args_refuses_a_mask(factory, mask):
     for a traced hyperparameter: both are refused, naming static_args."""
     params, grads = problem(1)
     with pytest.raises(TypeError, match="called on a step count .* static_args"):
-        optax.inject_hyperparams(factory)(learning_rate=0.1, weight_decay=1e-2,
-                                          **{mask: exclusion_mask}).init(params)
+        optax.inject_hyperparams(factory)(
+            learning_rate=0.1, weight_decay=1e-2, **{mask: exclusion_mask}
+        ).init(params)
     opt = optax.inject_hyperparams(factory)(learning_rate=0.1, **{mask: jnp.asarray(True)})
     with pytest.raises(TypeError, match=f"Invalid {mask}: an array .* static_args"):
         opt.init(params)
@@ -150,7 +188,8 @@ def test_inject_hyperparams_without_static_args_refuses_a_mask(factory, mask):
         factory(0.1, **{mask: np.array([True, False, True])})
     # Named in static_args, the mask is the mask.
     opt = optax.inject_hyperparams(factory, static_args=mask)(
-        learning_rate=0.1, weight_decay=1e-2, **{mask: exclusion_mask})
+        learning_rate=0.1, weight_decay=1e-2, **{mask: exclusion_mask}
+    )
     expected, _ = run(factory(0.1, weight_decay=1e-2, **{mask: exclusion_mask}), params, grads)
     assert_close(run(opt, params, grads, jit=True)[0], expected)
 
@@ -274,8 +313,9 @@ def test_complex_lars_is_lars_on_the_real_view(name):
     if callable(ref_kw.get("trust_ratio_mask")):  # of the complex leaves, not of their real views
         ref_kw["trust_ratio_mask"] = ref_kw["trust_ratio_mask"](params)
     views = lambda tree: {k: real_view(x) for k, x in tree.items()}  # noqa: E731
-    expected = run_spec_tree("lars", views(params), [views(g) for g in grads],
-                             lr=kw["learning_rate"], **ref_kw)
+    expected = run_spec_tree(
+        "lars", views(params), [views(g) for g in grads], lr=kw["learning_rate"], **ref_kw
+    )
     for k, w in expected.items():
         np.testing.assert_allclose(real_view(actual[k]), w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 

@@ -133,6 +133,7 @@ def test_min_loss_scale_survives_jit():
 
 def test_min_loss_scale_survives_scan():
     ls = DynamicLossScale(2.0**8, min_loss_scale=0.5)
+
     def body(carry, _):
         carry = carry.adjust(False)
         return carry, carry.loss_scale
@@ -238,8 +239,11 @@ def test_bad_input_raises_value_error(make, match):
 def test_dynamic_loss_scale_takes_numpy_and_jax_scalars():
     """0-dim NumPy and JAX numbers are numbers: stored as Python ones, the rule unchanged."""
     ls = DynamicLossScale(
-        loss_scale=jnp.float32(2**15), min_loss_scale=jnp.float32(2**14),
-        period=jnp.int32(2), factor=np.float32(2.0), counter=np.int64(1),
+        loss_scale=jnp.float32(2**15),
+        min_loss_scale=jnp.float32(2**14),
+        period=jnp.int32(2),
+        factor=np.float32(2.0),
+        counter=np.int64(1),
     )
     assert (ls.period, ls.factor, ls.min_loss_scale) == (2, 2.0, 2.0**14)
     assert all(type(v) in (int, float) for v in (ls.period, ls.factor, ls.min_loss_scale))
@@ -403,9 +407,7 @@ def test_fp16_overflow_skips_step_and_halves_scale():
     ls, opt_state = DynamicLossScale(2.0**16), opt.init(params)
     skipped = 0
     while True:
-        new_params, new_state, new_ls, finite, grads, scaled_loss = train_step(
-            params, opt_state, ls, x
-        )
+        new_params, new_state, new_ls, finite, grads, scaled_loss = train_step(params, opt_state, ls, x)
         assert np.isfinite(scaled_loss)  # the float32 loss is fine: the float16 backward overflows
         if bool(finite):
             break

@@ -8,6 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from cases import TOLERANCE, run_spec_tree  # noqa: E402
 
 from largebatch.jax import (  # noqa: E402
     as_optax_schedule,
@@ -17,7 +18,6 @@ from largebatch.jax import (  # noqa: E402
     make_schedule,
 )
 from largebatch.schedules import make_schedule as py_make_schedule  # noqa: E402
-from cases import TOLERANCE, run_spec_tree  # noqa: E402
 
 STEPS = 3
 # Relative to each element, and to the tensor's largest element for elements that come
@@ -49,10 +49,7 @@ def make_tree_problem(dtype, seed=0, shapes=SHAPES):
         params["zero_w"][...] = 0
     grads = []
     for _ in range(STEPS):
-        g = {
-            k: np.asarray(GRAD_SCALE.get(k, 0.1) * rng.standard_normal(s), dtype)
-            for k, s in shapes.items()
-        }
+        g = {k: np.asarray(GRAD_SCALE.get(k, 0.1) * rng.standard_normal(s), dtype) for k, s in shapes.items()}
         if "zero_g" in g:
             g["zero_g"][...] = 0
         grads.append(g)
@@ -96,11 +93,10 @@ LARS_CASES = {
     "trust_clip": dict(lr=0.5, trust_coefficient=0.5, weight_decay=0.001, trust_clip=True),
     "no_momentum": dict(lr=0.1, momentum=0.0, weight_decay=0.01),
     "exclusion": dict(lr=0.1, weight_decay=0.01, trust_ratio_mask=exclusion_mask),
-    "both_masks": dict(
-        lr=0.1, weight_decay=0.01, trust_ratio_mask=exclusion_mask, weight_decay_mask=WD_MASK
+    "both_masks": dict(lr=0.1, weight_decay=0.01, trust_ratio_mask=exclusion_mask, weight_decay_mask=WD_MASK),
+    "schedule_clip": dict(
+        lr=SCHED, trust_coefficient=0.5, weight_decay=0.01, trust_clip=True, trust_ratio_mask=exclusion_mask
     ),
-    "schedule_clip": dict(lr=SCHED, trust_coefficient=0.5, weight_decay=0.01, trust_clip=True,
-                          trust_ratio_mask=exclusion_mask),
 }
 LAMB_CASES = {
     "defaults": dict(lr=0.01),
@@ -113,9 +109,7 @@ LAMB_CASES = {
     "both_masks": dict(
         lr=0.01, weight_decay=0.01, trust_ratio_mask=exclusion_mask, weight_decay_mask=WD_MASK
     ),
-    "schedule": dict(
-        lr=SCHED, weight_decay=0.01, max_grad_norm=5.0, trust_ratio_mask=exclusion_mask
-    ),
+    "schedule": dict(lr=SCHED, weight_decay=0.01, max_grad_norm=5.0, trust_ratio_mask=exclusion_mask),
 }
 
 
@@ -171,7 +165,11 @@ def test_prefix_and_callable_masks_match_full_masks(make):
     # "x/a" adapted but not decayed, "x/b" excluded, "y" adapted and decayed.
     flat = lambda t: {"a": t["x"]["a"], "b": t["x"]["b"], "c": t["y"]}  # noqa: E731
     expected = run_spec_tree(
-        make.__name__, flat(params), [flat(g) for g in grads], lr=0.1, weight_decay=0.1,
+        make.__name__,
+        flat(params),
+        [flat(g) for g in grads],
+        lr=0.1,
+        weight_decay=0.1,
         trust_ratio_mask={"a": True, "b": False, "c": True},
         weight_decay_mask={"a": False, "b": False, "c": True},
     )
@@ -185,10 +183,20 @@ def test_weight_decay_without_the_trust_ratio_where_the_masks_say_so(make):
     not decayed."""
     params, grads = make_tree_problem(np.float32, shapes={"w": (3, 4), "b": (4,)})
     trust = {"w": True, "b": False}
-    got = run_optax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust,
-                       weight_decay_mask={"w": True, "b": True}), params, grads)
-    expected = run_spec_tree(make.__name__, params, grads, lr=0.1, weight_decay=0.1,
-                             trust_ratio_mask=trust, weight_decay_mask={"w": True, "b": True})
+    got = run_optax(
+        make(0.1, weight_decay=0.1, trust_ratio_mask=trust, weight_decay_mask={"w": True, "b": True}),
+        params,
+        grads,
+    )
+    expected = run_spec_tree(
+        make.__name__,
+        params,
+        grads,
+        lr=0.1,
+        weight_decay=0.1,
+        trust_ratio_mask=trust,
+        weight_decay_mask={"w": True, "b": True},
+    )
     assert_trees_close(got, expected, RTOL[np.float32])
     plain = run_optax(make(0.1, weight_decay=0.1, trust_ratio_mask=trust), params, grads)
     assert not np.allclose(plain["b"], got["b"])  # the decay moved the excluded leaf
@@ -199,8 +207,14 @@ HUGE_TINY_SHAPES = {"huge": (5, 4), "tiny": (3, 3), "huge_g": (4, 2), "plain": (
 
 @pytest.mark.parametrize(
     "make, case",
-    [("lars", "wd_eps_tc"), ("lars", "trust_clip"), ("lars", "exclusion"),
-     ("lamb", "wd"), ("lamb", "max_grad_norm"), ("lamb", "exclusion")],
+    [
+        ("lars", "wd_eps_tc"),
+        ("lars", "trust_clip"),
+        ("lars", "exclusion"),
+        ("lamb", "wd"),
+        ("lamb", "max_grad_norm"),
+        ("lamb", "exclusion"),
+    ],
 )
 def test_norms_do_not_overflow_or_underflow_in_float32(make, case):
     """Weights of 1e19 and gradients of 1e20 square past float32's range, weights of 1e-25
@@ -228,8 +242,10 @@ def test_lamb_equals_optax_lamb():
     params, grads = make_tree_problem(np.float32)
     for ours, theirs in [
         (lamb(0.01), optax.lamb(0.01)),
-        (lamb(0.01, weight_decay=0.1, weight_decay_mask=exclusion_mask),
-         optax.lamb(0.01, weight_decay=0.1, mask=exclusion_mask)),
+        (
+            lamb(0.01, weight_decay=0.1, weight_decay_mask=exclusion_mask),
+            optax.lamb(0.01, weight_decay=0.1, mask=exclusion_mask),
+        ),
     ]:
         assert_trees_close(run_optax(ours, params, grads), run_optax(theirs, params, grads), 1e-6)
 
@@ -241,9 +257,7 @@ def test_lars_equals_optax_lars_without_weight_decay(nesterov):
     sched = make_schedule("poly", peak_lr=0.3, total_steps=STEPS, warmup_steps=1)
     for kw in (dict(eps=0.0), dict(eps=1e-2, trust_coefficient=0.1)):
         ours = lars(sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw)
-        theirs = optax.lars(
-            sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw
-        )
+        theirs = optax.lars(sched, momentum=0.8, nesterov=nesterov, trust_ratio_mask=exclusion_mask, **kw)
         assert_trees_close(run_optax(ours, params, grads), run_optax(theirs, params, grads), 1e-6)
 
 
@@ -277,7 +291,11 @@ def _cached_update(opt, params):
     "make",
     [
         lambda s: lars(
-            s, weight_decay=1e-4, nesterov=True, trust_clip=True, trust_ratio_mask=exclusion_mask,
+            s,
+            weight_decay=1e-4,
+            nesterov=True,
+            trust_clip=True,
+            trust_ratio_mask=exclusion_mask,
             weight_decay_mask={"w": True, "b": False, "s": False},
         ),
         lambda s: lamb(s, weight_decay=1e-2, max_grad_norm=1.0, trust_ratio_mask=exclusion_mask),
@@ -398,10 +416,14 @@ def test_decayed_norm_with_zero_norm_skip_is_refused():
 
     from largebatch.jax import scale_by_lars_trust_ratio
 
-    message = ("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
-               "(zero_norm_skip) and optax's denominator")
-    for build in (lambda: lars(0.1, weight_decay=0.1, decayed_norm=True, zero_norm_skip=True),
-                  lambda: scale_by_lars_trust_ratio(0.1, decayed_norm=True, zero_norm_skip=True)):
+    message = (
+        "Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
+        "(zero_norm_skip) and optax's denominator"
+    )
+    for build in (
+        lambda: lars(0.1, weight_decay=0.1, decayed_norm=True, zero_norm_skip=True),
+        lambda: scale_by_lars_trust_ratio(0.1, decayed_norm=True, zero_norm_skip=True),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             build()
 
@@ -409,8 +431,9 @@ def test_decayed_norm_with_zero_norm_skip_is_refused():
 def test_numpy_and_jax_scalars_are_numbers_and_flags():
     opts = [
         lars(np.float32(0.1), momentum=jnp.float32(0.9), nesterov=np.bool_(True), eps=np.int64(0)),
-        lamb(jnp.float32(0.01), b1=np.float64(0.9), max_grad_norm=jnp.int32(1),
-             bias_correction=np.bool_(False)),
+        lamb(
+            jnp.float32(0.01), b1=np.float64(0.9), max_grad_norm=jnp.int32(1), bias_correction=np.bool_(False)
+        ),
     ]
     params = {"w": jnp.ones((2, 2))}
     for opt in opts:
@@ -448,8 +471,7 @@ def _torch_groups(torch, params, adapt):
     groups = [
         {"params": [tensors[k] for k in params if adapt[k]], "trust_ratio": True},
         # Excluded and not decayed, as param_groups and trust_ratio_mask alone have it.
-        {"params": [tensors[k] for k in params if not adapt[k]], "trust_ratio": False,
-         "weight_decay": 0.0},
+        {"params": [tensors[k] for k in params if not adapt[k]], "trust_ratio": False, "weight_decay": 0.0},
     ]
     return tensors, groups
 
@@ -457,14 +479,26 @@ def _torch_groups(torch, params, adapt):
 @pytest.mark.parametrize(
     "name, jax_kw, torch_kw",
     [
-        ("LARS", dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01),
-         dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01)),
-        ("LARS", dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3),
-         dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3)),
-        ("LAMB", dict(b1=0.8, b2=0.99, weight_decay=1e-2, max_grad_norm=1.0),
-         dict(betas=(0.8, 0.99), weight_decay=1e-2, max_grad_norm=1.0)),
-        ("LAMB", dict(weight_decay=1e-2, bias_correction=False),
-         dict(weight_decay=1e-2, bias_correction=False)),
+        (
+            "LARS",
+            dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01),
+            dict(momentum=0.9, weight_decay=1e-3, trust_coefficient=0.01),
+        ),
+        (
+            "LARS",
+            dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3),
+            dict(nesterov=True, trust_clip=True, trust_coefficient=0.5, weight_decay=1e-3),
+        ),
+        (
+            "LAMB",
+            dict(b1=0.8, b2=0.99, weight_decay=1e-2, max_grad_norm=1.0),
+            dict(betas=(0.8, 0.99), weight_decay=1e-2, max_grad_norm=1.0),
+        ),
+        (
+            "LAMB",
+            dict(weight_decay=1e-2, bias_correction=False),
+            dict(weight_decay=1e-2, bias_correction=False),
+        ),
         ("LAMB", dict(weight_decay=1e-2, freeze_step=2), dict(weight_decay=1e-2, freeze_step=2)),
     ],
 )

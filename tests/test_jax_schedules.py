@@ -18,17 +18,16 @@ from largebatch import schedules  # noqa: E402
 
 CASES = {
     "constant": dict(name="constant", peak_lr=0.8, total_steps=50, warmup_steps=7, end_lr=0.01),
-    "poly": dict(
-        name="poly", peak_lr=3.2, total_steps=100, warmup_steps=10, init_lr=0.1, end_lr=1e-4
-    ),
+    "poly": dict(name="poly", peak_lr=3.2, total_steps=100, warmup_steps=10, init_lr=0.1, end_lr=1e-4),
     "poly_power1": dict(name="poly", peak_lr=1.0, total_steps=37, power=1.0),
     "cosine": dict(name="cosine", peak_lr=2.0, total_steps=64, warmup_steps=5, end_lr=0.02),
     "step": dict(
         name="step", peak_lr=0.4, total_steps=90, warmup_steps=5, milestones=(30, 60, 80), gamma=0.1
     ),
     "all_warmup": dict(name="cosine", peak_lr=0.5, total_steps=20, warmup_steps=20),
-    "offset_decay_steps": dict(name="poly", peak_lr=2.0, total_steps=40, warmup_steps=6,
-                               end_lr=1e-4, offset=1, decay_steps=35),
+    "offset_decay_steps": dict(
+        name="poly", peak_lr=2.0, total_steps=40, warmup_steps=6, end_lr=1e-4, offset=1, decay_steps=35
+    ),
 }
 
 

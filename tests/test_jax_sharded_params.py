@@ -26,6 +26,7 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
+from helpers import shard_map  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -38,33 +39,44 @@ from largebatch.jax import (  # noqa: E402
     scale_by_lamb_trust_ratio,
     scale_by_lars_trust_ratio,
 )
-from helpers import shard_map  # noqa: E402
 
 STEPS = 3
 RTOL, ATOL = 2e-6, 1e-7
 SCHEDULE = make_schedule("poly", peak_lr=0.5, total_steps=STEPS, warmup_steps=1, init_lr=0.1)
-LAMB_SCHEDULE = make_schedule("poly", peak_lr=0.02, total_steps=STEPS, warmup_steps=1,
-                              init_lr=0.01)
+LAMB_SCHEDULE = make_schedule("poly", peak_lr=0.02, total_steps=STEPS, warmup_steps=1, init_lr=0.01)
 MAX_GRAD_NORM = 0.05  # below every gradient norm here: the clipping binds
 # shard_map with and without its typing of values as varying or replicated over the axes
 CHECKS = pytest.mark.parametrize("check", [True, False], ids=["check_vma", "no_check_vma"])
 
 OPTIMIZERS = {
     "lars_wd_exclusion": lambda **kw: lars(
-        SCHEDULE, weight_decay=1e-3, trust_coefficient=0.02, trust_ratio_mask=exclusion_mask,
+        SCHEDULE,
+        weight_decay=1e-3,
+        trust_coefficient=0.02,
+        trust_ratio_mask=exclusion_mask,
         **kw,
     ),
     # tc such that LARC's clip binds on some leaves at some steps, not on all
     "lars_every_leaf_nesterov_clip": lambda **kw: lars(
-        SCHEDULE, weight_decay=1e-3, trust_coefficient=0.02, nesterov=True, trust_clip=True,
+        SCHEDULE,
+        weight_decay=1e-3,
+        trust_coefficient=0.02,
+        nesterov=True,
+        trust_clip=True,
         **kw,
     ),
     "lamb_wd_exclusion_clip": lambda **kw: lamb(
-        LAMB_SCHEDULE, weight_decay=1e-2, max_grad_norm=MAX_GRAD_NORM,
-        trust_ratio_mask=exclusion_mask, **kw,
+        LAMB_SCHEDULE,
+        weight_decay=1e-2,
+        max_grad_norm=MAX_GRAD_NORM,
+        trust_ratio_mask=exclusion_mask,
+        **kw,
     ),
     "lamb_every_leaf_uncorrected_clip": lambda **kw: lamb(
-        LAMB_SCHEDULE, weight_decay=1e-2, bias_correction=False, max_grad_norm=MAX_GRAD_NORM,
+        LAMB_SCHEDULE,
+        weight_decay=1e-2,
+        bias_correction=False,
+        max_grad_norm=MAX_GRAD_NORM,
         **kw,
     ),
 }
@@ -87,8 +99,10 @@ def max_relative_difference(actual, expected):
 
 def moved(params, start):
     """Every leaf has left its start (the steps are not no-ops), at any magnitude."""
-    return all(not np.allclose(a, b, rtol=1e-4, atol=0.0)
-               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(start)))
+    return all(
+        not np.allclose(a, b, rtol=1e-4, atol=0.0)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(start))
+    )
 
 
 def f32(tree):
@@ -142,8 +156,7 @@ def put(mesh, tree, specs):
 
 def init_mlp(rng):
     return {
-        "dense1": {"kernel": rng.standard_normal((16, 32)) / 4,
-                   "bias": rng.standard_normal(32) / 8},
+        "dense1": {"kernel": rng.standard_normal((16, 32)) / 4, "bias": rng.standard_normal(32) / 8},
         "dense2": {"kernel": rng.standard_normal((32, 8)) / 4, "bias": np.zeros(8)},
     }
 
@@ -201,8 +214,7 @@ def test_jit_with_sharded_params_equals_single_device(name):
     rng = np.random.default_rng(0)
     params = f32(init_mlp(rng))
     batches = [
-        (jnp.asarray(rng.standard_normal((64, 16)), jnp.float32),
-         jnp.asarray(rng.integers(0, 8, 64)))
+        (jnp.asarray(rng.standard_normal((64, 16)), jnp.float32), jnp.asarray(rng.integers(0, 8, 64)))
         for _ in range(STEPS)
     ]
     assert float(optax.tree.norm(jax.grad(loss_fn)(params, *batches[0]))) > MAX_GRAD_NORM
@@ -223,11 +235,13 @@ def row_sharded_problem(seed=0):
     rng = np.random.default_rng(seed)
 
     def tree(kernel, proj, bias):
-        return f32({
-            "kernel": kernel * rng.standard_normal((16, 6)),
-            "proj": proj * rng.standard_normal((24, 4, 2)),
-            "bias": bias * rng.standard_normal(32),
-        })
+        return f32(
+            {
+                "kernel": kernel * rng.standard_normal((16, 6)),
+                "proj": proj * rng.standard_normal((24, 4, 2)),
+                "bias": bias * rng.standard_normal(32),
+            }
+        )
 
     # ||w|| / ||g|| of about 2, 10 and 2: LARC's clip binds on "proj" at the first step
     return tree(1.0, 1.0, 0.5), [tree(0.5, 0.1, 0.25) for _ in range(STEPS)]
@@ -298,13 +312,15 @@ def extreme_problem():
     }
 
     def grads():
-        return f32({
-            "zero": rng.standard_normal((16, 4)),
-            "half_zero": rng.standard_normal((16, 4)),
-            "huge": block_scaled(rng, (16, 4), 1e20),
-            "tiny": block_scaled(rng, (16,), 1e-25),
-            "bias": rng.standard_normal(16),
-        })
+        return f32(
+            {
+                "zero": rng.standard_normal((16, 4)),
+                "half_zero": rng.standard_normal((16, 4)),
+                "huge": block_scaled(rng, (16, 4), 1e20),
+                "tiny": block_scaled(rng, (16,), 1e-25),
+                "bias": rng.standard_normal(16),
+            }
+        )
 
     return f32(params), [grads() for _ in range(STEPS)]
 
@@ -331,8 +347,7 @@ def test_shard_map_zero_and_extreme_leaves_equal_single_device(name, check):
         assert np.all(np.isfinite(leaf))
     assert moved(expected, params)
     assert_close(sharded, expected)
-    per_block = in_shard_map(EXTREME_OPTIMIZERS[name](), params, grads, row_mesh(), P("x"),
-                             check)
+    per_block = in_shard_map(EXTREME_OPTIMIZERS[name](), params, grads, row_mesh(), P("x"), check)
     assert max_relative_difference(per_block, expected) > 1e-2
 
 
@@ -357,8 +372,9 @@ def test_shard_map_global_norm_is_the_whole_norm(scale, check):
     divisor = max(1.0, norm / np.float64(max_norm))
     assert divisor > 100 or scale == 0
     for a, u in zip(jax.tree.leaves(out), jax.tree.leaves(updates)):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(u, np.float64) / divisor,
-                                   rtol=1e-6, atol=0.0)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(u, np.float64) / divisor, rtol=1e-6, atol=0.0
+        )
 
 
 # ------------------------------------------------------------------------- checks
@@ -403,7 +419,6 @@ def test_axis_name_is_static_under_inject_hyperparams():
     """A str is no number: ``inject_hyperparams`` keeps it static, and the injected
     optimizer inside ``shard_map`` equals the plain one on one device."""
     params, grads = row_sharded_problem()
-    injected = optax.inject_hyperparams(lars)(learning_rate=0.1, weight_decay=1e-3,
-                                              axis_name="x")
+    injected = optax.inject_hyperparams(lars)(learning_rate=0.1, weight_decay=1e-3, axis_name="x")
     expected = single_device(lars(0.1, weight_decay=1e-3), params, grads)
     assert_close(in_shard_map(injected, params, grads, row_mesh(), P("x")), expected)

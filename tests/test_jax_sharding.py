@@ -57,9 +57,7 @@ def train(opt, params, batches, shard):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda s: lars(
-            s, weight_decay=1e-3, trust_coefficient=0.02, trust_ratio_mask=exclusion_mask
-        ),
+        lambda s: lars(s, weight_decay=1e-3, trust_coefficient=0.02, trust_ratio_mask=exclusion_mask),
         lambda s: lamb(s, weight_decay=1e-2, max_grad_norm=1.0, trust_ratio_mask=exclusion_mask),
     ],
     ids=["lars", "lamb"],

@@ -26,8 +26,13 @@ import compile_launches as cl  # noqa: E402
 
 from largebatch.lars.kernels import plan as kplan  # noqa: E402
 
-TILE_KERNELS = {"grad_check_kernel", "lars_norms_kernel", "lars_apply_kernel",
-                "lamb_moments_kernel", "lamb_apply_kernel"}
+TILE_KERNELS = {
+    "grad_check_kernel",
+    "lars_norms_kernel",
+    "lars_apply_kernel",
+    "lamb_moments_kernel",
+    "lamb_apply_kernel",
+}
 
 
 def compiler_env(tmp_path, *paths):
@@ -43,7 +48,8 @@ def test_configurations_cover_every_kind_shape_and_input():
     for optimizer in ("LARS", "LAMB"):
         mine = [c for c in configs if c.optimizer == optimizer]
         assert {(c.kind, c.numel, c.aligned) for c in mine} == {
-            (k, n, a) for k in cl.KINDS for n in cl.SIZES for a in (True, False)}
+            (k, n, a) for k in cl.KINDS for n in cl.SIZES for a in (True, False)
+        }
         assert {c.amp for c in mine} == set(cl.AMP)
         assert {c.variant for c in mine} == set(cl.VARIANTS[optimizer])
         assert {c.counter for c in mine} == {True, False}
@@ -84,7 +90,9 @@ def test_quick_compile_check_passes(tmp_path):
     pytest.importorskip("triton.backends.nvidia")
     run = subprocess.run(
         [sys.executable, str(TOOLS / "compile_check.py"), "--quick", "--jobs", "2"],
-        env=compiler_env(tmp_path), capture_output=True, text=True,
+        env=compiler_env(tmp_path),
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "no violations" in run.stdout
@@ -93,7 +101,7 @@ def test_quick_compile_check_passes(tmp_path):
             assert f"| `{name}` | sm_{arch} |" in run.stdout
 
 
-PROBE = '''
+PROBE = """
 import triton
 import triton.language as tl
 
@@ -116,7 +124,7 @@ def _fp64_per_tile(x, out, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
         v = tl.load(x + offs, mask=offs < n, other=0.0)
         acc += tl.sum(v * v, axis=0).to(tl.float64)
     tl.atomic_add(out, acc)
-'''
+"""
 
 SEES = """
 import json, sys
@@ -149,7 +157,9 @@ def test_the_check_sees_spills_and_fp64_per_element(tmp_path):
     moments = next(x for x in launches if x.name == "lamb_moments_kernel")
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(SEES), json.dumps(moments.to_json())],
-        env=compiler_env(tmp_path, tmp_path), capture_output=True, text=True,
+        env=compiler_env(tmp_path, tmp_path),
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])

@@ -57,8 +57,9 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
             # ``from pkg import mod`` imports the module pkg.mod; ``from mod import name``, mod
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                       for alias in node.names]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+            ]
         for target in targets:
             module = owner(target, modules)
             if module is not None and module != name:
@@ -113,8 +114,9 @@ def design_layers() -> list[list[str]]:
     for block in re.findall(r"```[a-z]*\n(.*?)```", section, flags=re.S):
         lines = [line for line in block.splitlines() if line.strip()]
         if lines and lines[0].split()[0].rstrip(",") == "cli":
-            return [[name.strip() for name in re.split(r"\s{2,}", line.strip())[0].split(",")]
-                    for line in lines]
+            return [
+                [name.strip() for name in re.split(r"\s{2,}", line.strip())[0].split(",")] for line in lines
+            ]
     raise AssertionError("docs/design.md §1 has no table of layers (a code block starting with cli)")
 
 
@@ -131,9 +133,12 @@ def layer_of(module: str, layers: list[list[str]]) -> int | None:
 
 def upward_imports(graph: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
     """Each import of a module from a layer above its own, as ``importer -> imported``."""
-    return [f"{a} (layer {layer_of(a, layers)}) -> {b} (layer {layer_of(b, layers)})"
-            for a, targets in sorted(graph.items()) for b in sorted(targets)
-            if b != PACKAGE and layer_of(b, layers) < layer_of(a, layers)]
+    return [
+        f"{a} (layer {layer_of(a, layers)}) -> {b} (layer {layer_of(b, layers)})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if b != PACKAGE and layer_of(b, layers) < layer_of(a, layers)
+    ]
 
 
 # --------------------------------------------------------------------------- the checks
@@ -158,8 +163,11 @@ def test_imports_go_downwards_only():
 def test_the_cli_is_the_top_and_nothing_imports_it():
     layers = design_layers()
     assert layers[0] == ["cli", "__main__"]
-    importers = [a for a, targets in import_graph().items()
-                 if layer_of(a, layers) != 0 and any(layer_of(b, layers) == 0 for b in targets)]
+    importers = [
+        a
+        for a, targets in import_graph().items()
+        if layer_of(a, layers) != 0 and any(layer_of(b, layers) == 0 for b in targets)
+    ]
     assert not importers
 
 
@@ -171,13 +179,19 @@ def test_the_design_tree_names_every_top_level_room():
     """§1's tree and its table of layers name the same top-level modules and packages."""
     section = DESIGN.read_text().split("\n## 1. Layers\n", 1)[1].split("\n## ", 1)[0]
     tree = re.search(r"```\nlargebatch/\n(.*?)```", section, flags=re.S).group(1)
-    named = {n.strip().removesuffix(".py").rstrip("/")
-             for line in tree.splitlines() if re.match(r"  \S", line)
-             for n in re.split(r"\s{2,}", line.strip())[0].split(",")}
+    named = {
+        n.strip().removesuffix(".py").rstrip("/")
+        for line in tree.splitlines()
+        if re.match(r"  \S", line)
+        for n in re.split(r"\s{2,}", line.strip())[0].split(",")
+    }
     tabled = {entry for layer in design_layers() for entry in layer}
     assert named == tabled
-    top = {p.stem if p.suffix else p.name for p in (SRC / PACKAGE).iterdir()
-           if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())}
+    top = {
+        p.stem if p.suffix else p.name
+        for p in (SRC / PACKAGE).iterdir()
+        if p.name != "__init__.py" and p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())
+    }
     assert top == tabled
 
 
@@ -202,5 +216,4 @@ def test_the_checker_sees_an_upward_import_and_a_circle(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from ..study import plan\n    import largebatch.cli\n")
     names = {"largebatch.lars.spec", "largebatch.study", "largebatch.study.plan", "largebatch.cli"}
-    assert imports_of("largebatch.lars.spec", bad, names) == {
-        "largebatch.study.plan", "largebatch.cli"}
+    assert imports_of("largebatch.lars.spec", bad, names) == {"largebatch.study.plan", "largebatch.cli"}

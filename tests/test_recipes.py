@@ -18,13 +18,16 @@ from largebatch.study import RunSpec
 # --------------------------------------------------------------------------- the models
 
 
-@pytest.mark.parametrize("factory, params", [
-    (models.fmnist_cnn, 208_194),
-    (models.small_cnn, 6_274),
-    (lambda: models.small_cnn(width=16, hidden=128), 426_362),
-    (models.small_resnet, 77_754),
-    (models.fmnist_alexnet_bn, 178_354),
-])
+@pytest.mark.parametrize(
+    "factory, params",
+    [
+        (models.fmnist_cnn, 208_194),
+        (models.small_cnn, 6_274),
+        (lambda: models.small_cnn(width=16, hidden=128), 426_362),
+        (models.small_resnet, 77_754),
+        (models.fmnist_alexnet_bn, 178_354),
+    ],
+)
 def test_fashion_models_have_their_documented_size_and_shape(factory, params):
     torch.manual_seed(0)
     model = factory()
@@ -68,12 +71,15 @@ def test_fmnist_alexnet_bn_is_alexnet_bn_scaled_down():
     assert not any(isinstance(m, models.BasicBlock) for m in model.modules())
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: models.small_cnn(width=0), "Invalid width: 0"),
-    (lambda: models.fmnist_alexnet_bn(hidden=0), "Invalid hidden: 0"),
-    (lambda: models.small_cnn(hidden=-1), "Invalid hidden: -1"),
-    (lambda: models.small_resnet(blocks=0), "Invalid blocks: 0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: models.small_cnn(width=0), "Invalid width: 0"),
+        (lambda: models.fmnist_alexnet_bn(hidden=0), "Invalid hidden: 0"),
+        (lambda: models.small_cnn(hidden=-1), "Invalid hidden: -1"),
+        (lambda: models.small_resnet(blocks=0), "Invalid blocks: 0"),
+    ],
+)
 def test_bad_model_sizes_are_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -83,22 +89,25 @@ def test_bad_model_sizes_are_refused(call, message):
 
 
 def _net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 2, 3, bias=False), nn.BatchNorm2d(2), nn.Flatten(),
-                         nn.Linear(2 * 4 * 4, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3, bias=False), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)
+    )
 
 
-@pytest.mark.parametrize("exclude, excluded", [
-    ("bn_bias", {"1.weight", "1.bias", "3.bias"}),
-    ("bn", {"1.weight", "1.bias"}),
-    ("none", set()),
-])
+@pytest.mark.parametrize(
+    "exclude, excluded",
+    [
+        ("bn_bias", {"1.weight", "1.bias", "3.bias"}),
+        ("bn", {"1.weight", "1.bias"}),
+        ("none", set()),
+    ],
+)
 def test_decay_exclude_names_what_gets_no_decay_or_adaptation(exclude, excluded):
     net = _net()
     names = {id(p): n for n, p in net.named_parameters()}
     decayed, skipped = build.decay_groups(net, 1e-4, exclude)
     assert {names[id(p)] for p in skipped["params"]} == excluded
-    assert (decayed["weight_decay"], skipped["weight_decay"], skipped["trust_ratio"]) == (
-        1e-4, 0.0, False)
+    assert (decayed["weight_decay"], skipped["weight_decay"], skipped["trust_ratio"]) == (1e-4, 0.0, False)
     with pytest.raises(ValueError, match="Invalid decay_exclude: 'bias'"):
         build.decay_groups(net, 1e-4, "bias")
 
@@ -123,6 +132,7 @@ def test_a_run_gets_its_specs_label_smoothing_warmup_and_power(monkeypatch):
         def wrapped(*args, **kwargs):
             seen[name] = out = fn(*args, **kwargs)
             return out
+
         monkeypatch.setattr(build, name, wrapped)
 
     spy("build_loss", build.build_loss)
@@ -131,8 +141,11 @@ def test_a_run_gets_its_specs_label_smoothing_warmup_and_power(monkeypatch):
     try:
         study.init_worker(1, None, "cpu")
         # 1,200 images at B=384: 3 steps an epoch, 2 epochs.
-        study.run_one(RunSpec("final", 384, "lars", 4.0, 1.0, seed=0, epochs=2, subset=1200,
-                              label_smoothing=0.2, power=3.0))
+        study.run_one(
+            RunSpec(
+                "final", 384, "lars", 4.0, 1.0, seed=0, epochs=2, subset=1200, label_smoothing=0.2, power=3.0
+            )
+        )
     finally:
         study.WORKER.clear()
         torch.set_num_threads(threads)
@@ -147,8 +160,7 @@ def test_a_recipes_warmup_start_and_decay_end_reach_the_schedule():
     assert sched(0) == pytest.approx(0.1) and sched(50) == pytest.approx(3.2)
     assert sched(300) == pytest.approx(0.32) and sched(899) == pytest.approx(0.0032)
     mlperf = get_recipe("resnet50-mlperf-lars-34k")
-    sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, n_train=100,
-                                 batch=10)
+    sched = build.build_schedule(mlperf, peak_lr=mlperf.peak_lr, epochs=59, n_train=100, batch=10)
     # MXNet's counter starts at 1: the first step runs at peak / W, the peak one step early.
     assert sched(0) == pytest.approx(21.6 / 170) and sched(169) == pytest.approx(21.6)
     assert sched(589) == pytest.approx(1e-4)
@@ -176,41 +188,140 @@ def test_every_recipe_builds_its_optimizer_and_loss():
 # Each ImageNet recipe's values, restated from the source its ``source`` field cites.
 # (name, cited in source, field values)
 CITED = [
-    ("resnet50-goyal-8k", ["arXiv:1706.02677", "§5.1", "§2.2", "Table 1"], dict(
-        optimizer="nesterov", batch_size=8192, peak_lr=3.2, init_lr=0.1, warmup_epochs=5,
-        schedule="step", milestones=(30, 60, 80), epochs=90, momentum=0.9,
-        weight_decay=1e-4, decay_exclude="bn", label_smoothing=0.0,
-        published_top1=76.26)),  # 100 - 23.74
-    ("resnet50-lars-32k", ["arXiv:1708.03888v3", "Table 4", "§5"], dict(
-        optimizer="lars", batch_size=32768, peak_lr=2.9, warmup_epochs=5, schedule="poly",
-        power=2.0, epochs=90, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001,
-        eps=0.0, published_top1=72.3)),
-    ("resnet50-lamb-32k", ["fastalgo/imagenet_resnet50_lamb", "run.sh", "optimization.py",
-                           "resnet_main.py", "log.out"], dict(
-        optimizer="lamb", batch_size=32768, peak_lr=0.04, warmup_epochs=20, schedule="poly",
-        power=1.0, epochs=90, weight_decay=1.5, decay_exclude="bn", betas=(0.9, 0.999),
-        eps=1e-6, max_grad_norm=1.0, label_smoothing=0.1, precision="bf16",
-        published_top1=76.34)),
-    ("resnet50-mlperf-lars-34k", ["training_results_v0.7", "config_DGXA100_multi_96x8x45.sh",
-                                  "common/fit.py", "result_0..4.txt"], dict(
-        optimizer="lars", batch_size=96 * 8 * 45, peak_lr=21.6, warmup_epochs=17,
-        schedule="poly", power=2.0, end_lr=1e-4, epochs=59, momentum=0.94,
-        weight_decay=2.5e-5, trust_coefficient=0.001, eps=0.0, label_smoothing=0.1,
-        precision="fp16", published_top1=76.07)),  # mean of 76.068 75.952 76.106 76.084 76.12
-    ("resnet50-mlperf-lars-64k", ["training_results_v0.7", "config_DGXA100_multi_230x8x35.sh",
-                                  "common/fit.py"], dict(
-        optimizer="lars", batch_size=230 * 8 * 35, peak_lr=24.699, warmup_epochs=31,
-        schedule="poly", power=2.0, end_lr=1e-4, epochs=90, momentum=0.951807,
-        weight_decay=1e-4, trust_coefficient=0.001, eps=0.0, label_smoothing=0.1,
-        precision="fp16", published_top1=None)),
-    ("alexnet-bn-lars-8k", ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"], dict(
-        optimizer="lars", batch_size=8192, peak_lr=14.0, warmup_epochs=5, schedule="poly",
-        power=2.0, epochs=100, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.001,
-        published_top1=60.1)),
-    ("alexnet-bn-lars-32k", ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"], dict(
-        optimizer="lars", batch_size=32768, peak_lr=22.0, warmup_epochs=5, schedule="poly",
-        power=2.0, epochs=100, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.001,
-        published_top1=57.8)),
+    (
+        "resnet50-goyal-8k",
+        ["arXiv:1706.02677", "§5.1", "§2.2", "Table 1"],
+        dict(
+            optimizer="nesterov",
+            batch_size=8192,
+            peak_lr=3.2,
+            init_lr=0.1,
+            warmup_epochs=5,
+            schedule="step",
+            milestones=(30, 60, 80),
+            epochs=90,
+            momentum=0.9,
+            weight_decay=1e-4,
+            decay_exclude="bn",
+            label_smoothing=0.0,
+            published_top1=76.26,
+        ),
+    ),  # 100 - 23.74
+    (
+        "resnet50-lars-32k",
+        ["arXiv:1708.03888v3", "Table 4", "§5"],
+        dict(
+            optimizer="lars",
+            batch_size=32768,
+            peak_lr=2.9,
+            warmup_epochs=5,
+            schedule="poly",
+            power=2.0,
+            epochs=90,
+            momentum=0.9,
+            weight_decay=1e-4,
+            trust_coefficient=0.001,
+            eps=0.0,
+            published_top1=72.3,
+        ),
+    ),
+    (
+        "resnet50-lamb-32k",
+        ["fastalgo/imagenet_resnet50_lamb", "run.sh", "optimization.py", "resnet_main.py", "log.out"],
+        dict(
+            optimizer="lamb",
+            batch_size=32768,
+            peak_lr=0.04,
+            warmup_epochs=20,
+            schedule="poly",
+            power=1.0,
+            epochs=90,
+            weight_decay=1.5,
+            decay_exclude="bn",
+            betas=(0.9, 0.999),
+            eps=1e-6,
+            max_grad_norm=1.0,
+            label_smoothing=0.1,
+            precision="bf16",
+            published_top1=76.34,
+        ),
+    ),
+    (
+        "resnet50-mlperf-lars-34k",
+        ["training_results_v0.7", "config_DGXA100_multi_96x8x45.sh", "common/fit.py", "result_0..4.txt"],
+        dict(
+            optimizer="lars",
+            batch_size=96 * 8 * 45,
+            peak_lr=21.6,
+            warmup_epochs=17,
+            schedule="poly",
+            power=2.0,
+            end_lr=1e-4,
+            epochs=59,
+            momentum=0.94,
+            weight_decay=2.5e-5,
+            trust_coefficient=0.001,
+            eps=0.0,
+            label_smoothing=0.1,
+            precision="fp16",
+            published_top1=76.07,
+        ),
+    ),  # mean of 76.068 75.952 76.106 76.084 76.12
+    (
+        "resnet50-mlperf-lars-64k",
+        ["training_results_v0.7", "config_DGXA100_multi_230x8x35.sh", "common/fit.py"],
+        dict(
+            optimizer="lars",
+            batch_size=230 * 8 * 35,
+            peak_lr=24.699,
+            warmup_epochs=31,
+            schedule="poly",
+            power=2.0,
+            end_lr=1e-4,
+            epochs=90,
+            momentum=0.951807,
+            weight_decay=1e-4,
+            trust_coefficient=0.001,
+            eps=0.0,
+            label_smoothing=0.1,
+            precision="fp16",
+            published_top1=None,
+        ),
+    ),
+    (
+        "alexnet-bn-lars-8k",
+        ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"],
+        dict(
+            optimizer="lars",
+            batch_size=8192,
+            peak_lr=14.0,
+            warmup_epochs=5,
+            schedule="poly",
+            power=2.0,
+            epochs=100,
+            momentum=0.9,
+            weight_decay=5e-4,
+            trust_coefficient=0.001,
+            published_top1=60.1,
+        ),
+    ),
+    (
+        "alexnet-bn-lars-32k",
+        ["arXiv:1708.03888v3", "Table 3(b)", "footnote 6"],
+        dict(
+            optimizer="lars",
+            batch_size=32768,
+            peak_lr=22.0,
+            warmup_epochs=5,
+            schedule="poly",
+            power=2.0,
+            epochs=100,
+            momentum=0.9,
+            weight_decay=5e-4,
+            trust_coefficient=0.001,
+            published_top1=57.8,
+        ),
+    ),
 ]
 
 
@@ -229,8 +340,7 @@ def test_imagenet_recipes_restate_their_cited_values(name, cites, values):
         assert place in recipe.source, (name, place)
     for field, value in values.items():
         got = _value(recipe, field)
-        assert got == (pytest.approx(value) if isinstance(value, float) else value), (
-            name, field, got, value)
+        assert got == (pytest.approx(value) if isinstance(value, float) else value), (name, field, got, value)
 
 
 def test_every_imagenet_recipe_is_in_the_cited_table_and_nothing_is_provisional():
@@ -262,7 +372,7 @@ def test_the_docs_table_is_the_registry():
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     start = text.index("-->\n", text.index("<!-- recipes-table")) + 4
-    assert text[start:text.index("<!-- /recipes-table -->")] == recipes_markdown()
+    assert text[start : text.index("<!-- /recipes-table -->")] == recipes_markdown()
 
 
 def test_the_fashion_recipes_carry_the_studys_choices():
@@ -273,15 +383,22 @@ def test_the_fashion_recipes_carry_the_studys_choices():
 
     from largebatch.recipes.registry import FASHION_TUNED
 
-    summary = json.loads((Path(__file__).resolve().parents[1] / "docs" / "study" / "headline"
-                          / "study.json").read_text())
+    summary = json.loads(
+        (Path(__file__).resolve().parents[1] / "docs" / "study" / "headline" / "study.json").read_text()
+    )
     settled = {(r["optimizer"], r["batch"]): r for r in summary["rows"]}
     assert set(settled) == set(FASHION_TUNED)
     for (optimizer, batch), row in settled.items():
         recipe = get_recipe(f"fmnist-{optimizer}-{batch}")
-        assert (recipe.peak_lr, recipe.warmup_epochs, recipe.label_smoothing, recipe.power,
-                recipe.epochs) == (row["lr"], row["warmup_epochs"], row["label_smoothing"],
-                                   row["power"], row["epochs"]), recipe.name
+        assert (
+            recipe.peak_lr,
+            recipe.warmup_epochs,
+            recipe.label_smoothing,
+            recipe.power,
+            recipe.epochs,
+        ) == (row["lr"], row["warmup_epochs"], row["label_smoothing"], row["power"], row["epochs"]), (
+            recipe.name
+        )
         assert recipe.note.endswith("the 30-epoch study's choice")
 
 
@@ -296,8 +413,12 @@ def test_nvidia_split_decays_the_fc_bias_without_the_trust_ratio():
     adapted, excluded, decayed = decay_groups(model, 5e-5, "nvidia")
     conv, bn, fc = model[0], model[1], model[3]
     assert adapted == {"params": [conv.weight, fc.weight], "weight_decay": 5e-5}
-    assert excluded == {"params": [bn.weight, bn.bias], "weight_decay": 0.0, "trust_ratio": False,
-                        "lr_in_momentum": True}
+    assert excluded == {
+        "params": [bn.weight, bn.bias],
+        "weight_decay": 0.0,
+        "trust_ratio": False,
+        "lr_in_momentum": True,
+    }
     assert decayed == {"params": [fc.bias], "weight_decay": 5e-5, "trust_ratio": False}
 
 
@@ -320,10 +441,13 @@ def _nvidia_epoch_size(images: int, gpus: int, batch_per_gpu: int) -> int:
     return math.ceil(images // gpus / batch_per_gpu)
 
 
-@pytest.mark.parametrize("name, gpus, per_gpu, warmup, epochs", [
-    ("resnet50-mlperf-lars-34k", 96 * 8, 45, 17, 59),  # config_DGXA100_multi_96x8x45.sh
-    ("resnet50-mlperf-lars-64k", 230 * 8, 35, 31, 90),  # config_DGXA100_multi_230x8x35.sh
-])
+@pytest.mark.parametrize(
+    "name, gpus, per_gpu, warmup, epochs",
+    [
+        ("resnet50-mlperf-lars-34k", 96 * 8, 45, 17, 59),  # config_DGXA100_multi_96x8x45.sh
+        ("resnet50-mlperf-lars-64k", 230 * 8, 35, 31, 90),  # config_DGXA100_multi_230x8x35.sh
+    ],
+)
 def test_nvidia_recipes_run_fit_pys_step_counts(name, gpus, per_gpu, warmup, epochs):
     recipe = get_recipe(name)
     size = _nvidia_epoch_size(1_281_167, gpus, per_gpu)
@@ -331,8 +455,9 @@ def test_nvidia_recipes_run_fit_pys_step_counts(name, gpus, per_gpu, warmup, epo
     assert recipe.steps == (size * warmup, size * epochs)
     assert recipe.epoch_end(1, 1_281_167, recipe.batch_size) == size
     assert recipe.schedule_offset == 1
-    schedule = build.build_schedule(recipe, peak_lr=recipe.lr, epochs=epochs,
-                                    n_train=1_281_167, batch=recipe.batch_size)
+    schedule = build.build_schedule(
+        recipe, peak_lr=recipe.lr, epochs=epochs, n_train=1_281_167, batch=recipe.batch_size
+    )
     assert schedule.total_steps == size * epochs
     assert schedule(0) == pytest.approx(recipe.lr / (size * warmup))  # MXNet's first update
 
@@ -345,8 +470,7 @@ def test_lamb_recipe_runs_the_authors_step_flags():
     ends = [recipe.epoch_end(e, 1_281_167, 32768) for e in range(91)]
     assert ends[:4] == [0, 39, 78, 117] and ends[-1] == 3519
     assert {b - a for a, b in zip(ends, ends[1:])} == {39, 40}
-    schedule = build.build_schedule(recipe, peak_lr=0.04, epochs=90, n_train=1_281_167,
-                                    batch=32768)
+    schedule = build.build_schedule(recipe, peak_lr=0.04, epochs=90, n_train=1_281_167, batch=32768)
     assert (schedule.total_steps, schedule.warmup_steps) == (3519, 782)
 
 

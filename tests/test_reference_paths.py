@@ -11,9 +11,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from cases import (
-    CASE_IDS, CASES, TORCH_PATHS, Result, assert_matches, make_problem, run_jax, run_reference, run_torch,
+    CASE_IDS,
+    CASES,
+    TORCH_PATHS,
+    Result,
+    assert_matches,
+    make_problem,
+    run_jax,
+    run_reference,
+    run_torch,
 )
 
 PATHS = TORCH_PATHS
@@ -41,8 +48,13 @@ RUNS = {
 # fp16-masters, which differs only in loading fp16 grads and writing fp16 params, runs a
 # LARS case with a zero grad's norm (LARC's skip) and a LAMB case with the global grad norm.
 ONLY = {("fused", "fp16-masters"): ("lars-larc", "lamb-max-grad-norm")}
-TORCH_RUNS = [(case, path, precision) for case in CASES for path, ps in RUNS.items() for precision in ps
-              if case.id in ONLY.get((path, precision), (case.id,))]
+TORCH_RUNS = [
+    (case, path, precision)
+    for case in CASES
+    for path, ps in RUNS.items()
+    for precision in ps
+    if case.id in ONLY.get((path, precision), (case.id,))
+]
 
 
 def _unsupported(case, precision):
@@ -86,20 +98,26 @@ def test_jax_matches_the_spec(case, precision):
     dtype = {"float64": np.float64, "float32": np.float32, "bfloat16": "bfloat16"}[precision]
     params, grads = make_problem(torch.bfloat16 if dtype == "bfloat16" else dtype)
     expected = run_reference(case, params, grads)
-    assert_matches(run_jax(case, params, grads, dtype=dtype), Result(expected.params, {}), precision,
-                   start=params)
+    assert_matches(
+        run_jax(case, params, grads, dtype=dtype), Result(expected.params, {}), precision, start=params
+    )
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-trust-clip", "lamb-max-grad-norm")],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in ("lars-trust-clip", "lamb-max-grad-norm")], ids=lambda c: c.id
+)
 def test_the_table_can_fail(case):
     """The comparison is not vacuous: one hyperparameter off gives a mismatch."""
     params, grads = make_problem(np.float64)
     expected = run_reference(case, params, grads)
     off = type(case)(case.id, case.optimizer, {**case.hyper, "eps": 1e-2}, case.second, case.max_grad_norm)
     with pytest.raises(AssertionError):
-        assert_matches(run_torch(off, params, grads, dtype=torch.float64, foreach=True), expected, "float64",
-                       start=params)
+        assert_matches(
+            run_torch(off, params, grads, dtype=torch.float64, foreach=True),
+            expected,
+            "float64",
+            start=params,
+        )
 
 
 def test_the_cases_bind_the_clips():
@@ -122,8 +140,9 @@ MANY = [(int(n),) for n in np.random.default_rng(1).integers(1, 300, size=161)] 
 
 
 @pytest.mark.parametrize("path", ["foreach", "fused", "jax"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-wd-excluded", "lamb-max-grad-norm")],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in ("lars-wd-excluded", "lamb-max-grad-norm")], ids=lambda c: c.id
+)
 def test_many_tensors_match_the_spec(case, path):
     """161 tensors of mixed sizes in two groups (100 and 61), fp32: the torch paths' lists
     and the fused kernels' tables. JAX's chain is the same per leaf whatever their number,
@@ -133,11 +152,12 @@ def test_many_tensors_match_the_spec(case, path):
     lrs = [0.1, 0.2, 0.3]
     expected = run_reference(case, params, grads, lrs=lrs, split=split)
     if path == "jax":
-        actual, expected = run_jax(case, params, grads, dtype=np.float32, lrs=lrs, split=split), \
-            Result(expected.params, {})
+        actual, expected = (
+            run_jax(case, params, grads, dtype=np.float32, lrs=lrs, split=split),
+            Result(expected.params, {}),
+        )
     else:
-        actual = run_torch(case, params, grads, dtype=torch.float32, lrs=lrs, split=split,
-                           **PATHS[path])
+        actual = run_torch(case, params, grads, dtype=torch.float32, lrs=lrs, split=split, **PATHS[path])
     assert_matches(actual, expected, "float32", start=params)
 
 
@@ -164,10 +184,14 @@ def _public_signatures():
     from largebatch.torch import LAMB, LARS
 
     return [
-        (LARS_SPEC, LARS.__init__, 10), (LAMB_SPEC, LAMB.__init__, 10),
-        (LARS_SPEC, lars_fn, 2), (LAMB_SPEC, lamb_fn, 3),
-        (LARS_SPEC, reference.lars_step, 9), (LAMB_SPEC, reference.lamb_step, 8),
-        (LARS_SPEC, lb_jax.lars, 8), (LAMB_SPEC, lb_jax.lamb, 8),
+        (LARS_SPEC, LARS.__init__, 10),
+        (LAMB_SPEC, LAMB.__init__, 10),
+        (LARS_SPEC, lars_fn, 2),
+        (LAMB_SPEC, lamb_fn, 3),
+        (LARS_SPEC, reference.lars_step, 9),
+        (LAMB_SPEC, reference.lamb_step, 8),
+        (LARS_SPEC, lb_jax.lars, 8),
+        (LAMB_SPEC, lb_jax.lamb, 8),
         (LARS_SPEC, lb_jax.scale_by_lars_trust_ratio, 4),
         (LAMB_SPEC, lb_jax.scale_by_uncorrected_adam, 2),  # its bias_correction is False
     ]

@@ -9,12 +9,11 @@ import math
 
 import numpy as np
 import pytest
-
 from helpers import user_error
 
+from largebatch.cli import main as cli
 from largebatch.comm import published
 from largebatch.comm import scaling as sc
-from largebatch.cli import main as cli
 
 MB = 1e6
 GB = 1e9
@@ -34,8 +33,7 @@ def test_ring_by_hand():
 def test_allgather_by_hand():
     # n = 4, c = 40: 3 * (5 us + 100 MB / 40 / 10 GB/s = 250 us)
     assert sc.allgather(100 * MB, 4, 40, 5e-6, 10 * GB) == pytest.approx(3 * (5e-6 + 250e-6))
-    assert sc.allgather(100 * MB, 4, 40, 5e-6, 10 * GB, buckets=2) == pytest.approx(
-        3 * 2 * 5e-6 + 3 * 250e-6)
+    assert sc.allgather(100 * MB, 4, 40, 5e-6, 10 * GB, buckets=2) == pytest.approx(3 * 2 * 5e-6 + 3 * 250e-6)
 
 
 def test_two_phase_by_hand():
@@ -44,15 +42,21 @@ def test_two_phase_by_hand():
     assert sc.two_phase(100 * MB, 4, 40, 5e-6, 10 * GB) == pytest.approx(2 * 3 * (5e-6 + 62.5e-6))
     # 8 workers sharing the link in the all-to-all: its bytes take 8x as long
     assert sc.two_phase(100 * MB, 4, 40, 5e-6, 10 * GB, sharing=8) == pytest.approx(
-        6 * 5e-6 + 3 * 8 * 62.5e-6 + 3 * 62.5e-6)
+        6 * 5e-6 + 3 * 8 * 62.5e-6 + 3 * 62.5e-6
+    )
 
 
 def test_hierarchical_by_hand():
-    net = sc.Network(intra_latency=2e-6, intra_bandwidth=20 * GB, inter_latency=10e-6,
-                     inter_bandwidth=5 * GB, gpus_per_node=4)
+    net = sc.Network(
+        intra_latency=2e-6,
+        intra_bandwidth=20 * GB,
+        inter_latency=10e-6,
+        inter_bandwidth=5 * GB,
+        gpus_per_node=4,
+    )
     # n = 16: g = 4, m = 4, S = 100 MB, k = 2
-    intra = 2 * 3 * 2 * 2e-6 + 2 * 3 / 4 * 0.1 / 20   # reduce-scatter + all-gather in nodes
-    inter = 2 * 3 * 2 * 10e-6 + 2 * 3 / 4 * 0.1 / 5   # 4 shard rings over 4 nodes
+    intra = 2 * 3 * 2 * 2e-6 + 2 * 3 / 4 * 0.1 / 20  # reduce-scatter + all-gather in nodes
+    inter = 2 * 3 * 2 * 10e-6 + 2 * 3 / 4 * 0.1 / 5  # 4 shard rings over 4 nodes
     assert sc.hierarchical(100 * MB, 16, net, buckets=2) == pytest.approx(intra + inter)
     # inside one node it is the intra-node ring
     assert sc.hierarchical(100 * MB, 4, net) == pytest.approx(sc.ring(100 * MB, 4, 2e-6, 20 * GB))
@@ -75,21 +79,21 @@ def test_one_node_uses_the_intra_node_link():
     assert net.link(8) == (1e-6, 40 * GB) and net.sharing(8) == 1
     assert net.link(9) == (10e-6, 5 * GB) and net.sharing(16) == 8
     w = sc.Workload(100 * MB, 0.1)
-    assert sc.predict(w, net, 8).forms["ring"].comm_time == pytest.approx(
-        sc.ring(100 * MB, 8, 1e-6, 40 * GB))
+    assert sc.predict(w, net, 8).forms["ring"].comm_time == pytest.approx(sc.ring(100 * MB, 8, 1e-6, 40 * GB))
     assert sc.predict(w, net, 16).forms["ring"].comm_time == pytest.approx(
-        sc.ring(100 * MB, 16, 10e-6, 5 * GB))
+        sc.ring(100 * MB, 16, 10e-6, 5 * GB)
+    )
 
 
 def test_a_flat_network_gives_every_form_the_same_link():
     net = sc.Network.flat(5e-6, 10 * GB)
     w = sc.Workload(100 * MB, 0.1, buckets=2, compression=20)
     p = sc.predict(w, net, 16)
-    assert p.forms["ring"].comm_time == pytest.approx(sc.ring(100 * MB, 16, 5e-6, 10 * GB,
-                                                              buckets=2))
+    assert p.forms["ring"].comm_time == pytest.approx(sc.ring(100 * MB, 16, 5e-6, 10 * GB, buckets=2))
     assert p.forms["hierarchical"].comm_time == pytest.approx(p.forms["ring"].comm_time)
     assert p.forms["two_phase"].comm_time == pytest.approx(
-        sc.two_phase(100 * MB, 16, 20, 5e-6, 10 * GB, buckets=2))
+        sc.two_phase(100 * MB, 16, 20, 5e-6, 10 * GB, buckets=2)
+    )
     assert p.choice == sc.choose_form(16, 100 * MB, 20, 5e-6, 10 * GB, buckets=2)
 
 
@@ -184,16 +188,19 @@ def test_allgather_efficiency_falls_with_workers_and_two_phase_stays_ring_over_c
     # no latency: two-phase is the ring divided by c, at every n
     for n in ns:
         assert sc.two_phase(100 * MB, n, 40, 0.0, 10 * GB) == pytest.approx(
-            sc.ring(100 * MB, n, 0.0, 10 * GB) / 40)
+            sc.ring(100 * MB, n, 0.0, 10 * GB) / 40
+        )
     # with latency: the ring's latency plus the ring's bytes over c
     for n in ns:
         lat = 2 * (n - 1) * 4 * 5e-6
         assert sc.two_phase(100 * MB, n, 40, 5e-6, 10 * GB, buckets=4) - lat == pytest.approx(
-            (sc.ring(100 * MB, n, 5e-6, 10 * GB, buckets=4) - lat) / 40)
+            (sc.ring(100 * MB, n, 5e-6, 10 * GB, buckets=4) - lat) / 40
+        )
     # g workers sharing the link in the all-to-all: (g+1)/2 times ring / c for large n
     n = 2**20
     assert sc.two_phase(100 * MB, n, 40, 0.0, 10 * GB, sharing=8) / sc.ring(
-        100 * MB, n, 0.0, 10 * GB) == pytest.approx(4.5 / 40, rel=1e-5)
+        100 * MB, n, 0.0, 10 * GB
+    ) == pytest.approx(4.5 / 40, rel=1e-5)
     big = sc.predict(w, net, 2048)
     assert big.forms["two_phase"].comm_time < big.forms["allgather"].comm_time / 5
     assert big.choice == "two_phase"
@@ -239,14 +246,17 @@ def test_fit_ring_clips_a_negative_latency():
     assert fit.latency == 0.0 and fit.bandwidth > 0
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    ([(2, 1e6, 1e-3)], "at least 2"),
-    ([(1, 1e6, 1e-3), (2, 1e3, 1e-4)], "Invalid workers: 1"),
-    ([(2, 1e6, 1e-3), (2, 1e6, 2e-3)], "proportional"),
-    ([(2, 1e3, 1e-3), (2, 1e7, 1e-4)], "do not grow with size"),
-    ([(2, 1e6, -1.0), (2, 1e3, 1e-4)], "Invalid seconds: -1.0"),
-    ([(2, 1e6), (2, 1e3, 1e-4)], "Invalid sample"),
-])
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([(2, 1e6, 1e-3)], "at least 2"),
+        ([(1, 1e6, 1e-3), (2, 1e3, 1e-4)], "Invalid workers: 1"),
+        ([(2, 1e6, 1e-3), (2, 1e6, 2e-3)], "proportional"),
+        ([(2, 1e3, 1e-3), (2, 1e7, 1e-4)], "do not grow with size"),
+        ([(2, 1e6, -1.0), (2, 1e3, 1e-4)], "Invalid seconds: -1.0"),
+        ([(2, 1e6), (2, 1e3, 1e-4)], "Invalid sample"),
+    ],
+)
 def test_fit_ring_refuses(rows, message):
     with pytest.raises(ValueError, match=message):
         sc.fit_ring(rows)
@@ -255,24 +265,29 @@ def test_fit_ring_refuses(rows, message):
 # ----------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: sc.ring(1e6, 4, 5e-6, 0.0), "Invalid bandwidth: 0.0"),
-    (lambda: sc.ring(1e6, 4, 5e-6, -1e9), "Invalid bandwidth: -1000000000.0"),
-    (lambda: sc.ring(1e6, 0, 5e-6, 1e9), "Invalid workers: 0"),
-    (lambda: sc.ring(1e6, True, 5e-6, 1e9), "Invalid workers: True"),
-    (lambda: sc.ring(1e6, 4, -1e-6, 1e9), "Invalid latency: -1e-06"),
-    (lambda: sc.ring(float("nan"), 4, 5e-6, 1e9), "Invalid size_bytes: nan"),
-    (lambda: sc.ring(1e6, 4, 5e-6, 1e9, buckets=0), "Invalid buckets: 0"),
-    (lambda: sc.allgather(1e6, 4, 0.5, 5e-6, 1e9), "Invalid compression: 0.5"),
-    (lambda: sc.two_phase(1e6, 4, 40, 5e-6, 1e9, sharing=0), "Invalid sharing: 0"),
-    (lambda: sc.Network(5e-6, 1e9, 5e-6, 1e9, 0), "Invalid gpus_per_node: 0"),
-    (lambda: sc.Network(5e-6, 1e9, 5e-6, -2.0, 8), "Invalid inter_bandwidth: -2.0"),
-    (lambda: sc.hierarchical(1e6, 12, sc.Network(5e-6, 1e9, 5e-6, 1e9, 8)),
-     "Invalid workers: 12 .*multiple of gpus_per_node=8"),
-    (lambda: sc.Workload(1e6, 0.0), "Invalid compute_time: 0.0"),
-    (lambda: sc.Workload(1e6, 0.1, overlap=1.5), "Invalid overlap: 1.5"),
-    (lambda: sc.allgather_crossover(40, against="tree"), "Invalid against: 'tree'"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: sc.ring(1e6, 4, 5e-6, 0.0), "Invalid bandwidth: 0.0"),
+        (lambda: sc.ring(1e6, 4, 5e-6, -1e9), "Invalid bandwidth: -1000000000.0"),
+        (lambda: sc.ring(1e6, 0, 5e-6, 1e9), "Invalid workers: 0"),
+        (lambda: sc.ring(1e6, True, 5e-6, 1e9), "Invalid workers: True"),
+        (lambda: sc.ring(1e6, 4, -1e-6, 1e9), "Invalid latency: -1e-06"),
+        (lambda: sc.ring(float("nan"), 4, 5e-6, 1e9), "Invalid size_bytes: nan"),
+        (lambda: sc.ring(1e6, 4, 5e-6, 1e9, buckets=0), "Invalid buckets: 0"),
+        (lambda: sc.allgather(1e6, 4, 0.5, 5e-6, 1e9), "Invalid compression: 0.5"),
+        (lambda: sc.two_phase(1e6, 4, 40, 5e-6, 1e9, sharing=0), "Invalid sharing: 0"),
+        (lambda: sc.Network(5e-6, 1e9, 5e-6, 1e9, 0), "Invalid gpus_per_node: 0"),
+        (lambda: sc.Network(5e-6, 1e9, 5e-6, -2.0, 8), "Invalid inter_bandwidth: -2.0"),
+        (
+            lambda: sc.hierarchical(1e6, 12, sc.Network(5e-6, 1e9, 5e-6, 1e9, 8)),
+            "Invalid workers: 12 .*multiple of gpus_per_node=8",
+        ),
+        (lambda: sc.Workload(1e6, 0.0), "Invalid compute_time: 0.0"),
+        (lambda: sc.Workload(1e6, 0.1, overlap=1.5), "Invalid overlap: 1.5"),
+        (lambda: sc.allgather_crossover(40, against="tree"), "Invalid against: 'tree'"),
+    ],
+)
 def test_bad_values_name_the_parameter_and_value(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -280,7 +295,8 @@ def test_bad_values_name_the_parameter_and_value(call, message):
 
 def test_numpy_numbers_are_accepted():
     assert sc.ring(np.float64(1e6), np.int64(4), 5e-6, np.float32(1e9)) == pytest.approx(
-        sc.ring(1e6, 4, 5e-6, 1e9))
+        sc.ring(1e6, 4, 5e-6, 1e9)
+    )
 
 
 def test_published_points_are_complete():
@@ -317,8 +333,26 @@ def test_cli_prints_a_table(capsys):
 
 def test_cli_writes_plot_and_json(tmp_path, capsys):
     plot, data = tmp_path / "eff.png", tmp_path / "sub" / "scaling.json"
-    assert cli(["scaling", "--model", "bert-large", "--compute-ms", "300", "--workers", "1", "2",
-                "16", "--plot", str(plot), "--json", str(data)]) == 0
+    assert (
+        cli(
+            [
+                "scaling",
+                "--model",
+                "bert-large",
+                "--compute-ms",
+                "300",
+                "--workers",
+                "1",
+                "2",
+                "16",
+                "--plot",
+                str(plot),
+                "--json",
+                str(data),
+            ]
+        )
+        == 0
+    )
     assert "model bert-large" in capsys.readouterr().out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(data.read_text())
@@ -330,8 +364,23 @@ def test_cli_writes_plot_and_json(tmp_path, capsys):
 def test_cli_json_on_stdout_and_calibration(tmp_path, capsys):
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"fit": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}))
-    assert cli(["scaling", "--params", "1e6", "--workers", "2", "--gpus-per-node", "2",
-                "--calibration", str(cal), "--json"]) == 0
+    assert (
+        cli(
+            [
+                "scaling",
+                "--params",
+                "1e6",
+                "--workers",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--calibration",
+                str(cal),
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     ring = doc["rows"][0]["forms"]["ring"]["comm_time"]
     assert ring == pytest.approx(sc.ring(4e6, 2, 1e-4, 1e9, buckets=1))
@@ -344,19 +393,27 @@ def test_cli_published(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--workers", "0"], "invalid --workers 0 (must be >= 1)"),
-    (["--inter-gbps", "-1"], "invalid --inter-gbps -1.0 (must be a finite number > 0)"),
-    (["--compute-ms", "nan"], "invalid --compute-ms nan (must be a finite number > 0)"),
-    (["--compression", "0.5"], "invalid --compression 0.5 (must be a finite number >= 1)"),
-    (["--overlap", "2"], "invalid --overlap 2.0 (must be between 0 and 1)"),
-    (["--gpus-per-node", "0"], "invalid --gpus-per-node 0 (must be >= 1)"),
-    (["--workers", "12"], "invalid --workers 12: beyond one node the hierarchical all-reduce "
-                          "needs a multiple of --gpus-per-node 8"),
-    (["--model", "alexnet", "--params", "1e6"], "give --model or --params, not both"),
-    (["--params", "1e308"], "invalid --params 1e+308 (its fp32 gradients, 4 bytes each, "
-                            "overflow a float)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "0"], "invalid --workers 0 (must be >= 1)"),
+        (["--inter-gbps", "-1"], "invalid --inter-gbps -1.0 (must be a finite number > 0)"),
+        (["--compute-ms", "nan"], "invalid --compute-ms nan (must be a finite number > 0)"),
+        (["--compression", "0.5"], "invalid --compression 0.5 (must be a finite number >= 1)"),
+        (["--overlap", "2"], "invalid --overlap 2.0 (must be between 0 and 1)"),
+        (["--gpus-per-node", "0"], "invalid --gpus-per-node 0 (must be >= 1)"),
+        (
+            ["--workers", "12"],
+            "invalid --workers 12: beyond one node the hierarchical all-reduce "
+            "needs a multiple of --gpus-per-node 8",
+        ),
+        (["--model", "alexnet", "--params", "1e6"], "give --model or --params, not both"),
+        (
+            ["--params", "1e308"],
+            "invalid --params 1e+308 (its fp32 gradients, 4 bytes each, overflow a float)",
+        ),
+    ],
+)
 def test_cli_bad_values(capsys, flags, message):
     assert user_error(["scaling", *flags], capsys) == f"largebatch scaling: {message}"
 
@@ -364,8 +421,7 @@ def test_cli_bad_values(capsys, flags, message):
 def test_cli_bad_calibration(tmp_path, capsys):
     missing = tmp_path / "absent.json"
     line = user_error(["scaling", "--calibration", str(missing)], capsys)
-    assert line == f"largebatch scaling: cannot read --calibration {missing}: " \
-                   "No such file or directory"
+    assert line == f"largebatch scaling: cannot read --calibration {missing}: No such file or directory"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"fit": {"latency_s": 1e-4, "bandwidth_Bps": -1}}))
     line = user_error(["scaling", "--calibration", str(bad)], capsys)
@@ -378,10 +434,8 @@ def test_cli_plot_without_matplotlib_is_named(tmp_path, capsys, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as with largebatch[torch] only
-    line = user_error(["scaling", "--workers", "1", "2", "--plot", str(tmp_path / "p.png")],
-                       capsys)
-    assert line == ("largebatch scaling: needs matplotlib, not installed: "
-                    "pip install 'largebatch[recipes]'")
+    line = user_error(["scaling", "--workers", "1", "2", "--plot", str(tmp_path / "p.png")], capsys)
+    assert line == ("largebatch scaling: needs matplotlib, not installed: pip install 'largebatch[recipes]'")
     assert not list(tmp_path.iterdir())
 
 
@@ -390,13 +444,15 @@ def test_the_command_loads_no_framework_and_exits_2_in_a_subprocess():
     import subprocess
     import sys
 
-    code = ("import sys; from largebatch.cli import main; "
-            "main(['scaling', '--workers', '1', '16']); "
-            "assert not [m for m in ('torch', 'jax') if m in sys.modules]; "
-            "main(['scaling', '--inter-gbps', '-1'])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+    code = (
+        "import sys; from largebatch.cli import main; "
+        "main(['scaling', '--workers', '1', '16']); "
+        "assert not [m for m in ('torch', 'jax') if m in sys.modules]; "
+        "main(['scaling', '--inter-gbps', '-1'])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 2, proc
-    assert proc.stderr == "largebatch scaling: invalid --inter-gbps -1.0 (must be a finite " \
-                          "number > 0)\n"
+    assert proc.stderr == "largebatch scaling: invalid --inter-gbps -1.0 (must be a finite number > 0)\n"
     assert "compressed pick" in proc.stdout

@@ -46,9 +46,15 @@ CASES = [
 @pytest.mark.parametrize("name,kw", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_schedule_matches_formula_at_every_step(name, kw):
     sched = make_schedule(
-        name, peak_lr=kw["peak"], total_steps=kw["total"], warmup_steps=kw["warmup"],
-        init_lr=kw.get("init", 0.0), end_lr=kw.get("end", 0.0), power=kw.get("power", 2.0),
-        milestones=kw.get("milestones", ()), gamma=kw.get("gamma", 0.1),
+        name,
+        peak_lr=kw["peak"],
+        total_steps=kw["total"],
+        warmup_steps=kw["warmup"],
+        init_lr=kw.get("init", 0.0),
+        end_lr=kw.get("end", 0.0),
+        power=kw.get("power", 2.0),
+        milestones=kw.get("milestones", ()),
+        gamma=kw.get("gamma", 0.1),
     )
     for t in range(kw["total"] + 5):
         assert sched(t) == pytest.approx(formula(name, t, **kw), rel=1e-12, abs=1e-15), t
@@ -59,8 +65,14 @@ def test_goyal_warmup_and_step_example():
     peak = linear_scaling(0.1, 8192)
     assert peak == pytest.approx(3.2)
     epoch = 156
-    sched = make_schedule("step", peak_lr=peak, total_steps=90 * epoch, warmup_steps=5 * epoch,
-                          init_lr=0.1, milestones=(30 * epoch, 60 * epoch, 80 * epoch))
+    sched = make_schedule(
+        "step",
+        peak_lr=peak,
+        total_steps=90 * epoch,
+        warmup_steps=5 * epoch,
+        init_lr=0.1,
+        milestones=(30 * epoch, 60 * epoch, 80 * epoch),
+    )
     assert sched(0) == pytest.approx(0.1)
     assert sched(5 * epoch) == pytest.approx(3.2)
     assert sched(30 * epoch) == pytest.approx(0.32)
@@ -201,8 +213,9 @@ NON_NUMBERS = [
 ]
 
 
-@pytest.mark.parametrize("name,kwargs,message", BOOLS + NON_NUMBERS,
-                         ids=[m for _, _, m in BOOLS + NON_NUMBERS])
+@pytest.mark.parametrize(
+    "name,kwargs,message", BOOLS + NON_NUMBERS, ids=[m for _, _, m in BOOLS + NON_NUMBERS]
+)
 def test_make_schedule_refuses_bools_none_non_finite_and_negative(name, kwargs, message):
     args = dict(peak_lr=1.0, total_steps=10, warmup_steps=2)
     args.update(kwargs)
@@ -212,11 +225,17 @@ def test_make_schedule_refuses_bools_none_non_finite_and_negative(name, kwargs, 
 
 def test_numpy_numbers_are_still_accepted():
     sched = make_schedule(
-        "step", peak_lr=np.float32(0.5), total_steps=np.int64(10), warmup_steps=np.int32(2),
-        init_lr=np.float64(0.1), milestones=np.array([4, 8]), gamma=np.float32(0.5),
+        "step",
+        peak_lr=np.float32(0.5),
+        total_steps=np.int64(10),
+        warmup_steps=np.int32(2),
+        init_lr=np.float64(0.1),
+        milestones=np.array([4, 8]),
+        gamma=np.float32(0.5),
     )
-    assert sched == make_schedule("step", peak_lr=0.5, total_steps=10, warmup_steps=2,
-                                  init_lr=0.1, milestones=(4, 8), gamma=0.5)
+    assert sched == make_schedule(
+        "step", peak_lr=0.5, total_steps=10, warmup_steps=2, init_lr=0.1, milestones=(4, 8), gamma=0.5
+    )
     assert linear_scaling(np.float64(0.1), np.int64(512), np.int32(256)) == pytest.approx(0.2)
 
 
@@ -244,8 +263,8 @@ def test_non_finite_negative_or_non_numeric_step_raises(step, message):
 
 
 @pytest.mark.parametrize(
-    "step", [3, np.int64(3), np.int32(3), np.uint8(3), np.array(3), 3.0, np.float32(3.0),
-             torch.tensor(3)],
+    "step",
+    [3, np.int64(3), np.int32(3), np.uint8(3), np.array(3), 3.0, np.float32(3.0), torch.tensor(3)],
     ids=repr,
 )
 def test_integer_like_steps_are_accepted(step):
@@ -369,8 +388,9 @@ def test_offset_reproduces_mxnets_counter_from_one():
 
 def test_decay_steps_reproduces_the_tf_references_decay_length():
     w, total = 5 * 39, 90 * 39
-    sched = make_schedule("poly", peak_lr=2.9, total_steps=total, warmup_steps=w, end_lr=1e-4,
-                          decay_steps=total - w + 1)
+    sched = make_schedule(
+        "poly", peak_lr=2.9, total_steps=total, warmup_steps=w, end_lr=1e-4, decay_steps=total - w + 1
+    )
     plain = make_schedule("poly", peak_lr=2.9, total_steps=total, warmup_steps=w, end_lr=1e-4)
     for step in range(total):
         expected = _tf_reference_poly(step, init=2.9, warmup=w, total=total, end=1e-4)

@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-
 import source_ports as ports
+import torch
 from cases import drive, run_spec, torch_paths
+
 from largebatch.lars.sources import SOURCES, source_keywords
 
-SHAPES = {"conv": (3, 2, 3, 3), "zero": (5, 4), "still": (2, 3), "bn.weight": (3,), "bn.bias": (3,),
-          "fc.weight": (4, 6), "fc.bias": (4,)}
+SHAPES = {
+    "conv": (3, 2, 3, 3),
+    "zero": (5, 4),
+    "still": (2, 3),
+    "bn.weight": (3,),
+    "bn.bias": (3,),
+    "fc.weight": (4, 6),
+    "fc.bias": (4,),
+}
 ZERO_INIT, ZERO_GRAD = "zero", "still"
 STEPS = 20
 # Warmup to a peak above 1 (where LARC's clip of a fallback ratio would show), then poly 2.
@@ -99,12 +106,15 @@ def hypers(source: str) -> list[dict]:
     if optimizer == "lars":
         keywords["momentum"] = MOMENTUM
     adapt, decay = flags(source)
-    return [{**keywords, "trust_ratio": a, "weight_decay": WD[optimizer] if d else 0.0}
-            for a, d in zip(adapt, decay)]
+    return [
+        {**keywords, "trust_ratio": a, "weight_decay": WD[optimizer] if d else 0.0}
+        for a, d in zip(adapt, decay)
+    ]
 
 
-def assert_close(actual: list[np.ndarray], expected: list[np.ndarray], start: list[np.ndarray],
-                 dtype=torch.float64) -> None:
+def assert_close(
+    actual: list[np.ndarray], expected: list[np.ndarray], start: list[np.ndarray], dtype=torch.float64
+) -> None:
     rtol = RTOL[dtype]
     for name, a, e, s in zip(SHAPES, actual, expected, start):
         scale = max(np.max(np.abs(e)), np.max(np.abs(s)))
@@ -143,8 +153,9 @@ def run_jax(source: str, params, grads) -> list[np.ndarray]:
         keywords["momentum"] = MOMENTUM
     schedule = optax.piecewise_constant_schedule(LRS[0], {t: LRS[t] / LRS[t - 1] for t in range(1, STEPS)})
     make = lars if optimizer == "lars" else lamb
-    opt = make(schedule, weight_decay=WD[optimizer], trust_ratio_mask=adapt, weight_decay_mask=decay,
-               **keywords)
+    opt = make(
+        schedule, weight_decay=WD[optimizer], trust_ratio_mask=adapt, weight_decay_mask=decay, **keywords
+    )
     with jax.enable_x64(True):
         ws = [jnp.asarray(p, jnp.float64) for p in params]
         state = opt.init(ws)
@@ -189,13 +200,16 @@ def test_jax_takes_the_sources_update(data, source):
     assert_close(run_jax(source, params, grads), port(source, params, grads), params)
 
 
-@pytest.mark.parametrize("source, default", [
-    ("nvidia-mxnet", {"lr_in_momentum": True}),  # the rate inside the buffer: MLPerf TF's
-    ("apex-larc", {"zero_norm_skip": False}),  # the clipped fallback ratio, decay at zero norms
-    ("optax", {"decayed_norm": False}),  # ||g|| + wd * ||w|| in place of ||g + wd * w||
-    ("lamb-authors", {"bias_correction": True}),
-    ("apex-fusedlamb", {"adapt_without_decay": True}),
-])
+@pytest.mark.parametrize(
+    "source, default",
+    [
+        ("nvidia-mxnet", {"lr_in_momentum": True}),  # the rate inside the buffer: MLPerf TF's
+        ("apex-larc", {"zero_norm_skip": False}),  # the clipped fallback ratio, decay at zero norms
+        ("optax", {"decayed_norm": False}),  # ||g|| + wd * ||w|| in place of ||g + wd * w||
+        ("lamb-authors", {"bias_correction": True}),
+        ("apex-fusedlamb", {"adapt_without_decay": True}),
+    ],
+)
 def test_without_the_sources_keyword_the_update_differs(data, source, default):
     """The keywords matter: the package's default in their place leaves the source's
     numbers (each of these is a difference the ports found)."""
@@ -215,12 +229,14 @@ def test_mlperf_tf_keywords_reproduce_the_tf1_copy_and_eps_1e7_its_tf2_variant(d
     adapt, decay = flags("mlperf-tf")
 
     def tf(eps: float) -> list[np.ndarray]:
-        return ports.mlperf_tf_lars(params, grads, LRS, adapt=adapt, decay=decay,
-                                    wd=WD["lars"], momentum=MOMENTUM, eps=eps)
+        return ports.mlperf_tf_lars(
+            params, grads, LRS, adapt=adapt, decay=decay, wd=WD["lars"], momentum=MOMENTUM, eps=eps
+        )
 
     def ours(eps: float) -> list[np.ndarray]:
-        return run_spec("lars", params, grads, [{**h, "eps": eps} for h in hypers("mlperf-tf")],
-                        LRS, None).params
+        return run_spec(
+            "lars", params, grads, [{**h, "eps": eps} for h in hypers("mlperf-tf")], LRS, None
+        ).params
 
     assert "tensorflow/official/resnet/mlperf_lars_optimizer.py" in SOURCES["mlperf-tf"].where
     assert source_keywords("mlperf-tf")["eps"] == 0.0
@@ -236,9 +252,14 @@ def _nvidia_model() -> torch.nn.Module:
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 3, 3, bias=False), nn.BatchNorm2d(3),
-                         nn.Conv2d(3, 2, 1, bias=False), nn.BatchNorm2d(2), nn.Flatten(),
-                         nn.Linear(2, 4))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, bias=False),
+        nn.BatchNorm2d(3),
+        nn.Conv2d(3, 2, 1, bias=False),
+        nn.BatchNorm2d(2),
+        nn.Flatten(),
+        nn.Linear(2, 4),
+    )
 
 
 @pytest.mark.parametrize("aggregate_num", [2, 3, 54])
@@ -263,14 +284,22 @@ def test_the_nvidia_groups_take_mxnets_first_call_momentum_correction(aggregate_
     is_bn = [name[0] in "13" for name, _ in named]
     is_fc_bias = [name == "5.bias" for name, _ in named]
     expected = ports.nvidia_mxnet_lars_chunked(
-        start, grads, LRS, adapt=[not (b or f) for b, f in zip(is_bn, is_fc_bias)],
-        decay=[not b for b in is_bn], dtypes=["float32" if b else "float16" for b in is_bn],
-        aggregate_num=aggregate_num, wd=WD["lars"], momentum=MOMENTUM)
+        start,
+        grads,
+        LRS,
+        adapt=[not (b or f) for b, f in zip(is_bn, is_fc_bias)],
+        decay=[not b for b in is_bn],
+        dtypes=["float32" if b else "float16" for b in is_bn],
+        aggregate_num=aggregate_num,
+        wd=WD["lars"],
+        momentum=MOMENTUM,
+    )
     first = {id(p) for p in mxnet_first_update(model, aggregate_num)}
     assert [id(p) in first for _, p in named] == {
         2: [True, False, False, True, False, False, False, False],
         3: [True, False, False, True, False, False, True, False],
-        54: [True, False, False, True, False, False, True, True]}[aggregate_num]
+        54: [True, False, False, True, False, False, True, True],
+    }[aggregate_num]
     groups = decay_groups(model, WD["lars"], "nvidia", aggregate_num=aggregate_num)
     keywords = {**source_keywords("nvidia-mxnet"), "momentum": MOMENTUM}
     opt = LARS(groups, lr=LRS[0], **keywords, **TORCH_PATHS[path])
@@ -299,9 +328,10 @@ def test_resnet50s_first_mxnet_call_is_the_54_params_lars_adapts():
     weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.ndim > 1]
     assert len(first) == 54 and [id(p) for p in first] == [id(p) for p in weights]
     groups = decay_groups(model, 2.5e-5, "nvidia")
-    assert [(len(g["params"]), g.get("trust_ratio", True), g["weight_decay"],
-             g.get("lr_in_momentum")) for g in groups] == [
-        (54, True, 2.5e-5, None), (106, False, 0.0, True), (1, False, 2.5e-5, True)]
+    assert [
+        (len(g["params"]), g.get("trust_ratio", True), g["weight_decay"], g.get("lr_in_momentum"))
+        for g in groups
+    ] == [(54, True, 2.5e-5, None), (106, False, 0.0, True), (1, False, 2.5e-5, True)]
 
 
 def test_every_source_is_ported_or_says_why_not():
@@ -333,11 +363,18 @@ def test_apex_fused_lamb_options(data, runner, monkeypatch):
     adapt_without_decay=True."""
     params, grads = data
     options = {"adam_w_mode": False, "grad_averaging": False, "adapt_without_decay": True}
-    monkeypatch.setitem(PORTS, "apex-fusedlamb", lambda *a, **k: ports.apex_fused_lamb(
-        *a, **k, adam_w_mode=False, grad_averaging=False, use_nvlamb=True))
+    monkeypatch.setitem(
+        PORTS,
+        "apex-fusedlamb",
+        lambda *a, **k: ports.apex_fused_lamb(
+            *a, **k, adam_w_mode=False, grad_averaging=False, use_nvlamb=True
+        ),
+    )
     keywords = source_keywords
-    monkeypatch.setattr("test_sources.source_keywords",
-                        lambda name, framework="torch": {**keywords(name, framework), **options})
+    monkeypatch.setattr(
+        "test_sources.source_keywords",
+        lambda name, framework="torch": {**keywords(name, framework), **options},
+    )
     if runner == "spec":
         got = run_spec("lamb", params, grads, hypers("apex-fusedlamb"), LRS, 1.0).params
         dtype = torch.float64
@@ -360,11 +397,16 @@ def test_apex_larc_options(data, runner, monkeypatch):
     (docs/migrating.md's mapping of LARC's arguments)."""
     params, grads = data
     options = {"trust_clip": False, "nesterov": True}
-    monkeypatch.setitem(PORTS, "apex-larc", lambda *a, **k: ports.apex_larc_sgd(
-        *a, **k, momentum=MOMENTUM, clip=False, nesterov=True))
+    monkeypatch.setitem(
+        PORTS,
+        "apex-larc",
+        lambda *a, **k: ports.apex_larc_sgd(*a, **k, momentum=MOMENTUM, clip=False, nesterov=True),
+    )
     keywords = source_keywords
-    monkeypatch.setattr("test_sources.source_keywords",
-                        lambda name, framework="torch": {**keywords(name, framework), **options})
+    monkeypatch.setattr(
+        "test_sources.source_keywords",
+        lambda name, framework="torch": {**keywords(name, framework), **options},
+    )
     if runner == "spec":
         got = run_spec("lars", params, grads, hypers("apex-larc"), LRS, None).params
     else:

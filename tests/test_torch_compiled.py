@@ -14,18 +14,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from largebatch.lars.spec import LARS_SPEC
-from largebatch.lars.torch import _compiled
-from largebatch.lars.torch._group import GroupStep
-from largebatch.lars.torch import COMPILE_MIN_NUMEL
-from largebatch.torch import LAMB, LARS
 from cases import CASES, SHAPES, make_problem, run_torch
 
+from largebatch.lars.spec import LARS_SPEC
+from largebatch.lars.torch import COMPILE_MIN_NUMEL, _compiled
+from largebatch.lars.torch._group import GroupStep
+from largebatch.torch import LAMB, LARS
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("lars-nesterov", "lamb-max-grad-norm")],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in ("lars-nesterov", "lamb-max-grad-norm")], ids=lambda c: c.id
+)
 def test_compiled_path_takes_every_tensor_of_two_or_more_elements(case, compiled_calls):
     """The compiled body runs for each such tensor and step (its match with the spec is
     test_reference_paths.py's compiled rows), the size-0 and size-1 ones go through the eager body."""
@@ -60,11 +59,14 @@ def compiled_calls(monkeypatch):
 @pytest.mark.parametrize("cls", [LARS, LAMB])
 def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_calls):
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).half()
-              for _ in range(2)]
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).half()
+        for _ in range(2)
+    ]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [cls(m.parameters(), lr=0.1, master_weights=True, compiled=c)
-            for m, c in zip(models, (False, True))]
+    opts = [
+        cls(m.parameters(), lr=0.1, master_weights=True, compiled=c) for m, c in zip(models, (False, True))
+    ]
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
     x, y = torch.randn(64, 16).half(), torch.randint(0, 4, (64,))
     for step in range(3):
@@ -87,8 +89,15 @@ def test_compiled_fp16_masters_with_grad_scaler_equal_foreach(cls, compiled_call
 def test_split_sends_small_and_strided_tensors_to_foreach(monkeypatch):
     monkeypatch.setattr(_compiled, "COMPILE_MIN_TENSOR", 100)
     ps = [torch.zeros(100), torch.zeros(99), torch.zeros(10, 20).t(), torch.zeros(300)]
-    group = GroupStep(params=ps, grads=list(range(4)), state={}, masters=[None] * 4, steps=[None] * 4,
-                      lr=0.1, hyper=LARS_SPEC.make({}))
+    group = GroupStep(
+        params=ps,
+        grads=list(range(4)),
+        state={},
+        masters=[None] * 4,
+        steps=[None] * 4,
+        lr=0.1,
+        hyper=LARS_SPEC.make({}),
+    )
     large, small = _compiled.split_for_compile(group)
     assert large.grads == [0, 3] and small.grads == [1, 2]
 
@@ -130,11 +139,18 @@ def test_a_second_process_with_other_hyperparameters_gets_its_own_numbers(tmp_pa
     foreach in each process; LARS, then LAMB)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     first = [dict(weight_decay=0.1), dict(weight_decay=0.01)]
-    second = [dict(weight_decay=0.01, momentum=0.5, trust_coefficient=0.02),
-              dict(weight_decay=0.01, betas=[0.5, 0.9])]
+    second = [
+        dict(weight_decay=0.01, momentum=0.5, trust_coefficient=0.02),
+        dict(weight_decay=0.01, betas=[0.5, 0.9]),
+    ]
     for kwargs in (first, second):
-        run = subprocess.run([sys.executable, "-c", CROSS_PROCESS, json.dumps(kwargs)],
-                             env=env, capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            [sys.executable, "-c", CROSS_PROCESS, json.dumps(kwargs)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         errors = json.loads(run.stdout.splitlines()[-1])
         assert max(errors) < 1e-5, (kwargs, errors)
@@ -150,9 +166,17 @@ def test_more_sets_of_flags_than_dynamos_recompile_limit_in_one_process(compiled
     sets = list(itertools.product([False, True], repeat=4))[:5]
     for nesterov, trust_clip, lr_in_momentum, zero_norm_skip in sets:
         full, half = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8).half())
-        opt = LARS([{"params": [full]}, {"params": [half]}], lr=0.1, weight_decay=1e-2,
-                   nesterov=nesterov, trust_clip=trust_clip, lr_in_momentum=lr_in_momentum,
-                   zero_norm_skip=zero_norm_skip, master_weights=True, compiled=True)
+        opt = LARS(
+            [{"params": [full]}, {"params": [half]}],
+            lr=0.1,
+            weight_decay=1e-2,
+            nesterov=nesterov,
+            trust_clip=trust_clip,
+            lr_in_momentum=lr_in_momentum,
+            zero_norm_skip=zero_norm_skip,
+            master_weights=True,
+            compiled=True,
+        )
         full.grad, half.grad = torch.full((8,), 0.5), torch.full((8,), 0.5).half()
         opt.step()
     assert len(compiled_calls) == 2 * len(sets)

@@ -18,9 +18,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from cases import TORCH_PATHS, group_hyper, run_spec
 
 from largebatch.lars.torch import _compiled
-from cases import TORCH_PATHS, group_hyper, run_spec
 from largebatch.torch import LAMB, LARS, ScheduleLR, param_groups
 
 # (id, class, constructor kwargs): each case has an adapted group and an excluded one.
@@ -84,8 +84,9 @@ def run(opt, params, steps: int, start: int = 0, only=None) -> None:
 
 def assert_same(a, b, **tol):
     for i, (x, y) in enumerate(zip(a, b)):
-        torch.testing.assert_close(x.detach(), y.detach(), equal_nan=True,
-                                   msg=lambda m, i=i: f"tensor {i}: {m}", **tol)
+        torch.testing.assert_close(
+            x.detach(), y.detach(), equal_nan=True, msg=lambda m, i=i: f"tensor {i}: {m}", **tol
+        )
 
 
 def assert_state_dicts_equal(a: dict, b: dict) -> None:
@@ -135,8 +136,11 @@ def test_a_generator_of_params_is_kept(case):
 def test_a_single_tensor_as_params_is_a_type_error(case):
     _, cls, kwargs = case
     # torch's own phrase, which torch's generic error inputs check for every optimizer
-    with pytest.raises(TypeError, match="params argument given to the optimizer should be an "
-                                        "iterable of Tensors or dicts, but got torch.FloatTensor"):
+    with pytest.raises(
+        TypeError,
+        match="params argument given to the optimizer should be an "
+        "iterable of Tensors or dicts, but got torch.FloatTensor",
+    ):
         cls(torch.nn.Parameter(torch.randn(3, 3)), **kwargs)
     with pytest.raises(TypeError, match="set"):
         cls([{"params": {torch.nn.Parameter(torch.randn(3))}}], **kwargs)
@@ -278,11 +282,19 @@ SCHEDULERS = {
     "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
     "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
-        o, [torch.optim.lr_scheduler.ConstantLR(o, factor=0.1, total_iters=2),
-            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)], milestones=[2]),
+        o,
+        [
+            torch.optim.lr_scheduler.ConstantLR(o, factor=0.1, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        ],
+        milestones=[2],
+    ),
     "ChainedScheduler": lambda o: torch.optim.lr_scheduler.ChainedScheduler(
-        [torch.optim.lr_scheduler.ConstantLR(o, factor=0.1, total_iters=2),
-         torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)]),
+        [
+            torch.optim.lr_scheduler.ConstantLR(o, factor=0.1, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        ]
+    ),
     "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0, factor=0.5),
 }
 
@@ -473,8 +485,12 @@ def test_masters_of_a_checkpoint_are_dropped_when_not_wanted(cls):
         (LARS, dict(foreach="True"), TypeError, "foreach"),
         (LAMB, dict(fused=0), TypeError, "fused"),
         (LAMB, dict(compiled="yes"), TypeError, "compiled"),
-        (LARS, dict(lr=torch.tensor([0.1, 0.2])), ValueError,
-         r"Invalid lr: Tensor lr must be 1-element, got shape \(2,\)"),  # torch's phrase too
+        (
+            LARS,
+            dict(lr=torch.tensor([0.1, 0.2])),
+            ValueError,
+            r"Invalid lr: Tensor lr must be 1-element, got shape \(2,\)",
+        ),  # torch's phrase too
         (LARS, dict(lr=True), TypeError, "lr: True"),
         (LARS, dict(lr=None), TypeError, "lr: None"),
         (LAMB, dict(betas=(0.9, True)), TypeError, r"betas\[1\]: True"),
@@ -511,8 +527,9 @@ def test_huge_weights_do_not_overflow_the_norms(case, impl, size):
     opt.step()
     assert torch.isfinite(w).all()
     hyper = group_hyper(cls.spec, {k: v for k, v in kwargs.items() if k in cls.spec.group_keys})
-    expected = run_spec("lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper],
-                        [hyper["lr"]])
+    expected = run_spec(
+        "lars" if cls is LARS else "lamb", [w0], [[g.double().numpy()]], [hyper], [hyper["lr"]]
+    )
     np.testing.assert_allclose(w.detach().double().numpy(), expected.params[0], rtol=1e-5)
 
 

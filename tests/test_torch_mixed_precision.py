@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 import torch
-
 from cases import torch_paths
+
 from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups, to_half
 
 PATHS = torch_paths("single_tensor", "foreach", "fused")
@@ -77,8 +77,10 @@ def _model(dtype=torch.float32, seed=0):
 
 def _batches(n=4, dtype=torch.float32, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(32, 8, generator=gen).to(dtype), torch.randint(0, 4, (32,), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(32, 8, generator=gen).to(dtype), torch.randint(0, 4, (32,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _loss(model, x, y):
@@ -220,8 +222,12 @@ def test_resume_with_masters_is_exact(cls, path):
 def test_to_half_keeps_normalization_in_fp32_and_trains():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.LayerNorm(8 * 6 * 6), torch.nn.Linear(8 * 6 * 6, 3),
+        torch.nn.Conv2d(1, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.LayerNorm(8 * 6 * 6),
+        torch.nn.Linear(8 * 6 * 6, 3),
     )
     to_half(model, torch.float16)
     assert model[0].weight.dtype == torch.float16 and model[5].weight.dtype == torch.float16

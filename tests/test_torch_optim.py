@@ -10,15 +10,13 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from cases import TOLERANCE, TORCH_PATHS, torch_paths
+
 from largebatch.torch import LAMB, LARS, ScheduleLR, make_schedule, param_groups
 
 # The fused Triton path runs on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py);
 # its kernels take fp32/fp16/bf16 params.
 PATHS = torch_paths("single_tensor", "foreach", "fused")
-
-
 
 
 # --------------------------------------------------------------------------- behaviour
@@ -46,8 +44,7 @@ def test_the_path_is_resolved_once_per_group_not_at_each_step(cls, monkeypatch):
     opt = cls([{"params": [a]}, {"params": [b], "compiled": None, "foreach": False}], lr=0.1)
     for group in opt.param_groups:
         assert {type(group[k]) for k in ("fused", "compiled")} == {bool}, group
-    expected = cls([{"params": [p.detach().clone().requires_grad_()]} for p in (a, b)], lr=0.1,
-                   foreach=False)
+    expected = cls([{"params": [p.detach().clone().requires_grad_()]} for p in (a, b)], lr=0.1, foreach=False)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the path was resolved again during a step")
@@ -142,8 +139,9 @@ def test_resume_gives_the_identical_trajectory(cls, path):
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
-@pytest.mark.parametrize("src,dst", [("single_tensor", "foreach"), ("foreach", "fused"),
-                                     ("fused", "single_tensor")])
+@pytest.mark.parametrize(
+    "src,dst", [("single_tensor", "foreach"), ("foreach", "fused"), ("fused", "single_tensor")]
+)
 def test_state_dicts_are_interchangeable_between_paths(cls, src, dst):
     torch.manual_seed(0)
     w = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(3, 3))]
@@ -236,29 +234,32 @@ DEFAULT_CASES = [
     (LARS, "lr", 0.1, -0.1, ValueError, "Invalid lr: -0.1 (must be >= 0)"),
     (LARS, "lr", 0.1, torch.ones(2), ValueError, "Invalid lr: Tensor lr must be 1-element"),
     (LARS, "momentum", 0.9, 1.0, ValueError, "Invalid momentum: 1.0 (must be in [0, 1))"),
-    (LARS, "trust_coefficient", 1e-3, 0.0, ValueError,
-     "Invalid trust_coefficient: 0.0 (must be > 0)"),
+    (LARS, "trust_coefficient", 1e-3, 0.0, ValueError, "Invalid trust_coefficient: 0.0 (must be > 0)"),
     (LARS, "nesterov", False, "yes", TypeError, "Invalid nesterov: 'yes' (must be True or False)"),
     (LARS, "master_weights", False, 1, TypeError, "Invalid master_weights: 1 (must be True or False)"),
     (LAMB, "weight_decay", 0.01, -0.01, ValueError, "Invalid weight_decay: -0.01 (must be >= 0)"),
     (LAMB, "betas", (0.9, 0.999), (1.0, 0.999), ValueError, "Invalid betas[0]: 1.0 (must be in [0, 1))"),
     (LAMB, "eps", 1e-6, float("nan"), ValueError, "Invalid eps: nan (must be >= 0)"),
-    (LAMB, "bias_correction", True, 1, TypeError,
-     "Invalid bias_correction: 1 (must be True or False)"),
-    (LAMB, "master_weights", True, "no", TypeError,
-     "Invalid master_weights: 'no' (must be True or False)"),
-    (LAMB, "freeze_step", 5, 0, ValueError,
-     "Invalid freeze_step: 0 (must be >= 1 and < 2147483647, a whole number, or None)"),
+    (LAMB, "bias_correction", True, 1, TypeError, "Invalid bias_correction: 1 (must be True or False)"),
+    (LAMB, "master_weights", True, "no", TypeError, "Invalid master_weights: 'no' (must be True or False)"),
+    (
+        LAMB,
+        "freeze_step",
+        5,
+        0,
+        ValueError,
+        "Invalid freeze_step: 0 (must be >= 1 and < 2147483647, a whole number, or None)",
+    ),
     (LAMB, "freeze_step", None, 2.5, ValueError, "Invalid freeze_step: 2.5"),
 ]
 
 
 @pytest.mark.parametrize(
-    "cls,key,good,bad,error,message", DEFAULT_CASES,
+    "cls,key,good,bad,error,message",
+    DEFAULT_CASES,
     ids=[f"{c.__name__}-{k}-{b!r}" for c, k, _, b, *_ in DEFAULT_CASES],
 )
-def test_every_default_is_checked_even_where_every_group_overrides_it(cls, key, good, bad, error,
-                                                                      message):
+def test_every_default_is_checked_even_where_every_group_overrides_it(cls, key, good, bad, error, message):
     """As torch's optimizers check their defaults: the constructor refuses a bad keyword
     whatever the groups hold, before any group is added."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
@@ -271,14 +272,18 @@ def test_every_default_is_checked_even_where_every_group_overrides_it(cls, key, 
 def test_the_defaults_are_checked_before_the_groups():
     """The first error named is the constructor's, as in torch: here the default's, not
     the first group's."""
-    groups = [{"params": [torch.nn.Parameter(torch.randn(2))], "momentum": 2.0},
-              {"params": [torch.nn.Parameter(torch.randn(2))]}]
+    groups = [
+        {"params": [torch.nn.Parameter(torch.randn(2))], "momentum": 2.0},
+        {"params": [torch.nn.Parameter(torch.randn(2))]},
+    ]
     with pytest.raises(ValueError, match=re.escape("Invalid weight_decay: -1.0 (must be >= 0)")):
         LARS(groups, weight_decay=-1.0)
 
 
-DECAYED_AND_SKIP = ("Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
-                    "(zero_norm_skip) and optax's denominator")
+DECAYED_AND_SKIP = (
+    "Invalid decayed_norm=True with zero_norm_skip=True: apex LARC's zero-norm rule "
+    "(zero_norm_skip) and optax's denominator"
+)
 
 
 def test_decayed_norm_with_zero_norm_skip_is_refused():
@@ -361,12 +366,21 @@ def test_lars_equals_timm_at_constant_lr(nesterov, trust_clip):
 
     p_ours, p_timm = _twin_params()
     kw = dict(momentum=0.9, nesterov=nesterov, trust_clip=trust_clip, eps=1e-8)
-    ours = LARS([{"params": p_ours[::2], "weight_decay": 1e-3},
-                 {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False}],
-                lr=0.5, trust_coefficient=0.01, **kw)
-    theirs = Lars([{"params": p_timm[::2], "weight_decay": 1e-3},
-                   {"params": p_timm[1::2], "weight_decay": 0.0}],
-                  lr=0.5, trust_coeff=0.01, **kw)
+    ours = LARS(
+        [
+            {"params": p_ours[::2], "weight_decay": 1e-3},
+            {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False},
+        ],
+        lr=0.5,
+        trust_coefficient=0.01,
+        **kw,
+    )
+    theirs = Lars(
+        [{"params": p_timm[::2], "weight_decay": 1e-3}, {"params": p_timm[1::2], "weight_decay": 0.0}],
+        lr=0.5,
+        trust_coeff=0.01,
+        **kw,
+    )
     _step_both(ours, theirs, p_ours, p_timm)
 
 
@@ -378,12 +392,19 @@ def test_lamb_equals_timm(max_grad_norm):
     from timm.optim import Lamb
 
     p_ours, p_timm = _twin_params()
-    ours = LAMB([{"params": p_ours[::2], "weight_decay": 0.01},
-                 {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False}],
-                lr=0.01, max_grad_norm=max_grad_norm)
-    theirs = Lamb([{"params": p_timm[::2], "weight_decay": 0.01},
-                   {"params": p_timm[1::2], "weight_decay": 0.0}],
-                  lr=0.01, max_grad_norm=max_grad_norm)
+    ours = LAMB(
+        [
+            {"params": p_ours[::2], "weight_decay": 0.01},
+            {"params": p_ours[1::2], "weight_decay": 0.0, "trust_ratio": False},
+        ],
+        lr=0.01,
+        max_grad_norm=max_grad_norm,
+    )
+    theirs = Lamb(
+        [{"params": p_timm[::2], "weight_decay": 0.01}, {"params": p_timm[1::2], "weight_decay": 0.0}],
+        lr=0.01,
+        max_grad_norm=max_grad_norm,
+    )
     _step_both(ours, theirs, p_ours, p_timm)
 
 
@@ -409,13 +430,21 @@ def test_each_param_freezes_its_variance_at_its_own_step(path):
             p.grad = torch.randn(p.shape, generator=gen)
             counts[i] += 1
             (w,), (m,), (v,) = reference.lamb_step(
-                [expected[i]], [p.grad.double().numpy()], [moments[i][0]], [moments[i][1]],
-                step=counts[i], lr=0.05, weight_decay=1e-2, freeze_step=2)
+                [expected[i]],
+                [p.grad.double().numpy()],
+                [moments[i][0]],
+                [moments[i][1]],
+                step=counts[i],
+                lr=0.05,
+                weight_decay=1e-2,
+                freeze_step=2,
+            )
             expected[i], moments[i] = w, [m, v]
         opt.step()
     for i, p in enumerate(params):
         rtol = TOLERANCE["float32"]
         np.testing.assert_allclose(p.detach().double().numpy(), expected[i], rtol=rtol, atol=1e-6)
-        np.testing.assert_allclose(opt.state[p]["exp_avg_sq"].double().numpy(), moments[i][1],
-                                   rtol=rtol, atol=1e-12)
+        np.testing.assert_allclose(
+            opt.state[p]["exp_avg_sq"].double().numpy(), moments[i][1], rtol=rtol, atol=1e-12
+        )
     assert [int(opt.state[p]["step"]) for p in params] == [5, 3]

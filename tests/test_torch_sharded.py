@@ -51,18 +51,28 @@ SCALERS = [f"grad-scaler/{o}/{p}" for o in OPTIMIZERS for p in ("foreach", "fuse
 RESUMES = [f"resume-{how}/{o}" for how in ("dcp", "zero") for o in OPTIMIZERS]
 REFUSED = {
     "refused/compiled": "compiled=True does not apply to sharded (DTensor) params",
-    "refused/fused-mixed-layouts":
-        "fused=True needs every param of the optimizer sharded the same way",
+    "refused/fused-mixed-layouts": "fused=True needs every param of the optimizer sharded the same way",
 }
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("sharded") / "cases.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "SHARDED_WORKER_TMP": str(out.parent)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        str(out),
+    ]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "SHARDED_WORKER_TMP": str(out.parent),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     found = {}
     if out.exists():

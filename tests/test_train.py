@@ -15,7 +15,11 @@ import torch
 from largebatch.cli import main as cli
 from largebatch.recipes.build import build_model, build_optimizer
 from largebatch.recipes.registry import (
-    FASHION_SETTINGS, RECIPES, Recipe, get_recipe, imagenet_equivalent,
+    FASHION_SETTINGS,
+    RECIPES,
+    Recipe,
+    get_recipe,
+    imagenet_equivalent,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -35,8 +39,15 @@ def test_one_epoch_writes_every_output_and_beats_chance(tmp_path, capsys):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1, metrics
     row = metrics[0]
-    for key in ("train_loss", "test_accuracy", "lr", "images_per_second",
-                "trust_ratio_min", "trust_ratio_median", "trust_ratio_max"):
+    for key in (
+        "train_loss",
+        "test_accuracy",
+        "lr",
+        "images_per_second",
+        "trust_ratio_min",
+        "trust_ratio_median",
+        "trust_ratio_max",
+    ):
         assert row[key] is not None, (key, row)
     assert 0 < row["trust_ratio_min"] <= row["trust_ratio_median"] <= row["trust_ratio_max"], row
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -68,9 +79,26 @@ def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "largebatch", "train", "--subset", "1024", "--batch-size", "256",
-           "--micro-batch", "64", "--epochs", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "largebatch",
+        "train",
+        "--subset",
+        "1024",
+        "--batch-size",
+        "256",
+        "--micro-batch",
+        "64",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The ranks share one stdout: a line of one may end inside a line of the other.
@@ -101,8 +129,10 @@ def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     [
         (["train", "--recipe", "resnet50-nope"], "Unknown recipe 'resnet50-nope'; known recipes: "),
         ([*TINY, "--data", "/no/such/dir"], "data directory not found: /no/such/dir"),
-        (["train", "--recipe", "resnet50-goyal-8k", "--data", "/no/such/imagenet"],
-         "data directory not found: /no/such/imagenet/train"),
+        (
+            ["train", "--recipe", "resnet50-goyal-8k", "--data", "/no/such/imagenet"],
+            "data directory not found: /no/such/imagenet/train",
+        ),
         ([*TINY, "--micro-batch", "48"], "micro-batch 48 must divide the per-process batch 128"),
         ([*TINY, "--precision", "fp16"], "precision 'fp16' needs fp32 master weights"),
     ],
@@ -129,9 +159,23 @@ def test_fsdp_needs_torchrun_and_refuses_fp16(monkeypatch, tmp_path):
 def _torchrun_train(out, *args: str) -> str:
     """``largebatch train`` on two gloo processes (fmnist-lars-1536 at batch 256, 2 x 2
     micro-batches of 64); returns stdout after checking both ranks end with one model."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "largebatch", "train", "--batch-size", "256", "--micro-batch", "64",
-           "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "largebatch",
+        "train",
+        "--batch-size",
+        "256",
+        "--micro-batch",
+        "64",
+        "--out",
+        str(out),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     digests = dict(re.findall(r"rank (\d)/2: params sha256 ([0-9a-f]{64})", proc.stdout))
@@ -182,12 +226,13 @@ def test_a_process_that_joined_a_group_exits_through_exit_process(monkeypatch, c
 @pytest.mark.slow
 def test_torchrun_fsdp_with_an_sgd_recipe_records_its_diagnostic_trust_ratios(tmp_path):
     # The trust-ratio telemetry of SGD takes each whole param's norm from its shards.
-    _torchrun_train(tmp_path / "fsdp", "--recipe", "fmnist-sgd-1536", "--subset", "512",
-                    "--epochs", "1", "--fsdp")
-    _torchrun_train(tmp_path / "ddp", "--recipe", "fmnist-sgd-1536", "--subset", "512",
-                    "--epochs", "1")
-    fsdp, ddp = (json.loads((tmp_path / k / "metrics.jsonl").read_text().splitlines()[0])
-                 for k in ("fsdp", "ddp"))
+    _torchrun_train(
+        tmp_path / "fsdp", "--recipe", "fmnist-sgd-1536", "--subset", "512", "--epochs", "1", "--fsdp"
+    )
+    _torchrun_train(tmp_path / "ddp", "--recipe", "fmnist-sgd-1536", "--subset", "512", "--epochs", "1")
+    fsdp, ddp = (
+        json.loads((tmp_path / k / "metrics.jsonl").read_text().splitlines()[0]) for k in ("fsdp", "ddp")
+    )
     assert fsdp["trust_ratio_median"] == pytest.approx(ddp["trust_ratio_median"], rel=1e-4)
 
 
@@ -221,8 +266,7 @@ def test_torchrun_fsdp_resume_is_bit_exact(tmp_path):
 def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tmp_path, capsys):
     # AdaComp from the first step (no warm-up), 2 x 2 micro-batches of 64 (the hook runs
     # at the last one): a run cut after epoch 1 and resumed ends as the whole run does.
-    args = ["--subset", "512", "--epochs", "2", "--compression", "adacomp",
-            "--compression-warmup", "0"]
+    args = ["--subset", "512", "--epochs", "2", "--compression", "adacomp", "--compression-warmup", "0"]
     whole_run = _torchrun_train(tmp_path / "a", *args)
     _torchrun_train(tmp_path / "b", *args, "--stop-after", "1")
     saved = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
@@ -231,24 +275,53 @@ def test_torchrun_adacomp_resume_is_bit_exact_and_saves_every_ranks_residuals(tm
     assert ranks[0]["step"] == 2 and saved["settings"]["compression"] == "adacomp"  # 512 / 256
     for r in ranks:  # compressed steps ran: residuals hold what was not sent
         assert any(bool(v.any()) for v in r["residuals"].values())
-    assert not all(torch.equal(ranks[0]["residuals"][k], ranks[1]["residuals"][k])
-                   for k in ranks[0]["residuals"])
+    assert not all(
+        torch.equal(ranks[0]["residuals"][k], ranks[1]["residuals"][k]) for k in ranks[0]["residuals"]
+    )
     assert _torchrun_train(tmp_path / "b", *args, "--resume") == whole_run
     rates = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])
     assert rates["compression_rates"]["fc"] > 1 and rates["compression_rates"]["dense"] == 1
     # Nor on another number of processes: one line on each rank, exit status 2.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "-m", "largebatch", "train", "--batch-size", "256", "--micro-batch", "64",
-           "--out", str(tmp_path / "b"), *args, "--resume"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "largebatch",
+        "train",
+        "--batch-size",
+        "256",
+        "--micro-batch",
+        "64",
+        "--out",
+        str(tmp_path / "b"),
+        *args,
+        "--resume",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
-    line = ("largebatch train: --resume: {} holds the AdaComp residuals of 2 processes, not 4: "
-            "resume it on 2").format(tmp_path / "b" / "checkpoint.pt")
+    line = (
+        "largebatch train: --resume: {} holds the AdaComp residuals of 2 processes, not 4: resume it on 2"
+    ).format(tmp_path / "b" / "checkpoint.pt")
     assert proc.returncode != 0 and proc.stderr.count(line) == 4, proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr and 'training/train.py", line' not in proc.stderr  # no traceback
     # A compressed run is not resumed as a plain one.
     with pytest.raises(SystemExit):
-        cli(["train", "--batch-size", "256", "--subset", "512", "--epochs", "2",
-             "--out", str(tmp_path / "b"), "--resume"])
+        cli(
+            [
+                "train",
+                "--batch-size",
+                "256",
+                "--subset",
+                "512",
+                "--epochs",
+                "2",
+                "--out",
+                str(tmp_path / "b"),
+                "--resume",
+            ]
+        )
     assert "is a run with --compression adacomp, not none" in capsys.readouterr().err
 
 
@@ -259,14 +332,12 @@ def test_compression_needs_torchrun_without_fsdp(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit, match="without --fsdp"):
         cli([*TINY, "--compression", "adacomp", "--fsdp", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=re.escape("invalid --compression-warmup -1 (must be >= 0)")):
-        cli([*TINY, "--compression", "adacomp", "--compression-warmup", "-1",
-             "--out", str(tmp_path)])
+        cli([*TINY, "--compression", "adacomp", "--compression-warmup", "-1", "--out", str(tmp_path)])
 
 
 def test_a_recipe_that_clips_per_process_refuses_another_hook(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    lamb = ["train", "--recipe", "resnet50-lamb-32k", "--data", str(tmp_path), "--out",
-            str(tmp_path / "out")]
+    lamb = ["train", "--recipe", "resnet50-lamb-32k", "--data", str(tmp_path), "--out", str(tmp_path / "out")]
     for flag in (["--fsdp"], ["--compression", "adacomp"]):
         with pytest.raises(SystemExit, match="has each process clip its gradients before DDP"):
             cli([*lamb, *flag])
@@ -290,12 +361,25 @@ def test_a_resume_on_another_process_count_clips_as_its_own_set_up_does(saved_wo
 
     saved = optimizer(saved_world)
     assert saved.max_grad_norm == (1.0 if saved_world == 1 else None)
-    state = {"model": {}, "optimizer": saved.state_dict(), "scheduler": {}, "epoch": 1,
-             "history": [], "rng": [(torch.get_rng_state(), None)]}
+    state = {
+        "model": {},
+        "optimizer": saved.state_dict(),
+        "scheduler": {},
+        "epoch": 1,
+        "history": [],
+        "rng": [(torch.get_rng_state(), None)],
+    }
     resumed = optimizer(world)
-    run = SimpleNamespace(fsdp=True, optimizer=resumed, recipe=recipe, world=world, rank=0,
-                          scaler=None, device=torch.device("cpu"),
-                          scheduler=SimpleNamespace(load_state_dict=lambda s: None))
+    run = SimpleNamespace(
+        fsdp=True,
+        optimizer=resumed,
+        recipe=recipe,
+        world=world,
+        rank=0,
+        scaler=None,
+        device=torch.device("cpu"),
+        scheduler=SimpleNamespace(load_state_dict=lambda s: None),
+    )
     assert restore(run, state) == (1, [])
     assert resumed.max_grad_norm == (1.0 if world == 1 else None)
     assert resumed.state_dict()["max_grad_norm"] == resumed.max_grad_norm
@@ -407,21 +491,27 @@ def _image_tree(root, classes: dict[str, dict[str, int]]) -> None:
                 Image.fromarray(pixels.numpy()).save(root / split / cls / f"{i}.png")
 
 
-@pytest.mark.parametrize(("classes", "message"), [
-    # val without class b: its folder c would be label 1, which is b in train
-    ({"train": {"a": 1, "b": 1, "c": 1}, "val": {"a": 1, "c": 1}},
-     "classes of {root}/val differ from those of {root}/train, so its labels would not match: "
-     "missing in val: b"),
-    ({"train": {"a": 1, "b": 1}, "val": {"a": 1, "b": 1, "z": 1}}, "not in train: z"),
-    ({"train": {"a": 2}, "val": {"a": 1}},
-     "ImageFolder tree {root}/train has 1 class (a); a classifier needs at least 2"),
-])
+@pytest.mark.parametrize(
+    ("classes", "message"),
+    [
+        # val without class b: its folder c would be label 1, which is b in train
+        (
+            {"train": {"a": 1, "b": 1, "c": 1}, "val": {"a": 1, "c": 1}},
+            "classes of {root}/val differ from those of {root}/train, so its labels would not match: "
+            "missing in val: b",
+        ),
+        ({"train": {"a": 1, "b": 1}, "val": {"a": 1, "b": 1, "z": 1}}, "not in train: z"),
+        (
+            {"train": {"a": 2}, "val": {"a": 1}},
+            "ImageFolder tree {root}/train has 1 class (a); a classifier needs at least 2",
+        ),
+    ],
+)
 def test_imagefolder_class_lists_must_match(tmp_path, capsys, classes, message):
     root = tmp_path / "tree"
     _image_tree(root, classes)
     with pytest.raises(SystemExit, match=re.escape(message.format(root=root))) as err:
-        cli(["train", "--recipe", "alexnet-bn-lars-8k", "--data", str(root),
-             "--out", str(tmp_path / "out")])
+        cli(["train", "--recipe", "alexnet-bn-lars-8k", "--data", str(root), "--out", str(tmp_path / "out")])
     assert err.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -462,8 +552,9 @@ def test_checkpoint_survives_a_kill_in_the_middle_of_its_rewrite(tmp_path):
     import signal
 
     args = [*SHORT, "--epochs", "2", "--out", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         for line in proc.stdout:
             if line.strip() == "halfway":
@@ -479,8 +570,9 @@ def test_checkpoint_survives_a_kill_in_the_middle_of_its_rewrite(tmp_path):
     # The epoch-1 checkpoint is whole and resumes; the killed write's leftover goes away.
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     assert state["epoch"] == 1
-    assert [json.loads(line)["epoch"] for line in
-            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1
+    ]
     assert cli([*args, "--resume"]) == 0
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["epoch"] == 2
     assert not list(tmp_path.glob(".*.tmp")), list(tmp_path.iterdir())
@@ -545,8 +637,9 @@ def test_a_second_run_on_the_same_out_is_refused(tmp_path, capsys):
     tmp_path.joinpath(".lock").write_text("4242\n")
     with open(tmp_path / ".lock", "r+") as held:  # another run's lock on the folder
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(SystemExit, match=re.escape(
-                f"--out {tmp_path} is in use by another run (process 4242)")) as err:
+        with pytest.raises(
+            SystemExit, match=re.escape(f"--out {tmp_path} is in use by another run (process 4242)")
+        ) as err:
             cli([*TINY, "--epochs", "1", "--out", str(tmp_path)])
     assert err.value.code == 2 and capsys.readouterr().err.count("\n") == 1
     assert not (tmp_path / "checkpoint.pt").exists()
@@ -581,8 +674,9 @@ def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkey
     peak = get_recipe("fmnist-lars-1536").peak_lr
     assert lrs[1] == pytest.approx(peak) and lrs[2] < peak and lrs[12] == 0.0, lrs
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith("schedule 0.2-epoch warmup, poly 2 (the recipe's 2-epoch warmup, "
-                           "poly 2 over 30 epochs, scaled to 3)"), header
+    assert header.endswith(
+        "schedule 0.2-epoch warmup, poly 2 (the recipe's 2-epoch warmup, poly 2 over 30 epochs, scaled to 3)"
+    ), header
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["schedule"] == "0.2-epoch warmup, poly 2"
 
@@ -593,16 +687,17 @@ def test_build_schedule_keeps_the_recipes_milestones_scaled_to_the_epochs():
     goyal = get_recipe("resnet50-goyal-8k")  # 5-epoch warmup, x0.1 at 30, 60, 80 of 90
     full = build_schedule(goyal, peak_lr=3.2, epochs=90, n_train=100, batch=10)
     assert [full(t) for t in (50, 299, 300, 599, 600, 800, 899)] == pytest.approx(
-        [3.2, 3.2, 0.32, 0.32, 0.032, 0.0032, 0.0032])
+        [3.2, 3.2, 0.32, 0.32, 0.032, 0.0032, 0.0032]
+    )
     # 9 epochs: warmup 0.5 epochs (5 steps), milestones at epochs 3, 6, 8.
     short = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10)
     # Warmup from the paper's 0.1 (§5.2): 4 of 5 steps in, 0.1 + 0.8 x (3.2 - 0.1).
     assert [short(t) for t in (4, 5, 29, 30, 60, 80)] == pytest.approx(
-        [0.1 + 0.8 * 3.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
+        [0.1 + 0.8 * 3.1, 3.2, 3.2, 0.32, 0.032, 0.0032]
+    )
     # The study's warmup replaces the recipe's, unscaled; the milestones stay.
     tuned = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10, warmup_epochs=2)
-    assert [tuned(t) for t in (10, 20, 29, 30, 60)] == pytest.approx(
-        [0.1 + 0.5 * 3.1, 3.2, 3.2, 0.32, 0.032])
+    assert [tuned(t) for t in (10, 20, 29, 30, 60)] == pytest.approx([0.1 + 0.5 * 3.1, 3.2, 3.2, 0.32, 0.032])
     # A milestone that rounds into the warmup is dropped.
     late = build_schedule(goyal, peak_lr=3.2, epochs=9, n_train=100, batch=10, warmup_epochs=4)
     assert [late(t) for t in (40, 59, 60, 80)] == pytest.approx([3.2, 3.2, 0.32, 0.032])
@@ -612,8 +707,7 @@ def test_stream_sampler_reads_consecutive_shuffled_passes_split_over_processes()
     from largebatch.training.data import StreamSampler
 
     n, batch, world, seed = 10, 4, 2, 3
-    passes = [torch.randperm(n, generator=torch.Generator().manual_seed(seed + p))
-              for p in range(3)]
+    passes = [torch.randperm(n, generator=torch.Generator().manual_seed(seed + p)) for p in range(3)]
     stream = torch.cat(passes).tolist()
 
     def read(start, stop, rank):
@@ -621,7 +715,7 @@ def test_stream_sampler_reads_consecutive_shuffled_passes_split_over_processes()
 
     for step in range(6):  # step 2 spans passes 0 and 1, step 4 passes 1 and 2
         whole = read(step, step + 1, 0) + read(step, step + 1, 1)
-        assert whole == stream[step * batch:(step + 1) * batch], step
+        assert whole == stream[step * batch : (step + 1) * batch], step
     assert read(0, 2, 1) + read(2, 5, 1) == read(0, 5, 1)  # an epoch boundary changes nothing
     assert len(StreamSampler(n, batch, 0, world, seed, 2, 5)) == 6
     with pytest.raises(ValueError, match="batch 5 is not divisible by the world size 2"):
@@ -629,12 +723,12 @@ def test_stream_sampler_reads_consecutive_shuffled_passes_split_over_processes()
 
 
 def _stream_recipe(monkeypatch, epoch_steps):
-    recipe = dataclasses.replace(get_recipe("fmnist-lars-1536"),
-                                 name=f"fmnist-lars-{epoch_steps}", epoch_steps=epoch_steps)
+    recipe = dataclasses.replace(
+        get_recipe("fmnist-lars-1536"), name=f"fmnist-lars-{epoch_steps}", epoch_steps=epoch_steps
+    )
     monkeypatch.setitem(RECIPES, recipe.name, recipe)
     # 1,000 images at 256: N / B = 3.906 steps an epoch
-    return ["train", "--recipe", recipe.name, "--subset", "1000", "--batch-size", "256",
-            "--epochs", "3"]
+    return ["train", "--recipe", recipe.name, "--subset", "1000", "--batch-size", "256", "--epochs", "3"]
 
 
 def _assert_step_arithmetic(out, capsys, epoch_steps: str, steps: int) -> None:
@@ -644,9 +738,11 @@ def _assert_step_arithmetic(out, capsys, epoch_steps: str, steps: int) -> None:
     assert state["optimizer"]["num_steps"] == steps
     assert state["scheduler"]["last_epoch"] == steps
     header = capsys.readouterr().out.splitlines()[0]
-    assert {"floor": "3 steps an epoch (N // B)", "ceil": "4 steps an epoch (ceil(N / B))",
-            "exact": "12 steps in all (epoch e ends at step round(e N / B))"}[epoch_steps] \
-        in header, header
+    assert {
+        "floor": "3 steps an epoch (N // B)",
+        "ceil": "4 steps an epoch (ceil(N / B))",
+        "exact": "12 steps in all (epoch e ends at step round(e N / B))",
+    }[epoch_steps] in header, header
 
 
 # "exact" (round(3 x 3.906) = 12 steps) is the straight run of the stream resume below.
@@ -695,8 +791,9 @@ def test_a_bar_shows_the_runs_progress_on_a_terminal_only(tmp_path, monkeypatch,
         assert bar == "" and "\r" not in out
 
 
-@pytest.mark.parametrize("name,world,local,index", [("cuda", "1", "0", 0), ("cuda", "2", "1", 1),
-                                                    ("cuda:1", "1", "0", 1)])
+@pytest.mark.parametrize(
+    "name,world,local,index", [("cuda", "1", "0", 0), ("cuda", "2", "1", 1), ("cuda:1", "1", "0", 1)]
+)
 def test_join_hands_set_device_a_device_with_an_index(monkeypatch, name, world, local, index):
     """``torch.cuda.set_device`` refuses a bare ``cuda`` (no index): ``--device cuda`` in one
     process must name the GPU, as under torchrun each rank names its ``LOCAL_RANK``."""

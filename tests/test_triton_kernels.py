@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from cases import group_hyper, spec_step
+
 from largebatch.lars.kernels import (
     FusedGroup,
     fused_lamb_step_,
@@ -53,7 +54,11 @@ CASES = {
     "lars_nesterov_clip_eps": (
         "lars",
         dict(
-            momentum=0.8, weight_decay=1e-2, trust_coefficient=0.5, eps=1e-3, nesterov=True,
+            momentum=0.8,
+            weight_decay=1e-2,
+            trust_coefficient=0.5,
+            eps=1e-3,
+            nesterov=True,
             trust_clip=True,
         ),
         {},
@@ -135,8 +140,12 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
     before, hypers, steps = [], [], []
     for g in groups:
         h = group_hyper(SPEC[kind], dataclasses.asdict(g.hyper), override, {"lr": float(g.lr)})
-        before.append([[x.double().numpy() for x in weights(g)],
-                       *([x.double().numpy() for x in g.state[k]] for k in STATE[kind])])
+        before.append(
+            [
+                [x.double().numpy() for x in weights(g)],
+                *([x.double().numpy() for x in g.state[k]] for k in STATE[kind]),
+            ]
+        )
         hypers += [h] * len(g.params)
         steps += [int(s) + 1 for s in g.steps]
     flat = lambda lists: [x for xs in lists for x in xs]  # noqa: E731
@@ -145,7 +154,7 @@ def reference_step(kind, groups, grads, max_grad_norm=None, **override):
     out, at = [], 0
     for g in groups:
         n = len(g.params)
-        out.append((w[at:at + n], *(state[k][at:at + n] for k in STATE[kind])))
+        out.append((w[at : at + n], *(state[k][at : at + n] for k in STATE[kind])))
         at += n
     return before, out
 
@@ -180,9 +189,7 @@ def check_step(kind, groups, before, expected):
             assert ok, f"group {gi} param {j} is not its master cast to {p.dtype}"
 
 
-def run_steps(
-    kind, groups, *, scale=None, max_grad_norm=None, steps=3, seed=0, zero_grads=(), **ref_hyper
-):
+def run_steps(kind, groups, *, scale=None, max_grad_norm=None, steps=3, seed=0, zero_grads=(), **ref_hyper):
     """Fused steps, each checked against the reference (``ref_hyper`` overrides its values)."""
     gen = torch.Generator().manual_seed(seed)
     counts = [float(s) for g in groups for s in g.steps]
@@ -236,9 +243,7 @@ def test_resnet50_tensor_count(kind):
     run_steps(kind, groups, steps=1)
 
 
-@pytest.mark.parametrize(
-    "kind, wrong", [("lars", dict(momentum=0.85)), ("lamb", dict(betas=(0.85, 0.999)))]
-)
+@pytest.mark.parametrize("kind, wrong", [("lars", dict(momentum=0.85)), ("lamb", dict(betas=(0.85, 0.999)))])
 def test_wrong_hyperparameter_is_caught(kind, wrong):
     """The comparison can fail: a reference with another momentum / b1 must not match."""
     groups = two_groups(kind, CASES[kind][1])
