@@ -95,7 +95,7 @@ class LayerwiseOptimizer(Optimizer):
                 )
         super().add_param_group(param_group)
         stored = self.param_groups[-1]  # its missing keys filled from the defaults
-        values = tuple(stored[k] for k in self.spec.group_keys[1:])
+        values = self._hyper_values(stored)
         self._hyperparams[len(self.param_groups) - 1] = (values, hyper)
 
     def _validate(self, group: dict[str, Any]) -> Hyperparams:
@@ -112,11 +112,15 @@ class LayerwiseOptimizer(Optimizer):
         if group["fused"] and group["foreach"]:
             raise ValueError("foreach=True and fused=True cannot both be set")
 
+    def _hyper_values(self, group: dict[str, Any]) -> tuple:
+        """A group's hyperparameters but lr, as stored: what its typed object is made from."""
+        return tuple(group[k] for k in self.spec.group_keys[1:])
+
     def _group_hyperparams(self, i: int, group: dict[str, Any]) -> Hyperparams:
         """Group ``i``'s typed hyperparameters: made when the group is first stepped and
         again only when one of its values changed since (a user or a scheduler may write
         any group key, as with torch's optimizers), checked then."""
-        values = tuple(group[k] for k in self.spec.group_keys[1:])
+        values = self._hyper_values(group)
         cached = self._hyperparams.get(i)
         if cached is None or cached[0] != values:
             hyper = self.spec.make(dict(zip(self.spec.group_keys[1:], values)))
@@ -257,8 +261,8 @@ class LayerwiseOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the step
 
-    def _group_step(self, i: int, group: dict[str, Any], path: str) -> GroupStep:
-        """Group ``i``'s params that have grads, with their state (created here, when a
+    def _group_step(self, group: dict[str, Any], hyper: Hyperparams, path: str) -> GroupStep:
+        """A group's params that have grads, with their state (created here, when a
         param first has a grad), its lr and its hyperparameters."""
         out = GroupStep(
             params=[],
@@ -267,7 +271,7 @@ class LayerwiseOptimizer(Optimizer):
             masters=[],
             steps=[],
             lr=lr_value(group["lr"]),
-            hyper=self._group_hyperparams(i, group),
+            hyper=hyper,
             path=path,
             key=id(group),
         )
@@ -318,14 +322,13 @@ class LayerwiseOptimizer(Optimizer):
         if fused and set(paths) != {"fused"}:
             raise ValueError("fused must be the same in every param group")
         # Every group's hyperparameters, checked where they changed, before any state is made.
-        for i, group in enumerate(self.param_groups):
-            self._group_hyperparams(i, group)
+        hypers = [self._group_hyperparams(i, group) for i, group in enumerate(self.param_groups)]
         reducer = _sharded.reducer_for(self._params_with_grads())
         if reducer is not None:  # sharded grads: every rank checked only its own shard
             found_inf = reducer.found_inf(found_inf)
         if not fused and skipped(found_inf):  # the kernels decide the skip on the device
             return loss
-        groups = [self._group_step(i, g, path) for i, (g, path) in enumerate(zip(self.param_groups, paths))]
+        groups = [self._group_step(g, h, path) for g, h, path in zip(self.param_groups, hypers, paths)]
         if fused:
             self._applied = _step.run(
                 self.bodies,
