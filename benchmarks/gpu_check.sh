@@ -152,6 +152,8 @@ GRAPHED="cuda graph"  # ResNet-50 only: the kernels without the host (BERT-large
 step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 150 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
     --providers "$PEERS,$GRAPHED,optax,(jax,packed" --json "$DIR/step-resnet50-fp32.json"
+step "XLA's profile of the JAX step, ResNet-50: kernels a step and their times, optax against ours" 120 \
+    "$PY" benchmarks/xla_profile.py --device cuda --model resnet50 --json "$DIR/xla-profile-resnet50.json"
 step "Optimizer step, ResNet-50 fp16 (our fp32 masters)" 110 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp16 \
     --providers "$PEERS,$GRAPHED" --json "$DIR/step-resnet50-fp16.json"

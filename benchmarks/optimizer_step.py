@@ -259,6 +259,35 @@ def _packed_lars(**kwargs):
     return optax_jit(factory)
 
 
+def _packed_rows(pallas: bool):
+    """LARS on params and grads kept packed by the caller (benchmarks/jax_packed.py): the
+    step without packing or slicing, what a fused JAX path costs at best."""
+
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
+        import jax
+        from jax_packed import pack, packed_rows_step
+
+        target = jax.devices("gpu" if device.startswith("cuda") else "cpu")[0]
+        weights, grads = _random_arrays(shapes, seed, precision)
+        w, owner = pack([jax.device_put(x, target) for x in weights])
+        g, _ = pack([jax.device_put(x, target) for x in grads])
+
+        def update(w, v, g):
+            v = packed_rows_step(w, g, v, owner, len(shapes), LR, MOMENTUM, LARS_WD, 0.001, pallas)
+            return w - v, v
+
+        jitted = jax.jit(update, donate_argnums=(0, 1))
+        carry = [w, jax.numpy.zeros_like(w)]
+
+        def step() -> None:
+            carry[0], carry[1] = jitted(carry[0], carry[1], g)
+            jax.block_until_ready(carry[0])
+
+        return step
+
+    return make
+
+
 def _ours_jax(name: str, **kwargs):
     def factory():
         from largebatch import jax as lb
@@ -279,6 +308,7 @@ class Provider:
 
 _TRITON = "runs on CUDA only (the CPU runs its kernels only in Triton's interpreter)"
 _APEX = "apex's fused kernels are CUDA kernels"
+_PALLAS = "Pallas kernels compile on a GPU (the CPU only interprets them)"
 _PEER = "timed beside the fused kernels, on CUDA runs only"
 _LARS = dict(lr=LR, momentum=MOMENTUM, weight_decay=LARS_WD)
 _LAMB = dict(lr=LR, weight_decay=LAMB_WD)
@@ -307,6 +337,21 @@ PROVIDERS: list[Provider] = [
     # An experiment: the same LARS on one packed buffer (benchmarks/jax_packed.py).
     Provider(
         "lars packed (jax, jit)", "lars", _packed_lars(weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"
+    ),
+    Provider(
+        "lars packed (jax, pallas)",
+        "lars",
+        _packed_lars(weight_decay=LARS_WD, momentum=MOMENTUM, pallas=True),
+        needs="optax",
+        cuda_only=_PALLAS,
+    ),
+    Provider("lars on packed rows (jax, jit)", "lars", _packed_rows(pallas=False), needs="optax"),
+    Provider(
+        "lars on packed rows (jax, pallas)",
+        "lars",
+        _packed_rows(pallas=True),
+        needs="optax",
+        cuda_only=_PALLAS,
     ),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),

@@ -18,9 +18,10 @@ from jax_packed import packed_lars  # noqa: E402
 from largebatch import jax as lb  # noqa: E402
 
 
-def test_packed_lars_is_lars_on_every_leaf() -> None:
+@pytest.mark.parametrize("pallas", [False, True], ids=["xla", "pallas"])
+def test_packed_lars_is_lars_on_every_leaf(pallas: bool) -> None:
     """Sizes off any block, one over two rows, a zero leaf (ratio 1) and a leaf whose
-    gradient is zero."""
+    gradient is zero; the passes as XLA's fusions and as Pallas kernels (interpreted)."""
     rng = np.random.default_rng(0)
     shapes = {
         "conv": (8, 3, 3, 3),
@@ -32,7 +33,7 @@ def test_packed_lars_is_lars_on_every_leaf() -> None:
     }
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     params["zero"][:] = 0
-    ours, packed = lb.lars(0.5, momentum=0.9, weight_decay=1e-2), packed_lars(0.5, 0.9, 1e-2)
+    ours, packed = lb.lars(0.5, momentum=0.9, weight_decay=1e-2), packed_lars(0.5, 0.9, 1e-2, pallas=pallas)
     p_ours, p_packed = params, params
     s_ours, s_packed = ours.init(params), packed.init(params)
     for _ in range(4):
@@ -99,3 +100,26 @@ def test_gpu_check_without_a_gpu_says_so_and_passes(tmp_path) -> None:
         f"make gpu-check: no CUDA GPU here ({sys.executable}: "
         "torch.cuda.is_available() is False); nothing to run\n"
     )
+
+
+def test_xla_profile_counts_each_programs_kernels_and_conditionals(monkeypatch, tmp_path) -> None:
+    """The profile of the JAX programs on tiny shapes: ours takes each of its 2 norms a
+    leaf inside a ``lax.cond`` (2 conditionals a leaf in the compiled entry computation),
+    its "(plain norms)" variant none; every program's kernels were found in the trace."""
+    import json
+
+    import optimizer_step as bench
+    import xla_profile
+
+    monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(256, 256), (300,), (64, 3, 3, 3)]})
+    out = tmp_path / "profile.json"
+    assert xla_profile.main(["--model", "tiny", "--steps", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["failed"] == {}
+    rows = {r["program"]: r for r in res["rows"]}
+    assert list(rows) == xla_profile.PROGRAMS
+    assert rows["ours lars"]["entry_by_op"]["conditional"] == 2 * 3
+    assert "conditional" not in rows["ours lars (plain norms)"]["entry_by_op"]
+    assert "conditional" not in rows["optax lars"]["entry_by_op"]
+    for r in rows.values():
+        assert r["entry_ops"] > 0 and r["kernels_per_step"] > 0, r
