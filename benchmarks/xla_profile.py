@@ -102,26 +102,33 @@ PROGRAMS = ["optax lars", "ours lars", "ours lars (plain norms)", "lars packed",
 
 @contextlib.contextmanager
 def _plain_norms(name: str) -> Iterator[None]:
-    """For "... (plain norms)": each norm the square root of its sum of squares, without
-    the ``lax.cond`` that takes it again where that sum overflowed or underflowed (what
-    ours would cost if those conditionals cost nothing; not a correct norm there)."""
+    """For "... (plain norms)": each norm the square root of the plain sum of squares,
+    without the scaled sums that keep it from overflowing or underflowing (what ours
+    costs at least; not a correct norm there)."""
     from largebatch.lars.jax import norms
 
     if not name.endswith("(plain norms)"):
         yield
         return
-    kept = norms._from_squares
-    norms._from_squares = lambda squares, x, axis_name: jax_sqrt(squares)
+    kept = norms._partial_sums, norms._from_squares
+    norms._partial_sums, norms._from_squares = _plain_sums, _plain_from_squares
     try:
         yield
     finally:
-        norms._from_squares = kept
+        norms._partial_sums, norms._from_squares = kept
 
 
-def jax_sqrt(x: Any) -> Any:
+def _plain_from_squares(squares: Any, x: Any, axis_name: Any) -> Any:
     import jax.numpy as jnp
 
-    return jnp.sqrt(x)
+    return jnp.sqrt(squares)
+
+
+def _plain_sums(x: Any) -> Any:
+    import jax.numpy as jnp
+
+    zero = jnp.zeros((), x.dtype)
+    return jnp.stack([zero, jnp.sum(jnp.square(x)), zero])
 
 
 def profile(name: str, shapes: bench.Shapes, device: str, steps: int, top: int) -> dict:

@@ -377,6 +377,27 @@ def test_shard_map_global_norm_is_the_whole_norm(scale, check):
         )
 
 
+@pytest.mark.parametrize("form", ["rescued_norms", "one_pass_norms"])
+@pytest.mark.parametrize("scale", [1e30, 1e-25, 1.0, 0.0])
+def test_shard_map_leaf_norms_in_each_form_are_the_whole_norms(scale, form):
+    """Both forms of the norms (the CPU's and the GPU's) inside ``shard_map``: each leaf's
+    norm is its whole array's (float64 on the host), the blocks differing in magnitude."""
+    from largebatch.lars.jax import norms
+
+    rng = np.random.default_rng(5)
+    leaves = f32({"a": block_scaled(rng, (16, 3), scale), "b": block_scaled(rng, (8,), scale)})
+    specs = jax.tree.map(lambda _: P("x"), leaves)
+
+    def body(t):
+        return jnp.stack(getattr(norms, form)(list(t.values()), axis_name="x"))
+
+    got = np.asarray(jax.jit(shard_map(body, row_mesh(), (specs,), P(), True))(leaves))
+    for value, leaf in zip(got, leaves.values()):
+        wide = np.abs(np.asarray(leaf, np.float64))
+        top = max(wide.max(), 1e-300)
+        np.testing.assert_allclose(value, np.sqrt(np.sum(np.square(wide / top))) * top, rtol=1e-6)
+
+
 # ------------------------------------------------------------------------- checks
 
 
