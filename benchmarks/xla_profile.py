@@ -89,33 +89,52 @@ def _transformation(name: str) -> Callable[[], Any]:
             "optax lars": lambda: optax.lars(bench.LR, **lars),
             "ours lars": lambda: lb.lars(bench.LR, **lars),
             "ours lars (plain norms)": lambda: lb.lars(bench.LR, **lars),
+            "ours lars (one pass)": lambda: lb.lars(bench.LR, **lars),
             "lars packed": lambda: packed_lars(bench.LR, **lars),
             "optax lamb": lambda: optax.lamb(bench.LR, weight_decay=bench.LAMB_WD),
             "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
+            "ours lamb (one pass)": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
         }[name]()
 
     return factory
 
 
-PROGRAMS = ["optax lars", "ours lars", "ours lars (plain norms)", "lars packed", "optax lamb", "ours lamb"]
+PROGRAMS = [
+    "optax lars",
+    "ours lars",
+    "ours lars (plain norms)",
+    "ours lars (one pass)",
+    "lars packed",
+    "optax lamb",
+    "ours lamb",
+    "ours lamb (one pass)",
+]
 
 
 @contextlib.contextmanager
-def _plain_norms(name: str) -> Iterator[None]:
-    """For "... (plain norms)": each norm the square root of the plain sum of squares,
-    without the scaled sums that keep it from overflowing or underflowing (what ours
-    costs at least; not a correct norm there)."""
-    from largebatch.lars.jax import norms
+def _norms_of(name: str) -> Iterator[None]:
+    """For "... (plain norms)": each norm the square root of its plain sum of squares,
+    without the ``lax.cond`` to the scaled pass (what ours would cost if that pass cost
+    nothing; not a correct norm where the sum overflows). For "... (one pass)": the
+    norms of ``jax_norms.one_pass_norms``. Other programs run as they are."""
+    from jax_norms import one_pass_norms
 
-    if not name.endswith("(plain norms)"):
-        yield
-        return
-    kept = norms._partial_sums, norms._from_squares
-    norms._partial_sums, norms._from_squares = _plain_sums, _plain_from_squares
+    from largebatch.lars.jax import _lamb, _lars, norms
+
+    if name.endswith("(plain norms)"):
+        patches = [(norms, "_from_squares", _plain_from_squares)]
+    elif name.endswith("(one pass)"):
+        patches = [(_lars, "leaf_norms", one_pass_norms), (_lamb, "leaf_norms", one_pass_norms)]
+    else:
+        patches = []
+    kept = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    for module, attr, value in patches:
+        setattr(module, attr, value)
     try:
         yield
     finally:
-        norms._partial_sums, norms._from_squares = kept
+        for module, attr, value in kept:
+            setattr(module, attr, value)
 
 
 def _plain_from_squares(squares: Any, x: Any, axis_name: Any) -> Any:
@@ -124,16 +143,9 @@ def _plain_from_squares(squares: Any, x: Any, axis_name: Any) -> Any:
     return jnp.sqrt(squares)
 
 
-def _plain_sums(x: Any) -> Any:
-    import jax.numpy as jnp
-
-    zero = jnp.zeros((), x.dtype)
-    return jnp.stack([zero, jnp.sum(jnp.square(x)), zero])
-
-
 def profile(name: str, shapes: bench.Shapes, device: str, steps: int, top: int) -> dict:
     """One program's entry instructions, kernels per step, their time, the step's wall time."""
-    with _plain_norms(name):
+    with _norms_of(name):
         return _profile(name, shapes, device, steps, top)
 
 

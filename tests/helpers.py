@@ -47,3 +47,36 @@ def shard_map(f: Any, mesh: Any, in_specs: Any, out_specs: Any, check: bool = Tr
     from jax.experimental.shard_map import shard_map as old  # pragma: no cover (older jax)
 
     return old(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+# Elements of every magnitude class of the norms (float32): below the one-pass form's small
+# threshold (~1.1e-19), medium, above its big one (~4.5e15), and past the square's range.
+MAGNITUDES = {"small": 1e-25, "edge_small": 1e-19, "medium": 1.0, "edge_big": 1e16, "big": 1e30}
+MIXES = [
+    ("small",), ("medium",), ("big",), ("small", "medium"), ("medium", "big"), ("small", "big"),
+    ("small", "medium", "big"), ("edge_small", "medium"), ("edge_big", "medium"),
+]  # fmt: skip
+NON_FINITE = [
+    ([1e30, float("inf")], float("inf")), ([1.0, -float("inf")], float("inf")),
+    ([1e-30, float("nan")], float("nan")), ([float("inf"), float("nan")], float("nan")),
+    ([1e30, float("nan")], float("nan")), ([0.0, 0.0], 0.0),
+]  # fmt: skip
+
+
+def assert_float64_norms(norms: Any, size: int, mix: tuple[str, ...], jit: bool) -> None:
+    """``norms`` (a list of JAX arrays -> their norms), compiled or not, on a float32 and
+    a complex64 leaf of ``size`` elements drawn from the classes ``mix``: each norm as
+    float64 takes it, to 1e-6."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(size)
+    scale = np.array([MAGNITUDES[m] for m in mix])[rng.integers(len(mix), size=size)]
+    x = (rng.standard_normal(size) * scale).astype(np.float32)
+    z = (x + 1j * (rng.standard_normal(size) * scale[::-1])).astype(np.complex64)
+    got = (jax.jit(norms) if jit else norms)([jnp.asarray(x), jnp.asarray(z)])
+    for value, leaf in zip(got, (x, z)):
+        wide = np.abs(leaf.astype(np.complex128))
+        top = wide.max()
+        np.testing.assert_allclose(float(value), np.sqrt(np.sum(np.square(wide / top))) * top, rtol=1e-6)

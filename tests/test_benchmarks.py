@@ -13,6 +13,8 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from helpers import MIXES, NON_FINITE, assert_float64_norms  # noqa: E402
+from jax_norms import one_pass_norms  # noqa: E402
 from jax_packed import packed_lars  # noqa: E402
 
 from largebatch import jax as lb  # noqa: E402
@@ -103,9 +105,10 @@ def test_gpu_check_without_a_gpu_says_so_and_passes(tmp_path) -> None:
 
 
 def test_xla_profile_counts_each_programs_kernels_and_conditionals(monkeypatch, tmp_path) -> None:
-    """The profile of the JAX programs on tiny shapes: ours takes each of its 2 norms a
+    """The profile of the JAX programs on small shapes: ours takes each of its 2 norms a
     leaf inside a ``lax.cond`` (2 conditionals a leaf in the compiled entry computation),
-    its "(plain norms)" variant none; every program's kernels were found in the trace."""
+    its "(plain norms)" and "(one pass)" variants none; every program's kernels were
+    found in the trace."""
     import json
 
     import optimizer_step as bench
@@ -119,7 +122,23 @@ def test_xla_profile_counts_each_programs_kernels_and_conditionals(monkeypatch, 
     rows = {r["program"]: r for r in res["rows"]}
     assert list(rows) == xla_profile.PROGRAMS
     assert rows["ours lars"]["entry_by_op"]["conditional"] == 2 * 3
-    assert "conditional" not in rows["ours lars (plain norms)"]["entry_by_op"]
+    for variant in ("ours lars (plain norms)", "ours lars (one pass)", "ours lamb (one pass)"):
+        assert "conditional" not in rows[variant]["entry_by_op"], variant
     assert "conditional" not in rows["optax lars"]["entry_by_op"]
     for r in rows.values():
         assert r["entry_ops"] > 0 and r["kernels_per_step"] > 0, r
+
+
+@pytest.mark.parametrize("size", [1, 7, 4099])
+@pytest.mark.parametrize("mix", MIXES, ids="+".join)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_one_pass_norms_are_float64_norms(size, mix, jit) -> None:
+    """The one-pass form holds to float64 on every mix of magnitudes, a leaf of one
+    element too (where XLA would fold its two scalings into one constant that underflows
+    in float32, were they not hidden from it)."""
+    assert_float64_norms(one_pass_norms, size, mix, jit)
+
+
+@pytest.mark.parametrize("values, expected", NON_FINITE)
+def test_one_pass_norms_of_non_finite_elements(values, expected) -> None:
+    np.testing.assert_equal(float(one_pass_norms([jax.numpy.asarray(values, np.float32)])[0]), expected)

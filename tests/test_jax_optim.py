@@ -9,6 +9,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 from cases import TOLERANCE, run_spec_tree  # noqa: E402
+from helpers import MIXES, NON_FINITE, assert_float64_norms  # noqa: E402
 
 from largebatch.jax import (  # noqa: E402
     as_optax_schedule,
@@ -17,6 +18,7 @@ from largebatch.jax import (  # noqa: E402
     lars,
     make_schedule,
 )
+from largebatch.lars.jax.norms import leaf_norms  # noqa: E402
 from largebatch.schedules import make_schedule as py_make_schedule  # noqa: E402
 
 STEPS = 3
@@ -542,68 +544,17 @@ def test_facade_exports_and_imports_no_torch():
 
 # ------------------------------------------------------------------------------ norms
 
-# Elements of every magnitude class of the one-pass norm (float32): below its small
-# threshold (~1.1e-19), medium, above its big one (~4.5e15), and past the square's range.
-MAGNITUDES = {"small": 1e-25, "edge_small": 1e-19, "medium": 1.0, "edge_big": 1e16, "big": 1e30}
-
 
 @pytest.mark.parametrize("size", [1, 7, 4099])
-@pytest.mark.parametrize(
-    "mix",
-    [
-        ("small",),
-        ("medium",),
-        ("big",),
-        ("small", "medium"),
-        ("medium", "big"),
-        ("small", "big"),
-        ("small", "medium", "big"),
-        ("edge_small", "medium"),
-        ("edge_big", "medium"),
-    ],
-    ids=lambda m: "+".join(m) if isinstance(m, tuple) else str(m),
-)
+@pytest.mark.parametrize("mix", MIXES, ids="+".join)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("form", ["leaf_norms", "rescued_norms", "one_pass_norms"])
-def test_norm_is_the_float64_norm_for_every_mix_of_magnitudes(size, mix, jit, form):  # fmt: skip
-    """Each form, compiled or not (``leaf_norms`` picks the platform's): a tensor of one
-    element (where XLA would fold the one-pass form's scalings into a constant that
-    underflows, were they not hidden from it), or of many, holding elements of each
-    class, is measured as float64 measures it; complex leaves too."""
-    import jax
-
-    from largebatch.lars.jax import norms as forms
-
-    leaf_norms = getattr(forms, form)
-
-    rng = np.random.default_rng(size)
-    scale = np.array([MAGNITUDES[m] for m in mix])[rng.integers(len(mix), size=size)]
-    x = (rng.standard_normal(size) * scale).astype(np.float32)
-    z = (x + 1j * (rng.standard_normal(size) * scale[::-1])).astype(np.complex64)
-    norms = jax.jit(leaf_norms) if jit else leaf_norms
-    got = [float(n) for n in norms([jnp.asarray(x), jnp.asarray(z)])]
-    for value, leaf in zip(got, (x, z)):
-        wide = np.abs(leaf.astype(np.complex128))
-        top = wide.max()
-        expected = np.sqrt(np.sum(np.square(wide / top))) * top
-        np.testing.assert_allclose(value, expected, rtol=1e-6)
+def test_norm_is_the_float64_norm_for_every_mix_of_magnitudes(size, mix, jit):
+    """A tensor of one element or of many, holding elements of each magnitude class, is
+    measured as float64 measures it, compiled or not; complex leaves too."""
+    assert_float64_norms(leaf_norms, size, mix, jit)
 
 
-@pytest.mark.parametrize(
-    "values, expected",
-    [
-        ([1e30, np.inf], np.inf),
-        ([1.0, -np.inf], np.inf),
-        ([1e-30, np.nan], np.nan),
-        ([np.inf, np.nan], np.nan),
-        ([1e30, np.nan], np.nan),
-        ([0.0, 0.0], 0.0),
-    ],
-)
-@pytest.mark.parametrize("form", ["leaf_norms", "rescued_norms", "one_pass_norms"])
-def test_norm_of_non_finite_elements(values, expected, form):  # fmt: skip
+@pytest.mark.parametrize("values, expected", NON_FINITE)
+def test_norm_of_non_finite_elements(values, expected):
     """NaN wherever one element is NaN, else inf wherever one is infinite; zeros give 0."""
-    from largebatch.lars.jax import norms as forms
-
-    got = getattr(forms, form)([jnp.asarray(values, jnp.float32)])[0]
-    np.testing.assert_equal(float(got), expected)
+    np.testing.assert_equal(float(leaf_norms([jnp.asarray(values, jnp.float32)])[0]), expected)

@@ -377,19 +377,27 @@ def test_shard_map_global_norm_is_the_whole_norm(scale, check):
         )
 
 
-@pytest.mark.parametrize("form", ["rescued_norms", "one_pass_norms"])
+@pytest.mark.parametrize("form", ["largebatch", "one pass"])
 @pytest.mark.parametrize("scale", [1e30, 1e-25, 1.0, 0.0])
 def test_shard_map_leaf_norms_in_each_form_are_the_whole_norms(scale, form):
-    """Both forms of the norms (the CPU's and the GPU's) inside ``shard_map``: each leaf's
-    norm is its whole array's (float64 on the host), the blocks differing in magnitude."""
-    from largebatch.lars.jax import norms
+    """The norms inside ``shard_map``, ours and the one-pass form of
+    ``benchmarks/jax_norms.py``: each leaf's norm is its whole array's (float64 on the
+    host), the blocks differing in magnitude (one element a block for ``b``)."""
+    import sys
+    from pathlib import Path
 
+    from largebatch.lars.jax.norms import leaf_norms
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from jax_norms import one_pass_norms
+
+    norms = leaf_norms if form == "largebatch" else one_pass_norms
     rng = np.random.default_rng(5)
     leaves = f32({"a": block_scaled(rng, (16, 3), scale), "b": block_scaled(rng, (8,), scale)})
     specs = jax.tree.map(lambda _: P("x"), leaves)
 
     def body(t):
-        return jnp.stack(getattr(norms, form)(list(t.values()), axis_name="x"))
+        return jnp.stack(norms(list(t.values()), axis_name="x"))
 
     got = np.asarray(jax.jit(shard_map(body, row_mesh(), (specs,), P(), True))(leaves))
     for value, leaf in zip(got, leaves.values()):
