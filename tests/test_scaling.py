@@ -12,6 +12,7 @@ import pytest
 from helpers import user_error
 
 from largebatch.cli import main as cli
+from largebatch.cli import scaling as cli_scaling
 from largebatch.comm import published
 from largebatch.comm import scaling as sc
 
@@ -95,6 +96,24 @@ def test_a_flat_network_gives_every_form_the_same_link():
         sc.two_phase(100 * MB, 16, 20, 5e-6, 10 * GB, buckets=2)
     )
     assert p.choice == sc.choose_form(16, 100 * MB, 20, 5e-6, 10 * GB, buckets=2)
+
+
+def test_the_compressors_work_is_added_to_the_compressed_forms_beyond_one_worker():
+    """``S * cost`` on each compressed form's exchange (its own cost each), nothing on the
+    dense forms, nothing at one worker; the pick follows the totals, so a compressor that
+    costs more on the two-phase form can hand the pick back to the all-gather."""
+    net = sc.Network.flat(5e-6, 10 * GB)
+    free = sc.Workload(100 * MB, 0.2, buckets=4, compression=40)
+    paid = sc.Workload(100 * MB, 0.2, buckets=4, compression=40, compressor_cost=(0.3e-9, 0.6e-9))
+    for n in (2, 64, 512):
+        a, b = sc.predict(free, net, n).forms, sc.predict(paid, net, n).forms
+        assert b["ring"] == a["ring"] and b["hierarchical"] == a["hierarchical"]
+        assert b["allgather"].comm_time == pytest.approx(a["allgather"].comm_time + 100 * MB * 0.3e-9)
+        assert b["two_phase"].comm_time == pytest.approx(a["two_phase"].comm_time + 100 * MB * 0.6e-9)
+    assert sc.predict(paid, net, 1).forms == sc.predict(free, net, 1).forms
+    assert sc.predict(free, net, 64).choice == "two_phase"
+    assert sc.predict(paid, net, 64).choice == "allgather"  # 30 ms less compressing pays
+    assert sc.predict(paid, net, 64).choice == sc.compressed_best(paid, net, 64)
 
 
 def test_predict_step_and_efficiency():
@@ -285,6 +304,8 @@ def test_fit_ring_refuses(rows, message):
         ),
         (lambda: sc.Workload(1e6, 0.0), "Invalid compute_time: 0.0"),
         (lambda: sc.Workload(1e6, 0.1, overlap=1.5), "Invalid overlap: 1.5"),
+        (lambda: sc.Workload(1e6, 0.1, compressor_cost=(1e-9, -1.0)), "Invalid compressor_cost: -1.0"),
+        (lambda: sc.Workload(1e6, 0.1, compressor_cost=1e-9), "Invalid compressor_cost: 1e-09"),
         (lambda: sc.allgather_crossover(40, against="tree"), "Invalid against: 'tree'"),
     ],
 )
@@ -329,6 +350,28 @@ def test_cli_prints_a_table(capsys):
     ring = sc.ring(102.4 * MB, 64, 10e-6, 12.5 * GB, buckets=4)
     assert float(rows[2][1]) == pytest.approx(1e3 * (0.1 + ring), abs=0.05)
     assert rows[2][-1] in ("all-gather", "two-phase")
+    # The compressor's measured work by default, in the compressed columns only.
+    ag_ns, tp_ns = cli_scaling.COMPRESSOR_NS_PER_BYTE
+    assert f"compressor: {ag_ns:g} / {tp_ns:g} ns a gradient byte" in out
+    allgather = sc.allgather(102.4 * MB, 64, 40, 10e-6, 12.5 * GB, buckets=4) + 102.4 * MB * ag_ns * 1e-9
+    assert float(rows[2][5]) == pytest.approx(1e3 * (0.1 + allgather), abs=0.05)
+
+
+@pytest.mark.parametrize(("flag", "ag_ns", "tp_ns"), [("0", 0, 0), ("0.5", 0.5, 0.5), ("0.25,1", 0.25, 1)])
+def test_cli_compressor_cost_flag(capsys, flag, ag_ns, tp_ns):
+    """One value for both compressed forms or one each; the JSON carries the seconds a byte."""
+    assert cli(["scaling", "--workers", "16", "--compressor-ns-per-byte", flag, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"]["compressor_cost"] == [pytest.approx(ag_ns * 1e-9), pytest.approx(tp_ns * 1e-9)]
+    free = json.loads(_cli_json(capsys, ["scaling", "--workers", "16", "--compressor-ns-per-byte", "0"]))
+    for form, ns in (("allgather", ag_ns), ("two_phase", tp_ns)):
+        extra = doc["rows"][0]["forms"][form]["comm_time"] - free["rows"][0]["forms"][form]["comm_time"]
+        assert extra == pytest.approx(102.4 * MB * ns * 1e-9)
+
+
+def _cli_json(capsys, argv):
+    assert cli([*argv, "--json"]) == 0
+    return capsys.readouterr().out
 
 
 def test_cli_writes_plot_and_json(tmp_path, capsys):
@@ -401,6 +444,13 @@ def test_cli_published(capsys):
         (["--compute-ms", "nan"], "invalid --compute-ms nan (must be a finite number > 0)"),
         (["--compression", "0.5"], "invalid --compression 0.5 (must be a finite number >= 1)"),
         (["--overlap", "2"], "invalid --overlap 2.0 (must be between 0 and 1)"),
+        *[
+            (
+                ["--compressor-ns-per-byte", bad],
+                f"invalid --compressor-ns-per-byte {bad} (one or two comma-separated finite numbers >= 0)",
+            )
+            for bad in ("x", "-1", "1,2,3", "nan", "0.3,")
+        ],
         (["--gpus-per-node", "0"], "invalid --gpus-per-node 0 (must be >= 1)"),
         (
             ["--workers", "12"],

@@ -28,6 +28,9 @@ DEFAULTS = {
     "compression": 40.0,
     "overlap": 0.0,
 }
+# The AdaComp hook's own work, ns a gradient byte (all-gather, two-phase form): one H200,
+# 2026-11-27, benchmarks/comm_hook.py --device cuda on ResNet-50's shapes (docs/benchmarks.md).
+COMPRESSOR_NS_PER_BYTE = (0.33, 0.58)
 _NETWORK_FLAGS = ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us")
 _LABELS = {
     "ring": "ring",
@@ -111,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compression rate c of the compressed forms (default 40)",
     )
     add(
+        "--compressor-ns-per-byte",
+        default=None,
+        metavar="NS[,NS]",
+        help="the compressor's own work, ns a gradient byte, for the all-gather and the two-phase "
+        "form (one value: both); 0 counts bytes only (default %s, one H200)"
+        % ",".join(f"{x:g}" for x in COMPRESSOR_NS_PER_BYTE),
+    )
+    add(
         "--overlap",
         type=float,
         default=None,
@@ -185,6 +196,27 @@ def _read_calibration(path: str) -> model.Link:
     return link
 
 
+def _compressor_cost(text: str | None) -> tuple[float, float]:
+    """``--compressor-ns-per-byte`` as seconds a byte for the two compressed forms."""
+    if text is None:
+        return (1e-9 * COMPRESSOR_NS_PER_BYTE[0], 1e-9 * COMPRESSOR_NS_PER_BYTE[1])
+    parts = text.split(",")
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        values = []
+    if (
+        len(parts) not in (1, 2)
+        or len(values) != len(parts)
+        or not all(math.isfinite(v) and v >= 0 for v in values)
+    ):
+        raise _fail(
+            f"invalid --compressor-ns-per-byte {text} (one or two comma-separated finite numbers >= 0)"
+        )
+    ag, tp = values * 2 if len(values) == 1 else values
+    return (1e-9 * ag, 1e-9 * tp)
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The checked inputs: workload, network, workers, and how they were chosen."""
     for flag in ("params", "compute_ms", "intra_gbps", "inter_gbps"):
@@ -202,6 +234,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise _fail(f"invalid --workers {n} (must be >= 1)")
     if args.model is not None and args.params is not None:
         raise _fail("give --model or --params, not both")
+    compressor_cost = _compressor_cost(args.compressor_ns_per_byte)
     opts: dict[str, Any] = {
         k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in DEFAULTS.items()
     }
@@ -239,6 +272,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         buckets=buckets,
         compression=opts["compression"],
         overlap=opts["overlap"],
+        compressor_cost=compressor_cost,
     )
     return {
         "model": name or "custom",
@@ -264,6 +298,10 @@ def _header(s: dict[str, Any]) -> list[str]:
         f"{net.intra_bandwidth / 1e9:.3g} GB/s, {1e6 * net.intra_latency:.3g} us; between "
         f"nodes {net.inter_bandwidth / 1e9:.3g} GB/s, {1e6 * net.inter_latency:.3g} us; "
         f"compression c = {w.compression:g}",
+        f"compressor: {1e9 * w.compressor_cost[0]:g} / {1e9 * w.compressor_cost[1]:g} ns a gradient "
+        f"byte (all-gather / two-phase), {1e3 * w.size_bytes * w.compressor_cost[0]:.3g} / "
+        f"{1e3 * w.size_bytes * w.compressor_cost[1]:.3g} ms a step beyond one worker, in their "
+        "columns",
     ]
 
 
@@ -302,7 +340,7 @@ def _table(s: dict[str, Any], predictions: list[model.Prediction]) -> str:
         f"all-gather beats the dense ring below n* = {x['allgather_vs_ring']:.1f} "
         f"workers on the link between nodes (2c = {x['allgather_vs_ring_no_latency']:g} "
         "with no latency); two-phase beats all-gather above n* = "
-        f"{x['allgather_vs_two_phase']:.1f} there",
+        f"{x['allgather_vs_two_phase']:.1f} there (bytes and latencies only)",
     ]
     return "\n".join(lines)
 
@@ -399,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
         "params": s["params"],
         "workload": {
             k: getattr(s["workload"], k)
-            for k in ("size_bytes", "compute_time", "buckets", "compression", "overlap")
+            for k in ("size_bytes", "compute_time", "buckets", "compression", "overlap", "compressor_cost")
         },
         "network": {
             k: getattr(s["network"], k)

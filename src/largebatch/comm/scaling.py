@@ -73,6 +73,9 @@ class Workload:
         compression: ``c`` for the compressed forms.
         overlap: fraction of the exchange hidden behind the backward pass (0: none; the
             hidden part is at most ``compute_time``).
+        compressor_cost: seconds a gradient byte that each worker spends compressing and
+            decoding, for the all-gather and the two-phase form: added to their exchange
+            beyond one worker (``S * cost``). 0 counts bytes and latencies only.
     """
 
     size_bytes: float
@@ -80,6 +83,7 @@ class Workload:
     buckets: int = 1
     compression: float = 40.0
     overlap: float = 0.0
+    compressor_cost: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         checks.number("size_bytes", self.size_bytes)
@@ -89,6 +93,11 @@ class Workload:
         overlap = checks.number("overlap", self.overlap, strict=False)
         if overlap > 1:
             raise ValueError(f"Invalid overlap: {self.overlap!r} (must be between 0 and 1)")
+        cost = self.compressor_cost
+        if not isinstance(cost, tuple) or len(cost) != 2:
+            raise ValueError(f"Invalid compressor_cost: {cost!r} (must be a pair of seconds a byte)")
+        for value in cost:
+            checks.number("compressor_cost", value, strict=False)
 
     @classmethod
     def from_params(cls, params: float, compute_time: float, **kwargs: Any) -> Workload:
@@ -132,29 +141,23 @@ def _comm_times(workload: Workload, network: Network, workers: int) -> dict[str,
     n = checks.integer("workers", workers, 1)
     s, k, c = workload.size_bytes, workload.buckets, workload.compression
     a, b = network.link(n)
+    # The compressor's own work, where there is an exchange to compress.
+    ag_cost, tp_cost = (s * cost for cost in workload.compressor_cost) if n > 1 else (0.0, 0.0)
     return {
         "ring": ring(s, n, a, b, buckets=k),
         "hierarchical": hierarchical(s, n, network, buckets=k),
-        "allgather": allgather(s, n, c, a, b, buckets=k),
-        "two_phase": two_phase(s, n, c, a, b, buckets=k, sharing=network.sharing(n)),
+        "allgather": allgather(s, n, c, a, b, buckets=k) + ag_cost,
+        "two_phase": two_phase(s, n, c, a, b, buckets=k, sharing=network.sharing(n)) + tp_cost,
     }
 
 
 def compressed_best(workload: Workload, network: Network, workers: int) -> str:
-    """The compressed form faster on ``network`` at ``workers``: :func:`choose_form` with
-    the link of :meth:`Network.link` and the sharing of :meth:`Network.sharing`. On a
-    :meth:`Network.flat` network it is ``choose_form`` with that network's link."""
-    n = checks.integer("workers", workers, 1)
-    a, b = network.link(n)
-    return choose_form(
-        n,
-        workload.size_bytes,
-        workload.compression,
-        a,
-        b,
-        buckets=workload.buckets,
-        sharing=network.sharing(n),
-    )
+    """The compressed form faster on ``network`` at ``workers``, the compressor's own work
+    (``workload.compressor_cost``) included; a tie goes to the all-gather. Without that
+    work it is :func:`choose_form` with the link of :meth:`Network.link` and the sharing
+    of :meth:`Network.sharing`."""
+    times = _comm_times(workload, network, workers)
+    return "allgather" if times["allgather"] <= times["two_phase"] else "two_phase"
 
 
 def predict(workload: Workload, network: Network, workers: int) -> Prediction:
