@@ -7,9 +7,10 @@ branches run for every leaf on every step: ``benchmarks/xla_profile.py`` counted
 kernels a ResNet-50 LARS step against 576 with plain norms, and the plain norms made the
 step faster than optax's (docs/benchmarks.md, 2026-11-27). This module is one candidate
 for the GPU: Blue's three sums (small, medium and big elements, each scaled so that its
-squares stay in range) in one variadic reduction, combined as Anderson (2017), Algorithm
-978, combines them. ``xla_profile.py`` times it as ``ours lars (one pass)``;
-``tests/test_benchmarks.py`` holds it to float64 on every mix of magnitudes.
+squares stay in range; the classes of Anderson (2017), Algorithm 978, section 3) in one
+variadic reduction, then brought to one scale under one square root. ``xla_profile.py``
+times it as ``ours lars (one pass)``; ``tests/test_benchmarks.py`` holds it to float64
+on every mix of magnitudes.
 """
 
 from __future__ import annotations
@@ -74,23 +75,24 @@ def _partial_sums(x: jax.Array) -> jax.Array:
 
 
 def _norm_from_sums(sums: jax.Array) -> jax.Array:
-    """The norm from :func:`_partial_sums` (over all blocks), combined as Anderson
-    (2017), Algorithm 978, does: where there are big elements the small ones cannot
-    matter; where there are small and medium ones, the two partial norms are added
-    without forming a square that could underflow. A NaN element gives NaN, else an
+    """The norm from :func:`_partial_sums` (over all blocks): the sums brought to one
+    scale, the largest class's, and one square root. Where there are big elements the
+    small ones cannot matter (Anderson 2017, Algorithm 978, section 3); where the medium
+    sum is at least 2**-40 the small ones are added at its scale (what underflows there
+    is below 2**-86 of it); else the medium ones at the small ones' scale. One chain of
+    scalar operations, which XLA fuses into one kernel. A NaN element gives NaN, else an
     inf element inf."""
     big, medium, small = sums[0], sums[1], sums[2]
     _, _, ssml, sbig = _constants(sums.dtype)
     ssml, sbig = _opaque(ssml, sbig, sums.dtype)
-    # hypot: the partial norms added without squaring them again.
-    with_big = jnp.hypot(jnp.sqrt(big), jnp.sqrt(medium) * sbig) / sbig
-    y_small, y_medium = jnp.sqrt(small) / ssml, jnp.sqrt(medium)
-    norm = jnp.where(
+    at_medium = medium >= 2.0**-40
+    total = jnp.where(
         big > 0,
-        with_big,
-        jnp.where(small > 0, jnp.where(medium > 0, jnp.hypot(y_small, y_medium), y_small), y_medium),
+        big + (medium * sbig) * sbig,
+        jnp.where(at_medium, medium + (small / ssml) / ssml, small + (medium * ssml) * ssml),
     )
-    return jnp.where(jnp.isnan(medium), medium, norm)  # a NaN element lands in ``medium``
+    scale = jnp.where(big > 0, 1 / sbig, jnp.where(at_medium, 1.0, 1 / ssml))
+    return jnp.sqrt(total) * scale
 
 
 def one_pass_norms(leaves: Sequence[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:

@@ -55,6 +55,7 @@ MAGNITUDES = {"small": 1e-25, "edge_small": 1e-19, "medium": 1.0, "edge_big": 1e
 MIXES = [
     ("small",), ("medium",), ("big",), ("small", "medium"), ("medium", "big"), ("small", "big"),
     ("small", "medium", "big"), ("edge_small", "medium"), ("edge_big", "medium"),
+    ("edge_small",), ("edge_big",), ("small", "edge_small"),
 ]  # fmt: skip
 NON_FINITE = [
     ([1e30, float("inf")], float("inf")), ([1.0, -float("inf")], float("inf")),
