@@ -144,25 +144,38 @@ def foreach_sgd_momentum(shapes: Shapes, device: str, seed: int, precision: str)
     return step
 
 
+def jax_arrays(shapes: Shapes, device: str, seed: int, precision: str) -> tuple[list, list]:
+    """The weights and gradients of :func:`_random_arrays` as JAX arrays on ``device``'s
+    platform (``cuda``: the first GPU)."""
+    import jax
+
+    target = jax.devices("gpu" if device.startswith("cuda") else "cpu")[0]
+    weights, grads = _random_arrays(shapes, seed, precision)
+    return [jax.device_put(w, target) for w in weights], [jax.device_put(g, target) for g in grads]
+
+
+def jitted_update(tx):
+    """``(params, state, grads) -> (params, state)`` for the optax transformation ``tx``,
+    jitted with the params and state donated."""
+    import jax
+    import optax
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(update, donate_argnums=(0, 1))
+
+
 def optax_jit(factory: Callable[[], object]):
     """A provider's ``make`` for an optax transformation, jitted with donated params and state."""
 
     def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
         import jax
-        import optax
 
-        platform_name = "gpu" if device.startswith("cuda") else "cpu"
-        target = jax.devices(platform_name)[0]
-        weights, grads = _random_arrays(shapes, seed, precision)
-        params = [jax.device_put(w, target) for w in weights]
-        gs = [jax.device_put(g, target) for g in grads]
+        params, gs = jax_arrays(shapes, device, seed, precision)
         tx = factory()
-
-        def update(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        jitted = jax.jit(update, donate_argnums=(0, 1))
+        jitted = jitted_update(tx)
         carry = [params, tx.init(params)]
 
         def step() -> None:
@@ -267,10 +280,8 @@ def _packed_rows(pallas: bool):
         import jax
         from jax_packed import pack, packed_rows_step
 
-        target = jax.devices("gpu" if device.startswith("cuda") else "cpu")[0]
-        weights, grads = _random_arrays(shapes, seed, precision)
-        w, owner = pack([jax.device_put(x, target) for x in weights])
-        g, _ = pack([jax.device_put(x, target) for x in grads])
+        weights, grads = jax_arrays(shapes, device, seed, precision)
+        (w, owner), (g, _) = pack(weights), pack(grads)
 
         def update(w, v, g):
             v = packed_rows_step(w, g, v, owner, len(shapes), LR, MOMENTUM, LARS_WD, 0.001, pallas)

@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,26 +77,22 @@ def device_events(xplane: str, gpu: bool, seen: list[str]) -> list[tuple[str, fl
     return events
 
 
-def _transformation(name: str) -> Callable[[], Any]:
-    def factory() -> Any:
-        import optax
-        from jax_packed import packed_lars
+def _transformation(name: str) -> Any:
+    """The program's optax transformation (a variant, "... (plain norms)" or "... (one
+    pass)", is its program's with other norms: :func:`_norms_of`)."""
+    import optax
+    from jax_packed import packed_lars
 
-        from largebatch import jax as lb
+    from largebatch import jax as lb
 
-        lars = dict(momentum=bench.MOMENTUM, weight_decay=bench.LARS_WD)
-        return {
-            "optax lars": lambda: optax.lars(bench.LR, **lars),
-            "ours lars": lambda: lb.lars(bench.LR, **lars),
-            "ours lars (plain norms)": lambda: lb.lars(bench.LR, **lars),
-            "ours lars (one pass)": lambda: lb.lars(bench.LR, **lars),
-            "lars packed": lambda: packed_lars(bench.LR, **lars),
-            "optax lamb": lambda: optax.lamb(bench.LR, weight_decay=bench.LAMB_WD),
-            "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
-            "ours lamb (one pass)": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
-        }[name]()
-
-    return factory
+    lars = dict(momentum=bench.MOMENTUM, weight_decay=bench.LARS_WD)
+    return {
+        "optax lars": lambda: optax.lars(bench.LR, **lars),
+        "ours lars": lambda: lb.lars(bench.LR, **lars),
+        "lars packed": lambda: packed_lars(bench.LR, **lars),
+        "optax lamb": lambda: optax.lamb(bench.LR, weight_decay=bench.LAMB_WD),
+        "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
+    }[name.split(" (")[0]]()
 
 
 PROGRAMS = [
@@ -151,20 +147,10 @@ def profile(name: str, shapes: bench.Shapes, device: str, steps: int, top: int) 
 
 def _profile(name: str, shapes: bench.Shapes, device: str, steps: int, top: int) -> dict:
     import jax
-    import optax
 
-    gpu = device.startswith("cuda")
-    target = jax.devices("gpu" if gpu else "cpu")[0]
-    weights, grads = bench._random_arrays(shapes, 0, "fp32")
-    params = [jax.device_put(w, target) for w in weights]
-    gs = [jax.device_put(g, target) for g in grads]
-    tx = _transformation(name)()
-
-    def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    jitted = jax.jit(update, donate_argnums=(0, 1))
+    params, gs = bench.jax_arrays(shapes, device, 0, "fp32")
+    tx = _transformation(name)
+    jitted = bench.jitted_update(tx)
     state = tx.init(params)
     ops = entry_ops(jitted.lower(params, state, gs).compile().as_text())
     carry = (params, state)
@@ -184,7 +170,7 @@ def _profile(name: str, shapes: bench.Shapes, device: str, steps: int, top: int)
             jax.block_until_ready(carry)
         xplane = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
         seen: list[str] = []
-        events = device_events(xplane[0], gpu, seen) if xplane else []
+        events = device_events(xplane[0], device.startswith("cuda"), seen) if xplane else []
     by_kernel: dict[str, list[float]] = collections.defaultdict(list)
     for kernel, ns in events:
         by_kernel[kernel].append(ns)
