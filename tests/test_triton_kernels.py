@@ -356,7 +356,7 @@ def test_sums_do_not_depend_on_the_order_programs_run(kind, max_grad_norm):
                 x[kplan.BLOCK * kplan.TILES :: kplan.BLOCK * kplan.TILES // 2] = 2.0**-8
             group.grads[1].fill_(0.5)
         extra = {} if kind == "lars" else dict(max_grad_norm=max_grad_norm)
-        plan = kplan._plan(SPEC[kind], [group], None)
+        plan = kplan.plan_for(SPEC[kind], [group], None)
         assert plan.buckets[0].grid == (4,)
         if flip:  # on the CPU the plan's tables are host memory
             for b in plan.buckets:

@@ -1,6 +1,7 @@
 """The host side of the fused step: FusedGroup and its checks, the launch plan (tables,
-workspace, launch shapes) and its cache, and the two entry points, which launch the
-kernels of ``common.py``, ``lars.py`` and ``lamb.py`` (docs/design.md §3)."""
+workspace, launch shapes) and its cache, the launches of one step on a plan, and the two
+entry points, which find the plan and launch the kernels of ``common.py``, ``lars.py``
+and ``lamb.py`` (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,11 @@ class _Bucket:
 
 
 @dataclass
-class _Plan:
+class Plan:
+    """One set of groups' launches: device tables, workspace and launch shapes, built
+    once (:func:`plan_for`) and run by :func:`launch_lars` / :func:`launch_lamb` at every
+    step while the tensors stay where they were."""
+
     buckets: list[_Bucket]
     hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
     ws: torch.Tensor  # fp64 workspace: the global sums ([GSQ]), then per-tensor sums
@@ -89,7 +94,7 @@ class _Plan:
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
+_PLANS: OrderedDict[tuple, Plan] = OrderedDict()
 _MAX_PLANS = 8
 
 
@@ -216,7 +221,7 @@ def _upload(tables: list[torch.Tensor], device: torch.device) -> tuple[torch.Ten
     return host, [buffer[o : o + t.numel()].view(t.shape) for t, o in zip(tables, offsets)]
 
 
-def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> _Plan:
+def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> Plan:
     device = groups[0].params[0].device
     for i, g in enumerate(groups):
         _check_group(i, g, spec.state, device)
@@ -296,7 +301,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     ]
     # Every slot is written by its chunk's program before any sum reads it.
     parts = torch.empty(max(1, slots), 2, dtype=torch.float64, device=device)
-    return _Plan(
+    return Plan(
         buckets,
         views[-3].view(torch.float64),
         ws,
@@ -309,20 +314,23 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
     )
 
 
-def _set_lrs(plan: _Plan, groups: list[FusedGroup]) -> None:
-    """Point the plan at the groups' lr tensors (a no-op while they stay)."""
-    lrs = tuple(g.lr.data_ptr() for g in groups)
-    if lrs == plan.lrs:
+def set_lrs(plan: Plan, lrs: list[torch.Tensor]) -> None:
+    """Point the plan at its groups' lr tensors, one per group in order (a no-op while
+    they stay)."""
+    addresses = tuple([lr.data_ptr() for lr in lrs])
+    if addresses == plan.lrs:
         return
-    for i, g in enumerate(groups):
-        _check_scalar(f"group {i}: lr", g.lr, plan.ws.device)
-    source, (plan.gaddr,) = _upload([torch.tensor(lrs, dtype=torch.int64)], plan.ws.device)
+    for i, lr in enumerate(lrs):
+        _check_scalar(f"group {i}: lr", lr, plan.ws.device)
+    source, (plan.gaddr,) = _upload([torch.tensor(addresses, dtype=torch.int64)], plan.ws.device)
     plan.sources["lrs"] = source
-    plan.lrs = lrs
+    plan.lrs = addresses
 
 
-def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> _Plan | None:
-    """The cached plan for these groups, or None when there is nothing to update."""
+def plan_for(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | None) -> Plan | None:
+    """The plan for these groups, from the cache or built (its tables keyed by every
+    tensor's address, dtype and size, and the groups' hyperparameters), pointed at their
+    lr tensors; None when no group has params."""
     groups = [g for g in groups if g.params]
     if not groups:
         return None
@@ -334,11 +342,11 @@ def _plan(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor |
             _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(key)
-    _set_lrs(plan, groups)
+    set_lrs(plan, [g.lr for g in groups])
     return plan
 
 
-def _scalars(plan: _Plan, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> tuple:
+def _scalars(plan: Plan, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None) -> tuple:
     """Pointer arguments for the optional device scalars, and their flags.
 
     An absent one is replaced by the workspace: a valid pointer the kernels never read.
@@ -351,7 +359,7 @@ def _scalars(plan: _Plan, grad_scale: torch.Tensor | None, found_inf: torch.Tens
     return scale, plan.ws if found_inf is None else found_inf, has
 
 
-def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *, every_slot: bool = False) -> None:
+def _finish(plan: Plan, found_inf: torch.Tensor, has_found_inf: bool, *, every_slot: bool = False) -> None:
     """One launch of finish_kernel: each tensor's sums from its chunks' partial sums
     (the pass's acc), the step counted after them; with ``every_slot``, the global sums
     of all chunks (ws[:WS_HEAD]) and nothing counted."""
@@ -383,7 +391,7 @@ def _finish(plan: _Plan, found_inf: torch.Tensor, has_found_inf: bool, *, every_
     )
 
 
-# ----------------------------------------------------------------------------- entry points
+# ----------------------------------------------------------------------------- entry points and launches
 
 
 def fused_lars_step_(
@@ -395,9 +403,42 @@ def fused_lars_step_(
     reduce_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """One LARS step on every group, in place (docs/design.md §3: semantics and launches)."""
-    plan = _plan(LARS_SPEC, groups, counter)
-    if plan is None:
-        return
+    plan = plan_for(LARS_SPEC, groups, counter)
+    if plan is not None:
+        launch_lars(plan, grad_scale=grad_scale, found_inf=found_inf, reduce_norms=reduce_norms)
+
+
+def fused_lamb_step_(
+    groups: list[FusedGroup],
+    *,
+    max_grad_norm: float | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    counter: torch.Tensor | None = None,
+    reduce_norms: Callable[[torch.Tensor], None] | None = None,
+    reduce_global: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """One LAMB step on every group, in place (docs/design.md §3: semantics and launches)."""
+    plan = plan_for(LAMB_SPEC, groups, counter)
+    if plan is not None:
+        launch_lamb(
+            plan,
+            max_grad_norm=max_grad_norm,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            reduce_norms=reduce_norms,
+            reduce_global=reduce_global,
+        )
+
+
+def launch_lars(
+    plan: Plan,
+    *,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    reduce_norms: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """One LARS step on ``plan``'s tensors: its kernels' launches, nothing read per tensor."""
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     for b in plan.buckets:
         if plan.decayed:  # some group's decayed_norm: ||g + wd * w||^2 for its tensors
@@ -440,20 +481,16 @@ def fused_lars_step_(
         )
 
 
-def fused_lamb_step_(
-    groups: list[FusedGroup],
+def launch_lamb(
+    plan: Plan,
     *,
     max_grad_norm: float | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
-    counter: torch.Tensor | None = None,
     reduce_norms: Callable[[torch.Tensor], None] | None = None,
     reduce_global: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """One LAMB step on every group, in place (docs/design.md §3: semantics and launches)."""
-    plan = _plan(LAMB_SPEC, groups, counter)
-    if plan is None:
-        return
+    """One LAMB step on ``plan``'s tensors: its kernels' launches, nothing read per tensor."""
     scale, inf, has = _scalars(plan, grad_scale, found_inf)
     clip = max_grad_norm is not None
     if clip:  # the global grad norm must be complete before any moment is formed

@@ -71,6 +71,7 @@ class LayerwiseOptimizer(Optimizer):
         paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
         self._applied = torch.zeros((), dtype=torch.float32)
         self._hyperparams: dict[int, tuple[tuple, Hyperparams]] = {}
+        self._replay = _fused.Replay()  # the last fused step, for the next (never pickled)
         super().__init__(params, {**defaults, **paths})
 
     # Validation runs on every group, including those added later, before it is stored
@@ -138,6 +139,7 @@ class LayerwiseOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_applied", torch.zeros((), dtype=torch.float32))
         self.__dict__.setdefault("_hyperparams", {})
+        self.__dict__.setdefault("_replay", _fused.Replay())
         for group in self.param_groups:
             for key in (*self.spec.group_keys, *CONSTRUCTOR_KEYS):
                 group.setdefault(key, self.defaults[key])
@@ -178,6 +180,7 @@ class LayerwiseOptimizer(Optimizer):
         self.spec.check({k: extra[k] for k in options if k in extra})
         by_id = self._check_loadable(state_dict)
         kept = [{k: g[k] for k in CONSTRUCTOR_KEYS} for g in self.param_groups]
+        self._replay.forget()  # new state tensors: the next step plans again
         super().load_state_dict(state_dict)
         for group, keys in zip(self.param_groups, kept):
             group.update(keys)
@@ -315,7 +318,6 @@ class LayerwiseOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_grads()
         grad_scale, found_inf = self._amp_inputs()
         paths = [_paths.pick(g["foreach"], g["fused"], g["compiled"]) for g in self.param_groups]
         fused = "fused" in paths
@@ -323,6 +325,27 @@ class LayerwiseOptimizer(Optimizer):
             raise ValueError("fused must be the same in every param group")
         # Every group's hyperparameters, checked where they changed, before any state is made.
         hypers = [self._group_hyperparams(i, group) for i, group in enumerate(self.param_groups)]
+        reuse = (
+            self._replay.check(self.param_groups, hypers, self._applied, self.state) if fused else _fused.FULL
+        )
+        if reuse == _fused.REPLAY:  # nothing moved since the last step: its plan serves
+            self._applied = self._replay.run(
+                grad_scale=grad_scale, found_inf=found_inf, options=self._fused_options(True, None)
+            )
+            return loss
+        if reuse == _fused.NEW_GRADS and not self._replay.unusual(self._replay.new_grads()):
+            # Only the grads are new tensors: the last step's groups take them.
+            self._applied = _step.run(
+                self.bodies,
+                self._replay.with_new_grads(),
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                counter=self._applied,
+                fused_options=self._fused_options(True, None),
+                memo=self._replay,
+            )
+            return loss
+        self._check_grads()
         reducer = _sharded.reducer_for(self._params_with_grads())
         if reducer is not None:  # sharded grads: every rank checked only its own shard
             found_inf = reducer.found_inf(found_inf)
@@ -336,9 +359,13 @@ class LayerwiseOptimizer(Optimizer):
                 grad_scale=grad_scale,
                 found_inf=found_inf,
                 counter=self._applied,
-                fused_options=self._fused_options(groups, reducer),
-                lr_buffers=self.__dict__.setdefault("_fused_lr", {}),
+                fused_options=self._fused_options(any(g.params for g in groups), reducer),
+                memo=self._replay,
             )
+            if reducer is None:  # a sharded step takes its local blocks anew each time
+                self._replay.record(self.param_groups, hypers, groups, self._applied, self.state)
+            else:
+                self._replay.forget()
         else:  # found_inf was read above
             grads = [g for group in groups for g in group.grads]
             _step.run(
@@ -400,12 +427,12 @@ class LayerwiseOptimizer(Optimizer):
         """The kernels' reduction hooks (none unless params are sharded)."""
         return {} if reducer is None else reducer.fused_kwargs(self.spec)
 
-    def _fused_options(self, groups: list[GroupStep], reducer: _sharded.Reducer | None) -> dict[str, Any]:
+    def _fused_options(self, has_grads: bool, reducer: _sharded.Reducer | None) -> dict[str, Any]:
         """The kernels' keywords beyond the groups: this optimizer's options and, for
-        sharded params, the reductions of their norms."""
+        sharded params, the reductions of their norms (``has_grads``: whether any param
+        of this rank has a grad)."""
         options = {o.name: getattr(self, o.name) for o in self.spec.options}
         reductions = self._fused_reductions(reducer)
-        has_grads = any(g.params for g in groups)
         if not has_grads and options.get("max_grad_norm") is not None and "reduce_global" in reductions:
             # No grads here, but the other ranks' global norm waits for this rank's share.
             reductions["reduce_global"](torch.zeros(1, dtype=torch.float64, device=self._device()))

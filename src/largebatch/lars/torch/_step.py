@@ -25,7 +25,7 @@ def run(
     found_inf: Tensor | None,
     counter: Counter,
     fused_options: dict[str, Any] | None = None,
-    lr_buffers: dict | None = None,
+    memo: _fused.Replay | None = None,
 ) -> Counter:
     """Take one step on ``groups`` (all on the fused path, or none; the caller checks).
 
@@ -43,7 +43,7 @@ def run(
             counter=counter,
             grad_scale=grad_scale,
             found_inf=found_inf,
-            lr_buffers=lr_buffers,
+            memo=memo,
             **(fused_options or {}),
         )
     if skipped(found_inf):
