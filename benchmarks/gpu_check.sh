@@ -140,7 +140,7 @@ step "Versions and device" 60 "$PY" -c "import torch, triton, jax; print(torch._
 torch.version.cuda, triton.__version__, jax.__version__, torch.cuda.get_device_name(), jax.devices())"
 
 step "Tests in the CUDA mode (every path against the spec and run to run, no host syncs, state dicts)" 300 \
-    env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_fused_syncs.py tests/test_comm.py \
+    env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_fused_syncs.py tests/test_fused_replay.py tests/test_comm.py \
     -k "not captured and not fsdp2" -rfEs
 step "CUDA graph: a captured fused step replayed 100 steps (one overflowing) against eager" 120 \
     env LARGEBATCH_CUDA_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k captured -rA

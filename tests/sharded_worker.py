@@ -102,8 +102,12 @@ def train_fsdp2(
     master=False,
     layers: tuple[str, ...] = ("fc1", "fc2", "head"),
     root: bool = True,
+    keep_grads: bool = False,
+    reused: list | None = None,
     **options,
 ):
+    """``keep_grads``: the grads are zeroed in place (``zero_grad(set_to_none=False)``);
+    ``reused`` receives what each fused step reused of the last (``_fused.Replay.check``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net().to(dtype)
@@ -116,6 +120,9 @@ def train_fsdp2(
         fully_shard(model, **policy)
     opt = make_optimizer(name, param_groups(model, 1e-2), path, **extra)
     ref_opt = make_optimizer(name, param_groups(ref, 1e-2), "foreach", **extra)
+    if reused is not None:
+        check = opt._replay.check
+        opt._replay.check = lambda *args: reused.append(check(*args)) or reused[-1]
     for x, y in batches(rank, world):
         nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
         for p in model.parameters():  # params left plain are replicated: average their grads
@@ -126,7 +133,7 @@ def train_fsdp2(
             r.grad = full(p.grad).to(r.dtype)
         opt.step()
         ref_opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not keep_grads)
         ref_opt.zero_grad()
     assert all(_sharded.is_sharded(p) for p in model.parameters()) == root
     return compare(model, ref, opt, ref_opt)
@@ -350,6 +357,10 @@ def main() -> None:
     for name in ("lars", "lamb"):
         for path in PATHS:
             record(f"fsdp2/{name}/{path}", err=train_fsdp2(name, path))
+            if path == "fused":  # grads zeroed in place: the steps after the first replay it
+                reused: list = []
+                e = train_fsdp2(name, path, keep_grads=True, reused=reused)
+                record(f"fsdp2-grads-kept/{name}/fused", err=e, reused=reused)
             if name == "lars":  # optax's denominator: the norm of g + wd * w, over the shards
                 record(f"fsdp2-decayed-norm/lars/{path}", err=train_fsdp2(name, path, decayed_norm=True))
         with per_shard_norms():

@@ -142,3 +142,31 @@ def test_one_pass_norms_are_float64_norms(size, mix, jit) -> None:
 @pytest.mark.parametrize("values, expected", NON_FINITE)
 def test_one_pass_norms_of_non_finite_elements(values, expected) -> None:
     np.testing.assert_equal(float(one_pass_norms([jax.numpy.asarray(values, np.float32)])[0]), expected)
+
+
+def test_fused_host_times_both_habits_beside_a_base_revision() -> None:
+    """The script's rows: LARS and LAMB, static and moved grads, this tree and the base's;
+    the goal stated on the static rows of this tree. (A subprocess: it silences the kernels.)"""
+    import re
+    import subprocess
+
+    script = Path(__file__).parent.parent / "benchmarks" / "fused_host.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--base", "HEAD", "--steps", "2", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(
+        r"^(LARS|LAMB) (static|moved) +(this tree|HEAD) +host [0-9.]+ ms/step(.*)$", done.stdout, re.M
+    )
+    assert [r[:3] for r in rows] == [
+        (name, grads, tree)
+        for name in ("LARS", "LAMB")
+        for grads in ("static", "moved")
+        for tree in ("this tree", "HEAD")
+    ]
+    goals = [r[3] for r in rows if r[1] == "static" and r[2] == "this tree"]
+    assert len(goals) == 2 and all(re.search(r"\(goal 0\.1 ms: (met|not met)\)$", g) for g in goals)
+    assert not any("goal" in r[3] for r in rows if (r[1], r[2]) != ("static", "this tree"))

@@ -328,22 +328,25 @@ class LayerwiseOptimizer(Optimizer):
         reuse = (
             self._replay.check(self.param_groups, hypers, self._applied, self.state) if fused else _fused.FULL
         )
-        if reuse == _fused.REPLAY:  # nothing moved since the last step: its plan serves
-            self._applied = self._replay.run(
-                grad_scale=grad_scale, found_inf=found_inf, options=self._fused_options(True, None)
-            )
-            return loss
-        if reuse == _fused.NEW_GRADS and not self._replay.unusual(self._replay.new_grads()):
-            # Only the grads are new tensors: the last step's groups take them.
-            self._applied = _step.run(
-                self.bodies,
-                self._replay.with_new_grads(),
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-                counter=self._applied,
-                fused_options=self._fused_options(True, None),
-                memo=self._replay,
-            )
+        if reuse == _fused.NEW_GRADS and self._replay.unusual(self._replay.new_grads()):
+            reuse = _fused.FULL  # a sparse or complex grad: the full step's checks say so
+        if reuse != _fused.FULL:
+            reducer = self._replay.reducer
+            if reducer is not None:  # sharded grads: every rank checked only its own shard
+                found_inf = reducer.found_inf(found_inf)
+            options = self._fused_options(True, reducer)
+            if reuse == _fused.REPLAY:  # nothing moved since the last step: its plan serves
+                self._applied = self._replay.run(grad_scale=grad_scale, found_inf=found_inf, options=options)
+            else:  # only the grads are new tensors: the last step's groups take them
+                self._applied = _step.run(
+                    self.bodies,
+                    self._replay.with_new_grads(),
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
+                    counter=self._applied,
+                    fused_options=options,
+                    memo=self._replay,
+                )
             return loss
         self._check_grads()
         reducer = _sharded.reducer_for(self._params_with_grads())
@@ -362,10 +365,7 @@ class LayerwiseOptimizer(Optimizer):
                 fused_options=self._fused_options(any(g.params for g in groups), reducer),
                 memo=self._replay,
             )
-            if reducer is None:  # a sharded step takes its local blocks anew each time
-                self._replay.record(self.param_groups, hypers, groups, self._applied, self.state)
-            else:
-                self._replay.forget()
+            self._replay.record(self.param_groups, hypers, groups, self._applied, self.state, reducer)
         else:  # found_inf was read above
             grads = [g for group in groups for g in group.grads]
             _step.run(

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from largebatch.lars.spec import LAMB_SPEC, LARS_SPEC, Hyperparams, LambHyperparams
+from largebatch.lars.torch import _sharded
 from largebatch.lars.torch._common import lr_value
 from largebatch.lars.torch._group import GroupStep
 
@@ -129,9 +130,14 @@ _SPARSE = attrgetter("is_sparse")
 REPLAY, NEW_GRADS, FULL = "replay", "new grads", "full"
 
 
-def _addresses(tensors: Sequence[Tensor | None], present: Sequence[bool]) -> tuple[int, ...]:
-    """The data addresses of ``tensors`` where ``present`` (one C-level pass)."""
-    return tuple(map(Tensor.data_ptr, cast("list[Tensor]", compress(tensors, present))))
+_LOCAL = attrgetter("_local_tensor")  # a DTensor's local block
+
+
+def _addresses(tensors: Sequence[Tensor | None], present: Sequence[bool], sharded: bool) -> tuple[int, ...]:
+    """The data addresses of ``tensors`` (of their local blocks: ``sharded``, every one a
+    DTensor) where ``present``, in one C-level pass."""
+    chosen = cast("list[Tensor]", compress(tensors, present))
+    return tuple(map(Tensor.data_ptr, map(_LOCAL, chosen) if sharded else chosen))
 
 
 @dataclass
@@ -143,8 +149,9 @@ class Replay:
     (each comparison one C-level pass over the params):
 
     - the same groups, hyperparameters, params and grads (the same objects at the same
-      addresses: grads zeroed in place, DDP's ``gradient_as_bucket_view``) and the same
-      state: :meth:`run` launches the kernels on the plan, nothing else;
+      addresses, of their local blocks for FSDP2's DTensors: grads zeroed in place, DDP's
+      ``gradient_as_bucket_view``, FSDP2's sharded grads) and the same state: :meth:`run`
+      launches the kernels on the plan, nothing else;
     - only the grads are new tensors (``zero_grad()``'s default), in the same places:
       :meth:`with_new_grads` gives the last step's groups with them, and the step finds
       its plan by their addresses, without gathering params and state again;
@@ -168,6 +175,7 @@ class Replay:
     counter: Tensor | None = None
     state: Any = None  # the optimizer's state mapping, and its size
     n_state: int = -1
+    reducer: _sharded.Reducer | None = None  # for sharded (DTensor) params, their norms' sums
     seen: list[Tensor | None] = field(default_factory=list)  # the grads check() found
     moved: bool = False  # whether they were other tensors than the last step's
 
@@ -178,20 +186,29 @@ class Replay:
         steps: list[GroupStep],
         counter: Tensor | None,
         state: Any,
+        reducer: _sharded.Reducer | None,
     ) -> None:
-        """Remember what the full step just taken (with :func:`step` and this memo) ran on."""
-        if self.plan is None:
+        """Remember what the full step just taken (with :func:`step` and this memo) ran on;
+        ``reducer``: its sharded params' (every param then a DTensor), else None."""
+        params = list(chain.from_iterable(map(_PARAMS, param_groups)))
+        if self.plan is None or (reducer is not None and not all(map(_sharded.is_sharded, params))):
             self.forget()
             return
-        self.params = list(chain.from_iterable(map(_PARAMS, param_groups)))
+        self.params = params
         self.grads = list(map(_GRAD, self.params))
         self.present = [g is not None for g in self.grads]
         self.lamb = isinstance(hypers[0], LambHyperparams)
         self.groups, self.hypers = list(param_groups), list(hypers)
         self.steps = [s for s in steps if s.params]
         self.planned = [g for g, s in zip(param_groups, steps) if s.params]
-        self.addresses = _addresses(self.params, self.present) + _addresses(self.grads, self.present)
+        self.reducer = reducer
+        self.addresses = self._addresses_of(self.params, self.grads)
         self.counter, self.state, self.n_state = counter, state, len(state)
+
+    def _addresses_of(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[int, ...]:
+        """The params' then the grads' data addresses, where a param has a grad."""
+        sharded = self.reducer is not None
+        return _addresses(params, self.present, sharded) + _addresses(grads, self.present, sharded)
 
     def forget(self) -> None:
         """Take the next step in full."""
@@ -216,8 +233,7 @@ class Replay:
             return NEW_GRADS if [g is not None for g in grads] == self.present else FULL
         if self.addresses is None:  # the last step's grads were new: their plan is looked up
             return NEW_GRADS
-        now = _addresses(params, self.present) + _addresses(grads, self.present)
-        return REPLAY if now == self.addresses else FULL
+        return REPLAY if self._addresses_of(params, grads) == self.addresses else FULL
 
     def run(self, *, grad_scale: Tensor | None, found_inf: Tensor | None, options: dict[str, Any]) -> Tensor:
         """The step on the recorded plan (after :meth:`check` said :data:`REPLAY`);
@@ -248,7 +264,7 @@ class Replay:
         if self.moved:
             self.addresses = None
         else:  # the same grads twice: a replay may follow
-            self.addresses = _addresses(self.params, self.present) + _addresses(self.seen, self.present)
+            self.addresses = self._addresses_of(self.params, self.seen)
         self.grads = self.seen
         return out
 
