@@ -151,7 +151,7 @@ PEERS="fused,foreach,timm,torch-optimizer,torch,apex,floor"
 GRAPHED="cuda graph"  # ResNet-50 only: the kernels without the host (BERT-large's steps are near their limits)
 step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 150 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
-    --providers "$PEERS,$GRAPHED,optax,(jax,packed" --json "$DIR/step-resnet50-fp32.json"
+    --providers "$PEERS,$GRAPHED,moved grads,optax,(jax,packed" --json "$DIR/step-resnet50-fp32.json"
 step "XLA's profile of the JAX step, ResNet-50: kernels a step and their times, optax against ours" 150 \
     "$PY" benchmarks/xla_profile.py --device cuda --model resnet50 --json "$DIR/xla-profile-resnet50.json"
 step "Optimizer step, ResNet-50 fp16 (our fp32 masters)" 110 \

@@ -202,6 +202,30 @@ _COMPILED = dict(compiled=True, fused=False)
 _FUSED = dict(fused=True)
 
 
+def _moved_grads(make_eager):
+    """A provider's ``make`` whose grads are new tensors at every step, two sets in turn
+    (``zero_grad()``'s default gives grads at new addresses): the step the fused path
+    takes when it cannot replay its last one (the grads' swap is timed with it)."""
+
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
+        factory_step = make_eager(shapes, device, seed, precision)
+        opt = factory_step.__self__
+        params = [p for g in opt.param_groups for p in g["params"]]
+        sets = [[p.grad for p in params], [p.grad.clone() for p in params]]
+        turn = [0]
+
+        def step() -> None:
+            turn[0] ^= 1
+            for p, g in zip(params, sets[turn[0]]):
+                p.grad = g
+            factory_step()
+
+        step.optimizer = opt  # type: ignore[attr-defined]  # for the tests
+        return step
+
+    return make
+
+
 def _graphed(make_eager):
     """A provider's ``make`` that captures ``make_eager``'s step in a CUDA graph once (after
     warm-up steps on a side stream: state, plan and kernels exist) and times its replay:
@@ -335,6 +359,13 @@ PROVIDERS: list[Provider] = [
         needs="triton",
         cuda_only=_TRITON,
     ),
+    Provider(
+        "ours LARS moved grads (Triton)",
+        "lars",
+        _moved_grads(_ours("LARS", **_LARS, **_FUSED)),
+        needs="triton",
+        cuda_only=_TRITON,
+    ),
     Provider("timm Lars", "lars", _timm("Lars", **_LARS), needs="timm"),
     Provider(
         "optax lars (jit)", "lars", _optax("lars", weight_decay=LARS_WD, momentum=MOMENTUM), needs="optax"
@@ -372,6 +403,13 @@ PROVIDERS: list[Provider] = [
         "ours LAMB in a CUDA graph",
         "lamb",
         _graphed(_ours("LAMB", **_LAMB, **_FUSED)),
+        needs="triton",
+        cuda_only=_TRITON,
+    ),
+    Provider(
+        "ours LAMB moved grads (Triton)",
+        "lamb",
+        _moved_grads(_ours("LAMB", **_LAMB, **_FUSED)),
         needs="triton",
         cuda_only=_TRITON,
     ),

@@ -170,3 +170,23 @@ def test_fused_host_times_both_habits_beside_a_base_revision() -> None:
     goals = [r[3] for r in rows if r[1] == "static" and r[2] == "this tree"]
     assert len(goals) == 2 and all(re.search(r"\(goal 0\.1 ms: (met|not met)\)$", g) for g in goals)
     assert not any("goal" in r[3] for r in rows if (r[1], r[2]) != ("static", "this tree"))
+
+
+def test_the_moved_grads_provider_gives_new_grads_at_every_step() -> None:
+    """Its step swaps two sets of grads, so the fused step reuses its groups, never its plan."""
+    import optimizer_step as bench
+
+    from largebatch.lars.torch._fused import NEW_GRADS
+
+    provider = next(p for p in bench.PROVIDERS if p.name == "ours LARS moved grads (Triton)")
+    step = provider.make([(3, 4), (5,)], "cpu", 0, "fp32")
+    opt = step.optimizer
+    seen, check = [], opt._replay.check
+    opt._replay.check = lambda *args: seen.append(check(*args)) or seen[-1]
+    grads = []
+    for _ in range(4):
+        step()
+        grads.append([p.grad for g in opt.param_groups for p in g["params"]])
+    assert seen[1:] == [NEW_GRADS] * 3  # the first step builds the plan
+    assert all(a is not b for k in range(3) for a, b in zip(grads[k], grads[k + 1]))
+    assert opt.num_steps == 4
