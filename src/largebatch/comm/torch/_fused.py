@@ -325,6 +325,9 @@ def decode(
     )
 
 
+KERNELS = ("select_kernel", "finish_kernel", "scan_kernel", "header_kernel", "encode_kernel", "decode_kernel")
+
+
 def _kernels() -> Any:
     """The kernels' module, imported (its ``@triton.jit`` functions defined, and
     ``TRITON_INTERPRET`` read) on first use."""
