@@ -105,7 +105,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _upload(rows: list[list[int]], dtype: torch.dtype, device: torch.device, keep: list[torch.Tensor]) -> torch.Tensor:
+def _upload(
+    rows: list[list[int]], dtype: torch.dtype, device: torch.device, keep: list[torch.Tensor]
+) -> torch.Tensor:
     host = torch.tensor(rows, dtype=dtype).reshape(len(rows), -1)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -120,7 +122,9 @@ def plan_for(segments: tuple[tuple[int, int, int, int], ...], device: torch.devi
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
-    rows, by_cols, n_bins = [], {}, 0
+    rows: list[list[int]] = []
+    by_cols: dict[int, list[list[int]]] = {}
+    n_bins = 0
     for t, (off, roff, numel, blen) in enumerate(segments):
         blen = fit_bin(blen, numel)
         nbins = -(-numel // blen)
@@ -152,14 +156,6 @@ def plan_for(segments: tuple[tuple[int, int, int, int], ...], device: torch.devi
     return plan
 
 
-def _targets(offsets: Sequence[int], device: torch.device, keep: dict[tuple, Any]) -> torch.Tensor:
-    key = ("targets", tuple(offsets), device)
-    if key not in keep:
-        sources: list[torch.Tensor] = []
-        keep[key] = (_upload([list(offsets)], torch.int64, device, sources).view(-1), sources)
-    return keep[key][0]
-
-
 # ----------------------------------------------------------------------------- one compression
 
 
@@ -187,9 +183,7 @@ def _grid(n: int) -> tuple[int]:
     return (n,)
 
 
-def compress(
-    plan: Plan, g: torch.Tensor, r: torch.Tensor, scale: float, select: str, values: str
-) -> Batch:
+def compress(plan: Plan, g: torch.Tensor, r: torch.Tensor, scale: float, select: str, values: str) -> Batch:
     """Passes 1 and 2 over every segment: per-bin counts and sums, per-segment counts,
     scales and bin prefixes (``scale``: the loss scale the residuals are multiplied by)."""
     K = _kernels()
@@ -267,17 +261,17 @@ def scan(batch: Batch, dests: int, width: int, finite: torch.Tensor) -> torch.Te
     return sizes
 
 
-def encode(batch: Batch, width: int, out: torch.Tensor | None) -> None:
-    """Pass 3: the new residuals, and (``out``: the send buffer, its messages one after
-    the other as :func:`scan` sized them) the messages."""
+def encode(batch: Batch, width: int, out: torch.Tensor) -> None:
+    """Pass 3: the messages into ``out`` (the send buffer, one after the other as
+    :func:`scan` sized them), and the new residuals."""
     plan = batch.plan
     if plan.k == 0:
         return
     K = _kernels()
     item = batch.g.element_size()
-    table = batch.table if batch.table is not None else batch.counts
-    if out is not None:
-        K.header_kernel[_grid(batch.dests)](out, batch.table, batch.bases, batch.scales, plan.k, ITEM=item, KP=plan.kp)
+    K.header_kernel[_grid(batch.dests)](
+        out, batch.table, batch.bases, batch.scales, plan.k, ITEM=item, KP=plan.kp
+    )
     for c in plan.classes:
         K.encode_kernel[_grid(c.progs.shape[0])](
             c.progs,
@@ -287,8 +281,8 @@ def encode(batch: Batch, width: int, out: torch.Tensor | None) -> None:
             batch.g if batch.rscale is None else batch.rscale,
             batch.bin_prefix,
             batch.scales,
-            table,
-            batch.residual if out is None else out,
+            batch.table,
+            out,
             batch.residual,
             plan.k,
             DESTS=batch.dests,
@@ -297,14 +291,19 @@ def encode(batch: Batch, width: int, out: torch.Tensor | None) -> None:
             HAS_SCALE=batch.rscale is not None,
             ALL=batch.select == "all",
             EXACT=batch.values == "exact",
-            CODES=out is not None,
             ROWS=c.rows,
             COLS=c.cols,
         )
 
 
 def decode(
-    message: torch.Tensor, size: int, targets: torch.Tensor, dst: torch.Tensor, k: int, width: int, values: str
+    message: torch.Tensor,
+    size: int,
+    targets: torch.Tensor,
+    dst: torch.Tensor,
+    k: int,
+    width: int,
+    values: str,
 ) -> None:
     """Add a message of ``size`` bytes to ``dst`` (segment ``t``'s element 0 at ``targets[t]``)."""
     item = dst.element_size()
@@ -366,6 +365,7 @@ class FusedExchange:
             for j in range(world)
         ]
         self._device: dict[tuple, Any] = {}  # device tables, by (what, device)
+        self._sources: list[torch.Tensor] = []  # the host tables they were copied from
 
     # -- tables
 
@@ -376,10 +376,7 @@ class FusedExchange:
         return self._device[key]
 
     def _index(self, values: list[int], device: torch.device) -> torch.Tensor:
-        keep: list[torch.Tensor] = []
-        out = _upload([values], torch.int64, device, keep).view(-1)
-        self._device[("source", id(out))] = keep
-        return out
+        return _upload([values], torch.int64, device, self._sources).view(-1)
 
     def _chunk_segments(self, j: int) -> tuple[tuple[int, int, int, int], ...]:
         segments, pos = [], 0
@@ -411,7 +408,9 @@ class FusedExchange:
         """The elements of the dense (uncompressed) layers in the bucket."""
 
         def build() -> torch.Tensor:
-            values = [i for layer in self.layout.dense for i in range(layer.offset, layer.offset + layer.numel)]
+            values = [
+                i for layer in self.layout.dense for i in range(layer.offset, layer.offset + layer.numel)
+            ]
             return self._index(values, device)
 
         return self._cached(("dense",), device, build)
@@ -420,7 +419,8 @@ class FusedExchange:
         """Where each strided layer's elements are in logical order, and in memory order."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            logical, memory = [], []
+            logical: list[int] = []
+            memory: list[int] = []
             for layer, shape, stride in self.layout.strided:
                 logical += range(layer.offset, layer.offset + layer.numel)
                 at = torch.arange(layer.numel).as_strided(shape, stride).reshape(-1) + layer.offset
@@ -444,7 +444,15 @@ class FusedExchange:
 
     # -- residuals
 
-    def _residuals(self, worker: Worker, which: str, key: tuple, names: tuple[str, ...], numels: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def _residuals(
+        self,
+        worker: Worker,
+        which: str,
+        key: tuple,
+        names: tuple[str, ...],
+        numels: tuple[int, ...],
+        like: torch.Tensor,
+    ) -> torch.Tensor:
         held = getattr(worker, which)
         cached = worker.flat.get(key)
         if cached is not None and all(held.get(n) is v for n, v in zip(names, cached[1])):
@@ -458,7 +466,14 @@ class FusedExchange:
         )
 
     @staticmethod
-    def _commit(worker: Worker, which: str, key: tuple, names: tuple[str, ...], numels: tuple[int, ...], flat: torch.Tensor) -> None:
+    def _commit(
+        worker: Worker,
+        which: str,
+        key: tuple,
+        names: tuple[str, ...],
+        numels: tuple[int, ...],
+        flat: torch.Tensor,
+    ) -> None:
         views = tuple(flat.split(numels)) if names else ()
         getattr(worker, which).update(zip(names, views))
         worker.flat[key] = (flat, views)
@@ -470,7 +485,9 @@ class FusedExchange:
     def commit_owned(self, worker: Worker, j: int, batch: Batch) -> None:
         """Owner ``j``'s new chunk residuals become the worker's."""
         numels = tuple(n for _, n in self.chunks[j])
-        self._commit(worker, "chunk_residuals", ("chunk_residuals", self.names, j), self.names, numels, batch.residual)
+        self._commit(
+            worker, "chunk_residuals", ("chunk_residuals", self.names, j), self.names, numels, batch.residual
+        )
 
     # -- the passes
 
@@ -485,9 +502,9 @@ class FusedExchange:
         every bin), on the device; -1 each where ``finite`` (bool [1]) is false."""
         return scan(batch, dests, self.layout.width, finite)
 
-    def encode(self, batch: Batch, out: torch.Tensor | None) -> None:
+    def encode(self, batch: Batch, out: torch.Tensor) -> None:
         """The batch's messages into ``out`` (uint8, at least the sizes' sum), and its new
-        residuals; ``out=None``: the residuals only."""
+        residuals."""
         encode(batch, self.layout.width, out)
 
     def messages(self, batch: Batch, dests: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -501,7 +518,9 @@ class FusedExchange:
     def _decode(self, message: torch.Tensor, size: int, targets: torch.Tensor, dst: torch.Tensor) -> None:
         decode(message, size, targets, dst, self.k, self.layout.width, self.values)
 
-    def decode_all(self, messages: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    def decode_all(
+        self, messages: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device
+    ) -> torch.Tensor:
         """The all-gather form's result (the compressed layers; the dense ones 0)."""
         out = torch.zeros(self.layout.numel, dtype=self.layout.dtype, device=device)
         targets = self._targets("layers", 0, device)
@@ -527,10 +546,14 @@ class FusedExchange:
             self._decode(message, size, targets, total)
         mean = total.div_(self.world)
         numels = tuple(n for _, n in self.chunks[j])
-        r = self._residuals(worker, "chunk_residuals", ("chunk_residuals", self.names, j), self.names, numels, mean)
+        r = self._residuals(
+            worker, "chunk_residuals", ("chunk_residuals", self.names, j), self.names, numels, mean
+        )
         return compress(plan, mean, r, scale, self.select, self.values)
 
-    def decode_chunks(self, messages: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    def decode_chunks(
+        self, messages: Sequence[torch.Tensor], sizes: Sequence[int], device: torch.device
+    ) -> torch.Tensor:
         """Phase 2's result: owner ``j``'s message fills chunk ``j`` of every layer."""
         out = torch.zeros(self.layout.numel, dtype=self.layout.dtype, device=device)
         for j, (message, size) in enumerate(zip(messages, sizes)):

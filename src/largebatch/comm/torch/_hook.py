@@ -366,7 +366,9 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
     ex.count(stats, parts)
 
 
-def _compressed_fused(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor, layout: Layout) -> None:
+def _compressed_fused(
+    state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor, layout: Layout
+) -> None:
     """:func:`_compressed` on the kernels: a fixed number of launches and two host reads
     a bucket (three for two-phase), whatever its number of layers."""
     ex = state._fused_exchange(layout)
@@ -398,7 +400,11 @@ def _compressed_fused(state: AdaCompState, bucket: dist.GradBucket, buf: torch.T
         head = torch.cat([flag, split, incoming, batch.counts]).tolist()  # one host read
         if head[0]:
             return _dense(state, buf, skip=True)
-        out_sizes, in_sizes, counts = head[1 : 1 + world], head[1 + world : 1 + 2 * world], head[1 + 2 * world :]
+        out_sizes, in_sizes, counts = (
+            head[1 : 1 + world],
+            head[1 + world : 1 + 2 * world],
+            head[1 + 2 * world :],
+        )
         outgoing = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
         ex.encode(batch, outgoing)
         chunks = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)

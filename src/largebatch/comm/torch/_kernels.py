@@ -25,7 +25,17 @@ MSG_COLS = 3
 
 
 @triton.jit
-def _bins(progs, segs, g_ptr, r_ptr, rscale, HAS_SCALE: tl.constexpr, ALL: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _bins(
+    progs,
+    segs,
+    g_ptr,
+    r_ptr,
+    rscale,
+    HAS_SCALE: tl.constexpr,
+    ALL: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
     """This program's bins: the segment, its row, the bins' indices in it, each element's
     index in the segment, the lanes in use, G = residual (times the loss scale) + g, and
     the selection (``ALL``: every G != 0; else |G + g| >= the bin's max |G|, G != 0)."""
@@ -115,7 +125,9 @@ def finish_kernel(
 def _prefix_at(bin_prefix, seg_count, bin0, nbins, at, tmask):
     """The selected count before bin ``at`` of each segment (``at`` up to its ``nbins``)."""
     inside = tmask & (at < nbins)
-    return tl.where(inside, tl.load(bin_prefix + bin0 + at, mask=inside, other=0), tl.where(tmask, seg_count, 0))
+    return tl.where(
+        inside, tl.load(bin_prefix + bin0 + at, mask=inside, other=0), tl.where(tmask, seg_count, 0)
+    )
 
 
 @triton.jit
@@ -228,7 +240,7 @@ def encode_kernel(
     bin_prefix,  # int64 [n_bins]
     seg_scale,  # compute dtype [n_segments]
     table,  # int64 [dests, n_segments, MSG_COLS]
-    out,  # uint8: the send buffer (read only if CODES)
+    out,  # uint8: the send buffer
     residual,  # compute dtype: out, the new residuals (divided by the loss scale)
     k,
     DESTS: tl.constexpr,
@@ -237,7 +249,6 @@ def encode_kernel(
     HAS_SCALE: tl.constexpr,
     ALL: tl.constexpr,
     EXACT: tl.constexpr,
-    CODES: tl.constexpr,  # False: the residuals only
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
 ):
@@ -255,23 +266,22 @@ def encode_kernel(
     if HAS_SCALE:
         new = (new.to(tl.float64) / tl.load(rscale).to(tl.float64)).to(big.dtype)
     tl.store(residual + tl.load(row + SEG_ROFF) + idx, new, mask=lanes)
-    if CODES:
-        nbins = tl.load(row + SEG_NBINS)
-        per = (nbins + DESTS - 1) // DESTS
-        j = bins // per
-        ok = bins < nbins
-        msg = table + (j * k + t) * MSG_COLS
-        prefix = tl.load(bin_prefix + tl.load(row + SEG_BIN0) + bins, mask=ok, other=0)
-        rank = tl.cumsum(sel.to(tl.int64), axis=1) - sel.to(tl.int64)
-        place = prefix[:, None] + rank
-        local = idx - (j * per * tl.load(row + SEG_BIN))[:, None]
-        code_at = tl.load(msg + MSG_CODE, mask=ok, other=0)[:, None] + WIDTH * place
-        if EXACT:
-            _store_bytes(out, code_at, local, sel, WIDTH)
-            value_at = tl.load(msg + MSG_VALUE, mask=ok, other=0)[:, None] + ITEM * place
-            _store_bytes(out, value_at, _float_bits(big, ITEM), sel, ITEM)
-        else:
-            _store_bytes(out, code_at, local * 2 + (sent < 0).to(tl.int64), sel, WIDTH)
+    nbins = tl.load(row + SEG_NBINS)
+    per = (nbins + DESTS - 1) // DESTS
+    j = bins // per
+    ok = bins < nbins
+    msg = table + (j * k + t) * MSG_COLS
+    prefix = tl.load(bin_prefix + tl.load(row + SEG_BIN0) + bins, mask=ok, other=0)
+    rank = tl.cumsum(sel.to(tl.int64), axis=1) - sel.to(tl.int64)
+    place = prefix[:, None] + rank
+    local = idx - (j * per * tl.load(row + SEG_BIN))[:, None]
+    code_at = tl.load(msg + MSG_CODE, mask=ok, other=0)[:, None] + WIDTH * place
+    if EXACT:
+        _store_bytes(out, code_at, local, sel, WIDTH)
+        value_at = tl.load(msg + MSG_VALUE, mask=ok, other=0)[:, None] + ITEM * place
+        _store_bytes(out, value_at, _float_bits(big, ITEM), sel, ITEM)
+    else:
+        _store_bytes(out, code_at, local * 2 + (sent < 0).to(tl.int64), sel, WIDTH)
 
 
 @triton.jit

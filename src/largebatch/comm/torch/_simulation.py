@@ -100,7 +100,9 @@ class SimulatedWorkers:
         else:
             sent = [ex.messages(p, self.n) for p in parts]
             owned = [
-                ex.owner_compress(self.workers[j], j, [m[j] for m, _ in sent], [s[j] for _, s in sent], device)
+                ex.owner_compress(
+                    self.workers[j], j, [m[j] for m, _ in sent], [s[j] for _, s in sent], device
+                )
                 for j in range(self.n)
             ]
             back = [ex.messages(o, 1) for o in owned]
