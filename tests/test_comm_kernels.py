@@ -416,3 +416,59 @@ def test_the_hook_reports_its_path(monkeypatch, one_rank) -> None:
     assert long[3]["fused_buckets"] == 0
     with pytest.raises(ValueError, match=re.escape("Invalid fused: 1 (must be None, True or False)")):
         AdaCompState(torch.nn.Linear(2, 2), form="allgather", fused=1)
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+_COMPILE = """
+import inspect, os, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from largebatch.comm.torch import _kernels as K
+
+POINTERS = {"progs": "*i32", "bin_count": "*i32", "bin_sum": "*fp64", "finite": "*i1"}
+POINTERS.update(out="*u8", msg="*u8", k="i64", codes="i64")
+for name in ("segs", "bin_prefix", "seg_count", "table", "sizes", "bases", "targets"):
+    POINTERS[name] = "*i64"
+failed = 0
+for dt, item in (("fp32", 4), ("fp64", 8)):
+    cases = [
+        (K.select_kernel, dict(HAS_SCALE=True, ALL=False, ROWS=32, COLS=64)),
+        (K.select_kernel, dict(HAS_SCALE=False, ALL=True, ROWS=4, COLS=512)),
+        (K.finish_kernel, dict(EXACT=False, BLOCK=1024)),
+        (K.scan_kernel, dict(DESTS=4, WIDTH=3, ITEM=item, EXACT=True, KP=16)),
+        (K.header_kernel, dict(ITEM=item, KP=16)),
+        (K.encode_kernel, dict(DESTS=4, WIDTH=3, ITEM=item, HAS_SCALE=True, ALL=False, EXACT=False,
+                               ROWS=4, COLS=512)),
+        (K.encode_kernel, dict(DESTS=1, WIDTH=2, ITEM=item, HAS_SCALE=False, ALL=False, EXACT=True,
+                               ROWS=32, COLS=64)),
+        (K.decode_kernel, dict(WIDTH=3, ITEM=item, EXACT=False, KP=64, BLOCK=128)),
+        (K.decode_kernel, dict(WIDTH=1, ITEM=item, EXACT=True, KP=16, BLOCK=512)),
+    ]
+    for fn, consts in cases:
+        names = list(inspect.signature(fn.fn).parameters)
+        sig = {n: "constexpr" if n in consts else POINTERS.get(n, "*" + dt) for n in names}
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        except Exception as err:
+            failed += 1
+            print(fn.fn.__name__, dt, consts, type(err).__name__, str(err)[-2000:])
+sys.exit(1 if failed else 0)
+"""
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_for_a_gpu(tmp_path) -> None:
+    """Compiled for an H100/H200 (sm_90, no GPU needed): the interpreter runs Python, and
+    takes code the compiler refuses (a global that is not a constexpr, for one)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -19,7 +19,7 @@ from largebatch.comm.torch._codec import Layout, Worker
 MAX_BIN = 4096  # the longest bin the kernels take (one bin is one row of a program's tile)
 _TILE = 2048  # elements a program of the selection and encoding passes holds (at least one bin)
 _FINISH_BLOCK = 1024  # bins a step of the per-segment pass
-_DECODE_BLOCK = 1024  # codes a program of the decoder
+_DECODE_TILE = 8192  # a decoder program compares each of its codes with every segment's end
 _MAX_PLANS = 64
 
 
@@ -310,7 +310,9 @@ def decode(
     codes = (size - k * (8 + item)) // (width + (item if values == "exact" else 0))
     if k == 0 or codes == 0:
         return
-    _kernels().decode_kernel[_grid(-(-codes // _DECODE_BLOCK))](
+    kp = _pow2(max(k, 2))
+    block = max(16, _DECODE_TILE // kp)
+    _kernels().decode_kernel[_grid(-(-codes // block))](
         message,
         targets,
         dst,
@@ -319,8 +321,8 @@ def decode(
         WIDTH=width,
         ITEM=item,
         EXACT=values == "exact",
-        KP=_pow2(max(k, 2)),
-        BLOCK=_DECODE_BLOCK,
+        KP=kp,
+        BLOCK=block,
     )
 
 

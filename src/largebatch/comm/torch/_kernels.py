@@ -16,12 +16,12 @@ SEG_NUMEL = tl.constexpr(2)
 SEG_BIN = tl.constexpr(3)  # L_T, fitted to the segment
 SEG_NBINS = tl.constexpr(4)
 SEG_BIN0 = tl.constexpr(5)  # the segment's first slot in the per-bin arrays
-SEG_COLS = 6
+SEG_COLS = tl.constexpr(6)
 # Columns of the int64 per-(message, segment) table the scan writes.
 MSG_COUNT = tl.constexpr(0)  # codes of the segment in the message
 MSG_CODE = tl.constexpr(1)  # byte of its code 0, less WIDTH times its first bin's prefix
 MSG_VALUE = tl.constexpr(2)  # the same for its values (values="exact")
-MSG_COLS = 3
+MSG_COLS = tl.constexpr(3)
 
 
 @triton.jit
@@ -104,8 +104,8 @@ def finish_kernel(
     row = segs + t * SEG_COLS
     nbins = tl.load(row + SEG_NBINS)
     bin0 = tl.load(row + SEG_BIN0)
-    count = tl.zeros((), tl.int64)
-    total = tl.zeros((), tl.float64)
+    count = tl.full((), 0, tl.int64)
+    total = tl.full((), 0.0, tl.float64)
     for start in range(0, nbins, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < nbins
@@ -115,7 +115,7 @@ def finish_kernel(
         total += tl.sum(tl.load(bin_sum + bin0 + offs, mask=ok, other=0.0), axis=0)
     tl.store(seg_count + t, count)
     if EXACT:
-        scale = tl.zeros((), tl.float64)
+        scale = tl.full((), 0.0, tl.float64)
     else:
         scale = total / tl.maximum(count, 1).to(tl.float64)
     tl.store(seg_scale + t, scale.to(seg_scale.dtype.element_ty))
@@ -156,7 +156,7 @@ def scan_kernel(
     per = (nbins + DESTS - 1) // DESTS  # bins in each owner's chunk
     ok = tl.load(finite) != 0
     head = k * (8 + ITEM)
-    base = tl.zeros((), tl.int64)
+    base = tl.full((), 0, tl.int64)
     for j in range(DESTS):
         lo = _prefix_at(bin_prefix, counts, bin0, nbins, tl.minimum(j * per, nbins), tmask)
         hi = _prefix_at(bin_prefix, counts, bin0, nbins, tl.minimum((j + 1) * per, nbins), tmask)
