@@ -422,11 +422,13 @@ def test_the_hook_reports_its_path(monkeypatch, one_rank) -> None:
 
 
 _COMPILE = """
-import inspect, os, sys
+import contextlib, inspect, io, os, re, sys
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from largebatch.comm.torch import _kernels as K
+from largebatch.comm.torch._fused import DECODE_TILE, MAX_BIN, TILE
 
 POINTERS = {"progs": "*i32", "bin_count": "*i32", "bin_sum": "*fp64", "finite": "*i1"}
 POINTERS.update(out="*u8", msg="*u8", k="i64", codes="i64")
@@ -435,35 +437,49 @@ for name in ("segs", "bin_prefix", "seg_count", "table", "sizes", "bases", "targ
 failed = 0
 for dt, item in (("fp32", 4), ("fp64", 8)):
     cases = [
-        (K.select_kernel, dict(HAS_SCALE=True, ALL=False, ROWS=32, COLS=64)),
-        (K.select_kernel, dict(HAS_SCALE=False, ALL=True, ROWS=4, COLS=512)),
+        (K.select_kernel, dict(HAS_SCALE=True, ALL=False, ROWS=TILE // 64, COLS=64)),
+        (K.select_kernel, dict(HAS_SCALE=False, ALL=True, ROWS=TILE // 512, COLS=512)),
         (K.finish_kernel, dict(EXACT=False, BLOCK=1024)),
         (K.scan_kernel, dict(DESTS=4, WIDTH=3, ITEM=item, EXACT=True, KP=16)),
         (K.header_kernel, dict(ITEM=item, KP=16)),
         (K.encode_kernel, dict(DESTS=4, WIDTH=3, ITEM=item, HAS_SCALE=True, ALL=False, EXACT=False,
-                               ROWS=4, COLS=512)),
+                               ROWS=TILE // 512, COLS=512)),
+        (K.encode_kernel, dict(DESTS=1, WIDTH=3, ITEM=item, HAS_SCALE=False, ALL=False, EXACT=False,
+                               ROWS=TILE // 64, COLS=64)),
         (K.encode_kernel, dict(DESTS=1, WIDTH=2, ITEM=item, HAS_SCALE=False, ALL=False, EXACT=True,
-                               ROWS=32, COLS=64)),
-        (K.decode_kernel, dict(WIDTH=3, ITEM=item, EXACT=False, KP=64, BLOCK=128)),
-        (K.decode_kernel, dict(WIDTH=1, ITEM=item, EXACT=True, KP=16, BLOCK=512)),
+                               ROWS=TILE // 64, COLS=64)),
+        (K.encode_kernel, dict(DESTS=4, WIDTH=3, ITEM=item, HAS_SCALE=True, ALL=False, EXACT=True,
+                               ROWS=1, COLS=MAX_BIN)),
+        (K.decode_kernel, dict(WIDTH=3, ITEM=item, EXACT=False, KP=64, BLOCK=DECODE_TILE // 64)),
+        (K.decode_kernel, dict(WIDTH=1, ITEM=item, EXACT=True, KP=16, BLOCK=DECODE_TILE // 16)),
     ]
     for fn, consts in cases:
         names = list(inspect.signature(fn.fn).parameters)
         sig = {n: "constexpr" if n in consts else POINTERS.get(n, "*" + dt) for n in names}
         src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        log = io.StringIO()
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+                knobs.compilation.always_compile = True  # ptxas runs, and logs
+                knobs.nvidia.dump_ptxas_log = True
+                triton.compile(src, target=GPUTarget("cuda", 90, 32))
         except Exception as err:
             failed += 1
             print(fn.fn.__name__, dt, consts, type(err).__name__, str(err)[-2000:])
+            continue
+        spills = re.findall(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log.getvalue())
+        if not spills or any(int(a) or int(b) for a, b in spills):
+            failed += 1
+            print(fn.fn.__name__, dt, consts, "spills (or no ptxas log):", spills)
 sys.exit(1 if failed else 0)
 """
 
 
 @pytest.mark.slow
 def test_the_kernels_compile_for_a_gpu(tmp_path) -> None:
-    """Compiled for an H100/H200 (sm_90, no GPU needed): the interpreter runs Python, and
-    takes code the compiler refuses (a global that is not a constexpr, for one)."""
+    """Compiled for an H100/H200 (sm_90, no GPU needed), the launch shapes the plans make,
+    with no register spilled: the interpreter runs Python, and takes code the compiler
+    refuses (a global that is not a constexpr, for one)."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

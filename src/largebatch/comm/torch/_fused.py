@@ -16,10 +16,10 @@ import torch
 from largebatch.comm.reference import chunk_bounds, fit_bin
 from largebatch.comm.torch._codec import Layout, Worker
 
-MAX_BIN = 4096  # the longest bin the kernels take (one bin is one row of a program's tile)
-_TILE = 2048  # elements a program of the selection and encoding passes holds (at least one bin)
+MAX_BIN = 2048  # the longest bin the kernels take (one bin is one row of a program's tile)
+TILE = 1024  # elements a program of the selection and encoding passes holds (at least one bin)
 _FINISH_BLOCK = 1024  # bins a step of the per-segment pass
-_DECODE_TILE = 8192  # a decoder program compares each of its codes with every segment's end
+DECODE_TILE = 8192  # a decoder program compares each of its codes with every segment's end
 _MAX_PLANS = 64
 
 
@@ -131,12 +131,12 @@ def plan_for(segments: tuple[tuple[int, int, int, int], ...], device: torch.devi
         rows.append([off, roff, numel, blen, nbins, n_bins])
         if nbins:
             cols = _pow2(blen)
-            per = max(1, _TILE // cols)
+            per = max(1, TILE // cols)
             by_cols.setdefault(cols, []).extend([t, b] for b in range(0, nbins, per))
         n_bins += nbins
     keep: list[torch.Tensor] = []
     classes = [
-        _Class(_upload(progs, torch.int32, device, keep), max(1, _TILE // cols), cols)
+        _Class(_upload(progs, torch.int32, device, keep), max(1, TILE // cols), cols)
         for cols, progs in sorted(by_cols.items())
     ]
     plan = Plan(
@@ -311,7 +311,7 @@ def decode(
     if k == 0 or codes == 0:
         return
     kp = _pow2(max(k, 2))
-    block = max(16, _DECODE_TILE // kp)
+    block = max(16, DECODE_TILE // kp)
     _kernels().decode_kernel[_grid(-(-codes // block))](
         message,
         targets,
