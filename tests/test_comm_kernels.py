@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from devices import HostSyncs
+from devices import FUSED_DEVICES, HostSyncs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
@@ -33,7 +34,7 @@ EDGES = [(3, 2, 1, 1), (7,), (2, 17), (64, 3, 3, 3), (1, 1, 1, 1), (33, 100), (5
 ZERO = len(EDGES) - 1
 
 
-def _grads(n, steps, shapes, seed=0, dyadic=True, dtype=torch.float64):
+def _grads(n, steps, shapes, seed=0, dyadic=True, dtype=torch.float64, device="cpu"):
     """Per step, per worker, per layer: gradients with a few large elements; on a grid of
     2**-6 with ``dyadic`` (every sum exact), the layer ``ZERO`` all zero."""
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +50,7 @@ def _grads(n, steps, shapes, seed=0, dyadic=True, dtype=torch.float64):
                     x = torch.round(x * 64) / 64
                 if i == ZERO and len(shapes) == len(EDGES):
                     x = torch.zeros(s, dtype=torch.float64)
-                grads.append(x.to(dtype))
+                grads.append(x.to(device, dtype))
             step.append(grads)
         out.append(step)
     return out
@@ -69,7 +70,7 @@ def _same_workers(a: SimulatedWorkers, b: SimulatedWorkers) -> bool:
     )
 
 
-def _seed(sims, shapes, n, dtype=torch.float64) -> None:
+def _seed(sims, shapes, n, dtype=torch.float64, device="cpu") -> None:
     """The same residuals on a grid of 2**-8 for every worker of both simulations, as a
     previous step would have left them (chunk residuals too)."""
     g = torch.Generator().manual_seed(11)
@@ -80,8 +81,8 @@ def _seed(sims, shapes, n, dtype=torch.float64) -> None:
             lo, hi = ref.chunk_bounds(layer.numel, layer.bins, n)[w]
             c = (torch.round(torch.randn(hi - lo, generator=g, dtype=torch.float64) * 64) / 256).to(dtype)
             for sim in sims:
-                sim.workers[w].residuals[layer.name] = r.clone()
-                sim.workers[w].chunk_residuals[layer.name] = c.clone()
+                sim.workers[w].residuals[layer.name] = r.to(device)
+                sim.workers[w].chunk_residuals[layer.name] = c.to(device)
 
 
 # Where the ternary scale's sum rounds, its order is the kernels' own (the torch path's is
@@ -96,15 +97,17 @@ BITWISE = [
 ]
 
 
+@pytest.mark.parametrize("device", FUSED_DEVICES)
 @pytest.mark.parametrize("form,select,values", BITWISE, ids=["-".join(c) for c in BITWISE])
 @pytest.mark.parametrize("n", [1, 3])
-def test_kernels_equal_the_torch_path_bit_for_bit(n, form, select, values) -> None:
+def test_kernels_equal_the_torch_path_bit_for_bit(n, form, select, values, device) -> None:
     """Every edge layout, residuals carried in: the same averages and the same residuals
     (per layer, and per owned chunk), the same byte counts and selections."""
     sims = _pair(EDGES, n, form=form, select=select, values=values, dtype=torch.float64)
-    _seed(sims, EDGES, n)
+    sims[1].fused = True  # CUDA tensors take the kernels by default; CPU ones need this
+    _seed(sims, EDGES, n, device=device)
     exact = values == "exact"
-    for step in _grads(n, 2 if exact else 1, EDGES):
+    for step in _grads(n, 2 if exact else 1, EDGES, device=device):
         want, got = sims[0].exchange(step), sims[1].exchange(step)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert _same_workers(*sims)
@@ -126,9 +129,10 @@ def test_low_precision_gradients(dtype, values) -> None:
     assert _same_workers(*sims)
 
 
+@pytest.mark.parametrize("device", FUSED_DEVICES)
 @pytest.mark.parametrize("select", ["adacomp", "all"])
 @pytest.mark.parametrize("form", FORMS)
-def test_kernels_equal_the_reference(form, select) -> None:
+def test_kernels_equal_the_reference(form, select, device) -> None:
     """Gradients off any grid (the scale's sum rounds), residuals carried over 3 steps:
     the kernels' selection is the reference's, their results within 1e-15 of it, as the
     torch path's (test_comm.py)."""
@@ -140,10 +144,10 @@ def test_kernels_equal_the_reference(form, select) -> None:
         [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)), ref.bin_length(s) or 1, n)]
         for s in shapes
     ]
-    for step in _grads(n, 3, shapes, seed=3, dyadic=False):
-        got = sim.exchange(step)
+    for step in _grads(n, 3, shapes, seed=3, dyadic=False, device=device):
+        got = [g.cpu() for g in sim.exchange(step)]
         for i, s in enumerate(shapes):
-            grads = [w[i].numpy().ravel() for w in step]
+            grads = [w[i].cpu().numpy().ravel() for w in step]
             b = ref.bin_length(s)
             if b is None:
                 want = ref.allgather_exchange(res[i], [g / n for g in grads], None)[0] * n
@@ -344,20 +348,26 @@ class _Shapes(torch.nn.Module):
         return torch.stack([(p * c).sum() for p, c in zip(self.weights, coefs)]).sum()
 
 
-@pytest.fixture
-def one_rank():
-    """A one-process gloo group for the hook, gone after the test."""
+@pytest.fixture(params=FUSED_DEVICES)
+def one_rank(request):
+    """A one-process group for the hook (gloo; NCCL on CUDA), gone after the test; its
+    device."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device(request.param)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield
+        yield device
     finally:
         dist.destroy_process_group()
 
 
 def _hook_counts(
-    monkeypatch, layers: int, form: str, fused=None, extra=(), **kwargs
+    monkeypatch, layers: int, form: str, fused=None, extra=(), device=None, **kwargs
 ) -> tuple[int, int, int, dict]:
     """Triton launches, torch operations and host reads of one iteration of a one-bucket
     DDP model of ``layers`` layers (half conv weights, half biases) after two (DDP orders
@@ -365,7 +375,14 @@ def _hook_counts(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     shapes = [(8, 4, 3, 3), (8,)] * (layers // 2) + list(extra)
-    model = DDP(_Shapes(shapes), bucket_cap_mb=100, gradient_as_bucket_view=True)
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
+    model = DDP(
+        _Shapes(shapes).to(device),
+        bucket_cap_mb=100,
+        gradient_as_bucket_view=True,
+        device_ids=[device.index] if cuda else None,
+    )
     state = AdaCompState(model, form=form, fused=fused, **kwargs)
     calls: list[int] = []
 
@@ -378,15 +395,24 @@ def _hook_counts(
     launches: list[str] = []
     for name in fused_mod.KERNELS:
         monkeypatch.setattr(_kernels, name, _Counted(getattr(_kernels, name), launches, name))
-    coefs = [torch.round(torch.randn(s) * 64) / 64 for s in shapes]
+    coefs = [(torch.round(torch.randn(s) * 64) / 64).to(device) for s in shapes]
     for _ in range(2):
         model(coefs).backward()
     launches.clear()
     calls.clear()
-    with _Reads() as reads, _Ops() as ops:
-        model(coefs).backward()
+    with _Reads() as reads, _Ops() as ops, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        if cuda:  # torch's own count of what makes the host wait for the device
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(coefs).backward()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
     assert calls == [0], f"one bucket expected, the hook saw {calls}"
-    return len(launches), len(ops.ops), len(reads.record), state.stats
+    syncs = len(reads.record) + sum("synchroniz" in str(w.message) for w in warned)
+    return len(launches), len(ops.ops), syncs, state.stats
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -395,16 +421,21 @@ def test_a_bucket_launches_and_reads_as_often_whatever_its_layers(monkeypatch, o
     torch operations, and reads the device from the host as often, as a bucket of 4: two
     reads (the messages' sizes and counts; the result's finiteness), three for two-phase
     (the owner's message sizes too)."""
-    few = _hook_counts(monkeypatch, 4, form)
-    many = _hook_counts(monkeypatch, 40, form)
+    device = one_rank
+    few = _hook_counts(monkeypatch, 4, form, device=device)
+    many = _hook_counts(monkeypatch, 40, form, device=device)
     assert few[:3] == many[:3], (few[:3], many[:3])
     launches, _, reads, stats = many
     # select, finish, scan, header, encode (one kind of bin here) and decode (one rank)
-    assert (launches, reads) == ((6, 2) if form == "allgather" else (12, 3)), (launches, reads)
+    assert launches == (6 if form == "allgather" else 12), launches
+    if device.type == "cpu":  # on CUDA, torch's sync debug mode counts each read too
+        assert reads == (2 if form == "allgather" else 3), reads
     assert stats["fused_buckets"] == 3 and stats["compressed_steps"] == 3
 
 
 def test_the_hook_reports_its_path(monkeypatch, one_rank) -> None:
+    if one_rank.type == "cuda":
+        pytest.skip("the path's choice is the same on the CPU")
     """fused=False, and fused=None with bins longer than the kernels take: the torch
     path, its launches growing with the layers; a bad value is refused."""
     torch_path = _hook_counts(monkeypatch, 4, "allgather", fused=False)
