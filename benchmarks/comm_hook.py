@@ -27,7 +27,9 @@ launch it would be).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -84,10 +86,11 @@ def time_iterations(
     return times
 
 
-def _counted_kernels(launches: list[str]) -> None:
-    """Stand-ins for the hook's kernels that launch nothing: each call counted; the scan
-    sizes every message as its headers alone, the per-segment pass counts nothing
-    selected (the rest reads what they leave)."""
+@contextlib.contextmanager
+def _counted_kernels(launches: list[str]):
+    """Stand-ins for the hook's kernels that launch nothing, while the context lasts: each
+    call counted; the scan sizes every message as its headers alone, the per-segment pass
+    counts nothing selected (the rest reads what they leave)."""
     from largebatch.comm.torch import _fused, _kernels
 
     def stand_in(name: str):
@@ -106,8 +109,7 @@ def _counted_kernels(launches: list[str]) -> None:
 
         return Kernel()
 
-    for name in _fused.KERNELS:
-        setattr(_kernels, name, stand_in(name))
+    kernels = {name: getattr(_kernels, name) for name in _fused.KERNELS}
     decode = _fused.decode
 
     def counted_decode(message, size, targets, dst, k, width, values):
@@ -115,7 +117,15 @@ def _counted_kernels(launches: list[str]) -> None:
             launches.append("decode_kernel")
         return decode(message, size, targets, dst, k, width, values)
 
-    _fused.decode = counted_decode
+    try:
+        for name in kernels:
+            setattr(_kernels, name, stand_in(name))
+        _fused.decode = counted_decode
+        yield
+    finally:
+        for name, kernel in kernels.items():
+            setattr(_kernels, name, kernel)
+        _fused.decode = decode
 
 
 _PACKAGE = str(Path(__import__("largebatch").__file__).parent)
@@ -152,7 +162,6 @@ def count(shapes: list[tuple[int, ...]], bucket_mb: float) -> list[dict]:
     """One iteration per form and path (after two: DDP orders its buckets anew after the
     first): buckets, torch operations, Triton launches, host reads."""
     launches: list[str] = []
-    _counted_kernels(launches)
     tolist = torch.Tensor.tolist
     reads = [0]
 
@@ -164,8 +173,8 @@ def count(shapes: list[tuple[int, ...]], bucket_mb: float) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     coefs = [torch.randn(s, generator=gen) for s in shapes]
-    for form in ("allgather", "two_phase"):
-        for fused in (False, True):
+    for form, fused in itertools.product(("allgather", "two_phase"), (False, True)):
+        with _counted_kernels(launches):
             model = DDP(Shapes(shapes), bucket_cap_mb=bucket_mb)
             state = AdaCompState(model, form=form, warmup_steps=0, fused=fused)
             buckets: list[int] = []
