@@ -146,8 +146,9 @@ def test_one_pass_norms_of_non_finite_elements(values, expected) -> None:
 
 def test_comm_hook_counts_what_an_iteration_runs() -> None:
     """``comm_hook.py --count``'s table: per bucket, the fused hook launches and reads a
-    fixed number (all-gather 6 launches, 2 reads; two-phase 12 and 3, on one rank), and
-    runs fewer torch operations than the torch-op hook; the kernels are back after it."""
+    fixed number (all-gather 6 launches and a read; two-phase 12 and 2, on one rank; and
+    one read an iteration), and runs fewer torch operations than the torch-op hook; the
+    kernels are back after it."""
     import comm_hook
     import torch.distributed as dist
 

@@ -420,9 +420,9 @@ def _hook_counts(
 @pytest.mark.parametrize("form", FORMS)
 def test_a_bucket_launches_and_reads_as_often_whatever_its_layers(monkeypatch, one_rank, form) -> None:
     """The hook on the kernels: a bucket of 40 layers launches as many Triton kernels and
-    torch operations, and reads the device from the host as often, as a bucket of 4: two
-    reads (the messages' sizes and counts; the result's finiteness), three for two-phase
-    (the owner's message sizes too)."""
+    torch operations, and reads the device from the host as often, as a bucket of 4: one
+    read (the messages' sizes with the layers' counts), two for two-phase (the owner's
+    message sizes too), and once an iteration whether the results were finite."""
     device = one_rank
     few = _hook_counts(monkeypatch, 4, form, device=device)
     many = _hook_counts(monkeypatch, 40, form, device=device)

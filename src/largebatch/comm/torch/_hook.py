@@ -59,13 +59,13 @@ class AdaCompState:
             gradients, so residuals are kept unscaled (divided by the scale, a power of
             two: exact) and rescaled each iteration; a change of scale moves nothing.
         fused: the exchange on Triton kernels that take a whole bucket in a few launches
-            and two host reads (docs/communication.md): ``None`` (default) on CUDA
+            and one host read (docs/communication.md): ``None`` (default) on CUDA
             gradients, and on the CPU under ``TRITON_INTERPRET=1``; ``True`` there (a
-            RuntimeError elsewhere); ``False`` the torch operations per layer. Both give
-            the same messages, selections and residuals; the scale's sum is taken in
-            another order. ``fused`` holds the setting (not a saved one: a run may resume
-            on the other path), ``stats["fused_buckets"]`` counts the buckets the kernels
-            took.
+            RuntimeError elsewhere); ``False`` the torch operations per layer. Both select
+            the same elements and send messages of one format; the scale's fp64 sum is
+            added in another order, so that the two may differ in its last bit.
+            ``fused`` holds the setting (not a saved one: a run may resume on the other
+            path), ``stats["fused_buckets"]`` counts the buckets the kernels took.
 
     The residuals of an iteration are committed after its last bucket, and only if every
     bucket was finite on every rank, before and after the exchange (an fp16 average can
@@ -131,6 +131,7 @@ class AdaCompState:
         self._fused: dict[Layout, FusedExchange] = {}
         self._pending: list[Callable[[Worker], None]] = []  # the iteration's residual commits
         self._skip = False  # a bucket of this iteration was not finite
+        self._overflow: torch.Tensor | None = None  # the same, for the fused buckets, on the device
         self._scale: float | None = None  # the GradScaler's scale for this iteration
 
     def _loss_scale(self) -> float:
@@ -140,10 +141,12 @@ class AdaCompState:
 
     def _end_iteration(self) -> None:
         """Commit the iteration's residuals, unless one of its buckets was not finite."""
+        if self._overflow is not None:
+            self._skip |= bool(self._overflow)  # the fused buckets' one read an iteration
         if not self._skip:
             for commit in self._pending:
                 commit(self._worker)
-        self._pending, self._skip, self._scale = [], False, None
+        self._pending, self._skip, self._scale, self._overflow = [], False, None, None
         self.step += 1
         self.stats["steps"] += 1
 
@@ -369,8 +372,9 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
 def _compressed_fused(
     state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor, layout: Layout
 ) -> None:
-    """:func:`_compressed` on the kernels: a fixed number of launches and two host reads
-    a bucket (three for two-phase), whatever its number of layers."""
+    """:func:`_compressed` on the kernels: a fixed number of launches and one host read a
+    bucket (two for two-phase), whatever its number of layers; whether the results are
+    finite is read once an iteration, in ``_end_iteration``."""
     ex = state._fused_exchange(layout)
     flat = ex.to_logical(buf.to(layout.dtype))
     finite = torch.isfinite(flat).all().view(1)
@@ -428,7 +432,8 @@ def _compressed_fused(
     state._pending.append(lambda w: ex.commit(w, batch))
     buf.copy_(ex.to_memory(result))
     # as in _compressed: an average that overflows the bucket's dtype commits nothing
-    state._skip |= not bool(torch.isfinite(buf).all())  # the last host read
+    over = ~torch.isfinite(buf).all()
+    state._overflow = over if state._overflow is None else state._overflow | over
     stats = state.stats
     stats["compressed_steps"] += int(bucket.is_last())
     stats["fused_buckets"] += 1
