@@ -1,9 +1,12 @@
 """The AdaComp DDP hook on N gloo processes (run by ``test_comm.py`` under
 ``torch.distributed.run``). Rank 0 writes one JSON line per case as it finishes.
 
-``python -m torch.distributed.run --nproc_per_node=N comm_worker.py OUT.jsonl [full]``:
-every world size runs the hook-contract cases; ``full`` adds real training against the
-one-process simulation, non-finite gradients and resume.
+``python -m torch.distributed.run --nproc_per_node=N comm_worker.py OUT.jsonl [full]
+[fused] [only=CASE,...]``: every world size runs the hook-contract cases (``only``: those
+named of everything, reference, simulation); ``full`` adds real training against the
+one-process simulation, non-finite gradients and resume. The hook and the simulation run
+on torch operations, or with ``fused`` on the Triton kernels (``TRITON_INTERPRET=1`` on
+the CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from largebatch.comm.torch import (
     simulate_step,
 )
 from largebatch.training.distributed import exit_process
+
+FUSED = {"fused": False}  # the path of every AdaCompState and SimulatedWorkers here (main sets it)
 
 SHAPES = {
     "conv": (6, 3, 3, 3),
@@ -84,7 +89,7 @@ def run_linear(
     model = DDP(Linear(dtype), bucket_cap_mb=0.001)  # several buckets
     state = None
     if hook:
-        state = AdaCompState(model, **state_kwargs)
+        state = AdaCompState(model, **state_kwargs, **FUSED)
         model.register_comm_hook(state, adacomp_hook)
     rank = dist.get_rank()
     out = []
@@ -102,6 +107,7 @@ def everything_equals_allreduce(form: str) -> dict:
     return {
         "same": same,
         "compressed_steps": state.stats["compressed_steps"],
+        "fused_buckets": state.stats["fused_buckets"],
         "shapes_kept": all(b[k].shape == SHAPES[k] for b in hooked for k in SHAPES),
     }
 
@@ -140,6 +146,7 @@ def against_reference(form: str, steps: int = 5) -> dict:
         "masks_equal": masks_equal,
         "residual_err": res_err,
         "compressed_steps": state.stats["compressed_steps"],
+        "fused_buckets": state.stats["fused_buckets"],
     }
 
 
@@ -150,7 +157,7 @@ def against_simulation(form: str, steps: int = 4) -> dict:
     world = dist.get_world_size()
     hooked, state = run_linear(steps, torch.float32, False, hook=True, form=form)
     names, shapes = names_shapes()
-    sim = SimulatedWorkers(names, shapes, world, form=form)
+    sim = SimulatedWorkers(names, shapes, world, form=form, **FUSED)
     same = True
     for step in range(steps):
         grads = [[coefs_for(r, step, torch.float32, False)[k] for k in names] for r in range(world)]
@@ -162,6 +169,7 @@ def against_simulation(form: str, steps: int = 4) -> dict:
         "sent_bytes": sent,
         "dense_bytes": state.stats["dense_bytes"],
         "rates": state.compression_rates(),
+        "fused_buckets": state.stats["fused_buckets"],
     }
 
 
@@ -192,7 +200,7 @@ def training_equals_simulation(form: str, steps: int = 6) -> dict:
     net = Net()
     sim_net = copy.deepcopy(net)
     model = DDP(net)
-    state = AdaCompState(model, form=form, warmup_steps=2)
+    state = AdaCompState(model, form=form, warmup_steps=2, **FUSED)
     model.register_comm_hook(state, adacomp_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
@@ -202,7 +210,9 @@ def training_equals_simulation(form: str, steps: int = 6) -> dict:
         loss_fn(model(x), y).backward()
         opt.step()
     names = [n for n, _ in sim_net.named_parameters()]
-    sim = SimulatedWorkers(names, [p.shape for p in sim_net.parameters()], world, form=form, warmup_steps=2)
+    sim = SimulatedWorkers(
+        names, [p.shape for p in sim_net.parameters()], world, form=form, warmup_steps=2, **FUSED
+    )
     sim_opt = torch.optim.SGD(sim_net.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         sim_opt.zero_grad(set_to_none=True)
@@ -212,7 +222,13 @@ def training_equals_simulation(form: str, steps: int = 6) -> dict:
     moved = any(not torch.equal(a, b) for a, b in zip(net.parameters(), Net().parameters()))
     residuals = state.state_dict()["residuals"]
     res_same = all(torch.equal(residuals[k], sim.workers[rank].residuals[k]) for k in residuals)
-    return {"same": same, "moved": moved, "residuals_same": res_same, "rates": state.compression_rates()}
+    return {
+        "same": same,
+        "moved": moved,
+        "residuals_same": res_same,
+        "rates": state.compression_rates(),
+        "fused_buckets": state.stats["fused_buckets"],
+    }
 
 
 def nonfinite_leaves_residuals(form: str) -> dict:
@@ -220,7 +236,7 @@ def nonfinite_leaves_residuals(form: str) -> dict:
     everyone, as a GradScaler needs) and no residual changes."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = DDP(Linear(torch.float32), bucket_cap_mb=0.001)
-    state = AdaCompState(model, form=form)
+    state = AdaCompState(model, form=form, **FUSED)
     model.register_comm_hook(state, adacomp_hook)
     model(coefs_for(rank, 0, torch.float32, False)).backward()
     before = copy.deepcopy(state.state_dict())
@@ -245,7 +261,7 @@ def overflow_keeps_residuals(form: str) -> dict:
     the residuals stay as they were."""
     rank = dist.get_rank()
     model = DDP(Linear(torch.float16), bucket_cap_mb=0.001)
-    state = AdaCompState(model, form=form)
+    state = AdaCompState(model, form=form, **FUSED)
     model.register_comm_hook(state, adacomp_hook)
     model(coefs_for(rank, 0, torch.float16, False)).backward()
     saved = state.state_dict()
@@ -282,7 +298,7 @@ def channels_last_is_logical(form: str, steps: int = 3) -> dict:
             for p in (model.conv, model.zero):
                 p.data = p.data.contiguous(memory_format=torch.channels_last)
         ddp = DDP(model, bucket_cap_mb=0.001)
-        state = AdaCompState(ddp, form=form)
+        state = AdaCompState(ddp, form=form, **FUSED)
         ddp.register_comm_hook(state, adacomp_hook)
         grads = []
         for step in range(steps):
@@ -334,7 +350,7 @@ def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
     def build():
         torch.manual_seed(0)
         model = DDP(Net())
-        state = AdaCompState(model, form=form, warmup_steps=1)
+        state = AdaCompState(model, form=form, warmup_steps=1, **FUSED)
         model.register_comm_hook(state, adacomp_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         return model, state, opt
@@ -361,7 +377,7 @@ def resume_is_exact(form: str, first: int = 3, then: int = 3) -> dict:
         torch.equal(a, b)
         for a, b in zip(model.module.state_dict().values(), model2.module.state_dict().values())
     )
-    other = AdaCompState(model2, form="two_phase" if form == "allgather" else "allgather")
+    other = AdaCompState(model2, form="two_phase" if form == "allgather" else "allgather", **FUSED)
     return {
         "same": same,
         "refused": refusal(other, ckpt["adacomp"]),
@@ -395,7 +411,9 @@ def bad_residuals_are_refused(state: AdaCompState, saved: dict) -> dict:
 
 def main() -> None:
     out = sys.argv[1]
-    full = sys.argv[2:] == ["full"]
+    full = "full" in sys.argv[2:]
+    FUSED["fused"] = "fused" in sys.argv[2:]
+    only = [a.split("=", 1)[1].split(",") for a in sys.argv[2:] if a.startswith("only=")]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -405,10 +423,16 @@ def main() -> None:
             with open(out, "a") as f:
                 f.write(json.dumps({"case": f"{case}/{world}", **values}) + "\n")
 
+    def wanted(case: str) -> bool:
+        return not only or case in only[0]
+
     for form in ("allgather", "two_phase"):
-        record(f"everything/{form}", **everything_equals_allreduce(form))
-        record(f"reference/{form}", **against_reference(form))
-        record(f"simulation/{form}", **against_simulation(form))
+        if wanted("everything"):
+            record(f"everything/{form}", **everything_equals_allreduce(form))
+        if wanted("reference"):
+            record(f"reference/{form}", **against_reference(form))
+        if wanted("simulation"):
+            record(f"simulation/{form}", **against_simulation(form))
         if full:
             record(f"training/{form}", **training_equals_simulation(form))
             record(f"nonfinite/{form}", **nonfinite_leaves_residuals(form))

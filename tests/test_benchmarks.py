@@ -190,3 +190,30 @@ def test_the_moved_grads_provider_gives_new_grads_at_every_step() -> None:
     assert seen[1:] == [NEW_GRADS] * 3  # the first step builds the plan
     assert all(a is not b for k in range(3) for a, b in zip(grads[k], grads[k + 1]))
     assert opt.num_steps == 4
+
+
+def test_comm_hook_counts_what_an_iteration_runs() -> None:
+    """``comm_hook.py --count``'s table: per bucket, the fused hook launches and reads a
+    fixed number (all-gather 6 launches and a read; two-phase 12 and 2, on one rank; and
+    one read an iteration), and runs fewer torch operations than the torch-op hook; the
+    kernels are back after it."""
+    import comm_hook
+    import torch.distributed as dist
+
+    from largebatch.comm.torch import _fused, _kernels
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    kernels = {name: getattr(_kernels, name) for name in _fused.KERNELS}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = comm_hook.count([(8, 4, 3, 3), (8,)] * 20, 25.0)
+    finally:
+        dist.destroy_process_group()
+    got = {(r["form"], r["path"]): r for r in rows}
+    for form, launches, reads in (("allgather", 6, 2), ("two_phase", 12, 3)):
+        fused, plain = got[form, "fused"], got[form, "torch"]
+        assert fused["buckets"] == plain["buckets"] == 1
+        assert (fused["triton_launches"], fused["host_reads"]) == (launches, reads)
+        assert plain["triton_launches"] == 0 and fused["torch_ops"] < plain["torch_ops"] / 3
+    assert all(getattr(_kernels, name) is k for name, k in kernels.items())

@@ -24,6 +24,7 @@ from helpers import BAD_ADACOMP_OPTIONS
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import AdaCompState, SimulatedWorkers, compress
 from largebatch.comm.torch import _codec as codec
+from largebatch.comm.torch._fused import MAX_BIN
 
 WORKER = Path(__file__).with_name("comm_worker.py")
 FORMS = ("allgather", "two_phase")
@@ -233,13 +234,18 @@ def _grads(n: int, steps: int, shapes, seed: int = 0):
     ]
 
 
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+
+
+@FUSED
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_simulation_equals_reference(form: str, n: int) -> None:
-    """float64 simulation (messages encoded and decoded) against the reference exchange."""
+def test_simulation_equals_reference(form: str, n: int, fused: bool) -> None:
+    """float64 simulation (messages encoded and decoded) against the reference exchange,
+    on torch operations and on the kernels."""
     shapes = [(5, 3, 3, 3), (5,), (10, 120), (4, 4, 1, 1)]
     names = [f"p{i}" for i in range(len(shapes))]
-    sim = SimulatedWorkers(names, shapes, n, form=form, dtype=torch.float64)
+    sim = SimulatedWorkers(names, shapes, n, form=form, dtype=torch.float64, fused=fused)
     res = {k: [np.zeros(int(np.prod(s)))] * n for k, s in zip(names, shapes)}
     server = {
         k: [np.zeros(hi - lo) for lo, hi in ref.chunk_bounds(int(np.prod(s)), ref.bin_length(s) or 1, n)]
@@ -260,19 +266,21 @@ def test_simulation_equals_reference(form: str, n: int) -> None:
             np.testing.assert_allclose(got[i].numpy().ravel(), want, rtol=1e-15, atol=1e-15)
 
 
+@FUSED
 @pytest.mark.parametrize("numel", [127, 128, 40_000])
-def test_message_widths_round_trip(numel: int) -> None:
+def test_message_widths_round_trip(numel: int, fused: bool) -> None:
     """Indices are packed into as few bytes as twice the layer size needs (a sign bit): at
     127 one byte, at 128 two, at 40,000 three; every index survives, the last included."""
     n = 2
     sim = SimulatedWorkers(
-        ["w"], [(numel, 1, 1)], n, conv_bin=1, select="all", values="exact", dtype=torch.float64
+        ["w"], [(numel, 1, 1)], n, conv_bin=1, select="all", values="exact", dtype=torch.float64, fused=fused
     )
     grads = [[torch.arange(1, numel + 1, dtype=torch.float64).view(numel, 1, 1) * (w + 1)] for w in range(n)]
     out = sim.exchange(grads)[0]
     torch.testing.assert_close(out, grads[0][0] * 1.5, rtol=0, atol=0)
     assert sim.layout.width == {127: 1, 128: 2, 40_000: 3}[numel]
-    ternary = SimulatedWorkers(["w"], [(numel, 1, 1)], 1, conv_bin=numel)
+    bins = min(numel, MAX_BIN) if fused else numel  # the kernels' bins are at most MAX_BIN
+    ternary = SimulatedWorkers(["w"], [(numel, 1, 1)], 1, conv_bin=bins, fused=fused)
     g = torch.zeros(numel, 1, 1)
     g[-1] = -2.0
     torch.testing.assert_close(ternary.exchange([[g]])[0], g, rtol=0, atol=0)
@@ -349,61 +357,94 @@ def _run_worker(tmp_path_factory, nproc: int, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
+def two_torch(tmp_path_factory):
     return _run_worker(tmp_path_factory, 2, "full")
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def four_torch(tmp_path_factory):
     return _run_worker(tmp_path_factory, 4)
 
 
+@pytest.fixture(scope="module")
+def two_fused(tmp_path_factory):
+    return _run_worker(tmp_path_factory, 2, "full", "fused")
+
+
+@pytest.fixture(scope="module")
+def four_fused(tmp_path_factory):
+    """4 processes on the kernels: the cases against the reference (the interpreter's
+    launches are slow; 2 processes run every case)."""
+    return _run_worker(tmp_path_factory, 4, "fused", "only=reference")
+
+
+@pytest.fixture(params=["torch", "fused"])
+def path(request) -> str:
+    """The hook's path: torch operations per layer, or the Triton kernels (interpreted)."""
+    return request.param
+
+
+@pytest.fixture
+def two(request, path):
+    return request.getfixturevalue(f"two_{path}")
+
+
 @pytest.fixture(params=[2, 4])
-def world(request, two, four):
-    return request.param, {2: two, 4: four}[request.param]
+def world(request, path):
+    if request.param == 4 and path == "fused":
+        cases = request.getfixturevalue("four_fused")
+        if request.function.__name__ != "test_hook_equals_reference":
+            pytest.skip("4 processes on the kernels run the reference cases only")
+        return 4, cases
+    return request.param, request.getfixturevalue(f"{'two' if request.param == 2 else 'four'}_{path}")
+
+
+def _took_path(case: dict, path: str) -> bool:
+    """The hook's buckets went the way the run asked: every one on the kernels, or none."""
+    return (case["fused_buckets"] > 0) == (path == "fused")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_hook_with_everything_selected_equals_default_allreduce(world, form: str) -> None:
+def test_hook_with_everything_selected_equals_default_allreduce(world, path, form: str) -> None:
     """select="all", values="exact": the hook returns DDP's default all-reduce bit for bit
     (gradients are multiples of 2**-10, exact in any summation order), in every param's
     shape, over several small buckets."""
     n, cases = world
     c = cases[f"everything/{form}/{n}"]
-    assert c["same"] and c["shapes_kept"] and c["compressed_steps"] == 3
+    assert c["same"] and c["shapes_kept"] and c["compressed_steps"] == 3 and _took_path(c, path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_hook_equals_reference(world, form: str) -> None:
+def test_hook_equals_reference(world, path, form: str) -> None:
     """float64 DDP with the hook against the NumPy reference for 4 compressed steps after a
     warm-up step: the same selection, values and residuals to 1e-15 (the scale's sum is
     taken in a different order)."""
     n, cases = world
     c = cases[f"reference/{form}/{n}"]
-    assert c["masks_equal"] and c["compressed_steps"] == 4
+    assert c["masks_equal"] and c["compressed_steps"] == 4 and _took_path(c, path)
     assert c["worst"] < 1e-15 and c["residual_err"] < 1e-14
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_hook_equals_simulation_bit_for_bit(world, form: str) -> None:
+def test_hook_equals_simulation_bit_for_bit(world, path, form: str) -> None:
     n, cases = world
     c = cases[f"simulation/{form}/{n}"]
-    assert c["same"]
+    assert c["same"] and _took_path(c, path)
     assert 0 < c["sent_bytes"] < c["dense_bytes"] / 3
     assert c["rates"]["dense"] == 1.0 and c["rates"]["conv"] > 5 and c["rates"]["fc"] > 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_training_with_hook_equals_simulation(two, form: str) -> None:
+def test_training_with_hook_equals_simulation(two, path, form: str) -> None:
     """A CNN with batch norm, SGD with momentum, 2 warm-up steps then 4 compressed: the
     2-process run and the one-process simulation end with the same params, buffers and
     residuals, bit for bit."""
     c = two[f"training/{form}/2"]
-    assert c["same"] and c["moved"] and c["residuals_same"]
+    assert c["same"] and c["moved"] and c["residuals_same"] and _took_path(c, path)
 
 
 @pytest.mark.slow
@@ -414,8 +455,8 @@ def test_nonfinite_gradient_reaches_everyone_and_keeps_residuals(two, form: str)
 
 
 @pytest.mark.slow
-def test_local_clip_hook_sums_each_ranks_clipped_gradients(two) -> None:
-    c = two["local_clip/2"]
+def test_local_clip_hook_sums_each_ranks_clipped_gradients(two_torch) -> None:
+    c = two_torch["local_clip/2"]
     assert c["bound"] and c["worst"] < 1e-6, c
 
 

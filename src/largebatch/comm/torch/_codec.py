@@ -250,10 +250,14 @@ def _decode_into(
 
 @dataclasses.dataclass
 class Worker:
-    """One worker's residuals: per layer (by name), and per layer for its owned chunk."""
+    """One worker's residuals: per layer (by name), and per layer for its owned chunk.
+    ``flat``: the fused exchange's residual buffers, each with the views of it that the
+    two dicts held when it was committed (a dict entry that is no longer its view sends
+    the next step back to the dicts)."""
 
     residuals: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     chunk_residuals: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    flat: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = dataclasses.field(default_factory=dict)
 
 
 class Exchange:

@@ -3,6 +3,7 @@ checkpoint) and :func:`adacomp_hook`, which runs the exchange over a process gro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from largebatch.comm.torch._codec import (
     to_logical,
     to_memory,
 )
+from largebatch.comm.torch._fused import FusedExchange, applies, check_fused, resolve_fused
 
 # 2: residuals in logical order; version 1 kept a channels_last weight's in memory order.
 _STATE_VERSION = 2
@@ -56,6 +58,14 @@ class AdaCompState:
         scaler: the ``torch.amp.GradScaler`` of the run, if any: DDP hands the hook scaled
             gradients, so residuals are kept unscaled (divided by the scale, a power of
             two: exact) and rescaled each iteration; a change of scale moves nothing.
+        fused: the exchange on Triton kernels that take a whole bucket in a few launches
+            and one host read (docs/communication.md): ``None`` (default) on CUDA
+            gradients, and on the CPU under ``TRITON_INTERPRET=1``; ``True`` there (a
+            RuntimeError elsewhere); ``False`` the torch operations per layer. Both select
+            the same elements and send messages of one format; the scale's fp64 sum is
+            added in another order, so that the two may differ in its last bit.
+            ``fused`` holds the setting (not a saved one: a run may resume on the other
+            path), ``stats["fused_buckets"]`` counts the buckets the kernels took.
 
     The residuals of an iteration are committed after its last bucket, and only if every
     bucket was finite on every rank, before and after the exchange (an fp16 average can
@@ -76,7 +86,9 @@ class AdaCompState:
         network: Any = None,
         compression: float = 40.0,
         scaler: torch.amp.GradScaler | None = None,
+        fused: bool | None = None,
     ) -> None:
+        fused = check_fused(fused)
         options = check_options(
             warmup_steps=warmup_steps,
             conv_bin=conv_bin,
@@ -113,9 +125,13 @@ class AdaCompState:
         self.step = 0
         self._worker = Worker()
         self.stats = new_stats()
+        self.stats["fused_buckets"] = 0
         self.scaler = scaler
-        self._pending: list[tuple[str, str, torch.Tensor]] = []  # (which, name, residual)
+        self.fused = fused
+        self._fused: dict[Layout, FusedExchange] = {}
+        self._pending: list[Callable[[Worker], None]] = []  # the iteration's residual commits
         self._skip = False  # a bucket of this iteration was not finite
+        self._overflow: torch.Tensor | None = None  # the same, for the fused buckets, on the device
         self._scale: float | None = None  # the GradScaler's scale for this iteration
 
     def _loss_scale(self) -> float:
@@ -125,10 +141,12 @@ class AdaCompState:
 
     def _end_iteration(self) -> None:
         """Commit the iteration's residuals, unless one of its buckets was not finite."""
+        if self._overflow is not None:
+            self._skip |= bool(self._overflow)  # the fused buckets' one read an iteration
         if not self._skip:
-            for which, name, residual in self._pending:
-                getattr(self._worker, which)[name] = residual
-        self._pending, self._skip, self._scale = [], False, None
+            for commit in self._pending:
+                commit(self._worker)
+        self._pending, self._skip, self._scale, self._overflow = [], False, None, None
         self.step += 1
         self.stats["steps"] += 1
 
@@ -167,6 +185,13 @@ class AdaCompState:
             {k: v.clone() for k, v in state["chunk_residuals"].items()},
         )
         self.stats = copy_stats(state["stats"])
+        self.stats.setdefault("fused_buckets", 0)
+
+    def _fused_exchange(self, layout: Layout) -> FusedExchange:
+        ex = self._fused.get(layout)
+        if ex is None:
+            ex = self._fused[layout] = FusedExchange(layout, self._world, self.select, self.values)
+        return ex
 
     def _check_residuals(self, state: dict[str, Any]) -> None:
         """Every saved residual names a compressed param of this model and is a flat
@@ -269,8 +294,17 @@ def _dense(state: AdaCompState, buf: torch.Tensor, skip: bool = False) -> None:
     state.stats["sent_bytes"] += buf.numel() * buf.element_size()
 
 
+def _set(which: str, name: str, residual: torch.Tensor) -> Callable[[Worker], None]:
+    def commit(worker: Worker) -> None:
+        getattr(worker, which)[name] = residual
+
+    return commit
+
+
 def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor) -> None:
     layout = _bucket_layout(state, bucket)
+    if resolve_fused(state.fused, buf.device) and applies(layout, state.fused):
+        return _compressed_fused(state, bucket, buf, layout)
     ex = Exchange(layout, state._world, state.select, state.values)
     flat = to_logical(buf.to(layout.dtype), layout)
     finite = bool(torch.isfinite(flat).all())
@@ -310,7 +344,7 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
         sizes = _all_gather_sizes(torch.tensor([mine.numel()], device=device), world, group)
         messages = _all_gather_padded(mine, sizes, group)
         result = ex.decode_chunks(messages, device)
-        state._pending += [("chunk_residuals", name, c.residual.div(scale)) for name, c in owned.items()]
+        state._pending += [_set("chunk_residuals", name, c.residual.div(scale)) for name, c in owned.items()]
         sent = int(split.sum() - split[rank]) + int(sizes.max()) * (world - 1)
     dense = layout.dense
     if dense:
@@ -322,7 +356,7 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
             result[d.offset : d.offset + d.numel] = result_dense[pos : pos + d.numel]
             pos += d.numel
         sent += packed.numel() * packed.element_size()
-    state._pending += [("residuals", name, c.residual.div(scale)) for name, c in parts.items()]
+    state._pending += [_set("residuals", name, c.residual.div(scale)) for name, c in parts.items()]
     buf.copy_(to_memory(result, layout))
     # Every input was finite, but the average overflows the bucket's dtype (fp16): the
     # GradScaler will skip the step, so the iteration's residuals are not committed
@@ -333,6 +367,79 @@ def _compressed(state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor)
     stats["dense_bytes"] += buf.numel() * buf.element_size()
     stats["sent_bytes"] += sent
     ex.count(stats, parts)
+
+
+def _compressed_fused(
+    state: AdaCompState, bucket: dist.GradBucket, buf: torch.Tensor, layout: Layout
+) -> None:
+    """:func:`_compressed` on the kernels: a fixed number of launches and one host read a
+    bucket (two for two-phase), whatever its number of layers; whether the results are
+    finite is read once an iteration, in ``_end_iteration``."""
+    ex = state._fused_exchange(layout)
+    flat = ex.to_logical(buf.to(layout.dtype))
+    finite = torch.isfinite(flat).all().view(1)
+    scale = state._loss_scale()
+    group, world, rank, device = state.process_group, state._world, state._rank, buf.device
+    worker = state._worker
+    batch = ex.compress(worker, flat, scale)
+    if state.form == "allgather":
+        gathered = _all_gather_sizes(ex.sizes(batch, 1, finite), world, group)
+        head = torch.cat([gathered, batch.counts]).tolist()  # the host read before the exchange
+        sizes, counts = head[:world], head[world:]
+        if min(sizes) < 0:
+            return _dense(state, buf, skip=True)
+        mine = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+        ex.encode(batch, mine)
+        received = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(received, mine, group=group)
+        result = ex.decode_all(received, sizes, device)
+        sent = max(sizes) * (world - 1)
+    else:
+        split = ex.sizes(batch, world, finite)
+        incoming = torch.empty_like(split)
+        dist.all_to_all_single(incoming, split, group=group)
+        # a non-finite rank flags every destination; the flag must reach every rank
+        flag = (incoming < 0).any().to(torch.int64).view(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        head = torch.cat([flag, split, incoming, batch.counts]).tolist()  # one host read
+        if head[0]:
+            return _dense(state, buf, skip=True)
+        out_sizes, in_sizes, counts = (
+            head[1 : 1 + world],
+            head[1 + world : 1 + 2 * world],
+            head[1 + 2 * world :],
+        )
+        outgoing = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+        ex.encode(batch, outgoing)
+        chunks = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(chunks, outgoing, in_sizes, out_sizes, group=group)
+        owned = ex.owner_compress(worker, rank, chunks.split(in_sizes), in_sizes, device, scale)
+        ones = torch.ones(1, dtype=torch.bool, device=device)
+        sizes = _all_gather_sizes(ex.sizes(owned, 1, ones), world, group).tolist()  # one host read
+        mine = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+        ex.encode(owned, mine)
+        received = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(received, mine, group=group)
+        result = ex.decode_chunks(received, sizes, device)
+        state._pending.append(lambda w: ex.commit_owned(w, rank, owned))
+        sent = sum(out_sizes) - out_sizes[rank] + max(sizes) * (world - 1)
+    if layout.dense:
+        index = ex.dense_index(device)
+        packed = buf.index_select(0, index).div_(world)
+        dist.all_reduce(packed, group=group)
+        result.index_copy_(0, index, packed.to(layout.dtype))
+        sent += packed.numel() * packed.element_size()
+    state._pending.append(lambda w: ex.commit(w, batch))
+    buf.copy_(ex.to_memory(result))
+    # as in _compressed: an average that overflows the bucket's dtype commits nothing
+    over = ~torch.isfinite(buf).all()
+    state._overflow = over if state._overflow is None else state._overflow | over
+    stats = state.stats
+    stats["compressed_steps"] += int(bucket.is_last())
+    stats["fused_buckets"] += 1
+    stats["dense_bytes"] += buf.numel() * buf.element_size()
+    stats["sent_bytes"] += sent
+    ex.count(stats, counts)
 
 
 def _all_gather_sizes(size: torch.Tensor, world: int, group: Any) -> torch.Tensor:

@@ -11,13 +11,16 @@ import torch
 from largebatch import checks
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
 from largebatch.comm.torch._codec import KINDS, Exchange, Worker, copy_stats, make_layout, new_stats
+from largebatch.comm.torch._fused import FusedExchange, applies, check_fused, resolve_fused
 
 
 class SimulatedWorkers:
     """The hook's exchange for ``n`` workers in one process: one residual per worker, the
     same messages, the same rank-order sums and the same dense average. ``exchange`` takes
     each worker's gradients (a list per worker, in ``names``' order) and returns the
-    averaged gradients: what every rank of a real run would hold after the hook."""
+    averaged gradients: what every rank of a real run would hold after the hook.
+    ``fused``: the hook's Triton kernels (None: on CUDA tensors; True: on the CPU too,
+    under ``TRITON_INTERPRET=1``), bit for bit the hook's exchange with the same setting."""
 
     def __init__(
         self,
@@ -32,8 +35,10 @@ class SimulatedWorkers:
         select: str = "adacomp",
         values: str = "ternary",
         dtype: torch.dtype = torch.float32,
+        fused: bool | None = None,
     ) -> None:
         n = checks.integer("workers", n, 1)
+        self.fused = check_fused(fused)
         options = check_options(
             warmup_steps=warmup_steps,
             conv_bin=conv_bin,
@@ -46,6 +51,7 @@ class SimulatedWorkers:
         self.n, self.form, self.warmup_steps = n, form, warmup_steps
         self.layout = make_layout(list(names), list(shapes), dtype, conv_bin, fc_bin)
         self.ex = Exchange(self.layout, n, select, values)
+        self.fused_ex = FusedExchange(self.layout, n, select, values)
         self.workers = [Worker() for _ in range(n)]
         self.step = 0
         self.stats = new_stats()
@@ -68,6 +74,47 @@ class SimulatedWorkers:
         return out
 
     def _compressed(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        device = flats[0].device
+        if resolve_fused(self.fused, device, interpreted=False) and applies(self.layout, self.fused):
+            result = self._fused(flats)
+        else:
+            result = self._unfused(flats)
+        dense = self.layout.dense
+        if dense:
+            dense_sum = _ordered_sum(
+                [torch.cat([f[d.offset : d.offset + d.numel] for d in dense]) / self.n for f in flats]
+            )
+            pos = 0
+            for d in dense:
+                result[d.offset : d.offset + d.numel] = dense_sum[pos : pos + d.numel]
+                pos += d.numel
+        self.stats["compressed_steps"] += 1
+        return result
+
+    def _fused(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        ex, device = self.fused_ex, flats[0].device
+        parts = [ex.compress(w, f) for w, f in zip(self.workers, flats)]
+        if self.form == "allgather":
+            sent = [ex.messages(p, 1) for p in parts]
+            result = ex.decode_all([m[0] for m, _ in sent], [s[0] for _, s in sent], device)
+        else:
+            sent = [ex.messages(p, self.n) for p in parts]
+            owned = [
+                ex.owner_compress(
+                    self.workers[j], j, [m[j] for m, _ in sent], [s[j] for _, s in sent], device
+                )
+                for j in range(self.n)
+            ]
+            back = [ex.messages(o, 1) for o in owned]
+            result = ex.decode_chunks([m[0] for m, _ in back], [s[0] for _, s in back], device)
+            for j, (w, o) in enumerate(zip(self.workers, owned)):
+                ex.commit_owned(w, j, o)
+        for w, p in zip(self.workers, parts):
+            ex.commit(w, p)
+            ex.count(self.stats, p.counts.tolist())
+        return result
+
+    def _unfused(self, flats: list[torch.Tensor]) -> torch.Tensor:
         ex, device = self.ex, flats[0].device
         parts = [ex.compress(w, f) for w, f in zip(self.workers, flats)]
         if self.form == "allgather":
@@ -83,16 +130,6 @@ class SimulatedWorkers:
                     w.chunk_residuals[name] = c.residual
         for w, p in zip(self.workers, parts):
             ex.commit(w, p)
-        dense = self.layout.dense
-        if dense:
-            dense_sum = _ordered_sum(
-                [torch.cat([f[d.offset : d.offset + d.numel] for d in dense]) / self.n for f in flats]
-            )
-            pos = 0
-            for d in dense:
-                result[d.offset : d.offset + d.numel] = dense_sum[pos : pos + d.numel]
-                pos += d.numel
-        self.stats["compressed_steps"] += 1
         for p in parts:
             ex.count(self.stats, p)
         return result
