@@ -207,7 +207,7 @@ def norms_from_stats(
     peak = jnp.concatenate([m for m, _ in stats])
     scaled = jnp.concatenate([s for _, s in stats])
     nonzero = (scaled > 0).astype(scaled.dtype)
-    squares, blocks = jax.lax.psum((scaled * peak * peak, nonzero), axis_name)
+    squares, blocks = jax.lax.psum(jnp.stack([scaled * peak * peak, nonzero]), axis_name)
     tiny = jnp.finfo(squares.dtype).tiny
     fast = jnp.all((jnp.isfinite(squares) & (squares >= tiny * 2.0**30)) | (blocks == 0))
 

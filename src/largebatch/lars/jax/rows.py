@@ -5,6 +5,7 @@ path"); :func:`piece_stats` is the overflow-safe statistics each norm is formed 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,26 @@ def piece_stats(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return peak, jnp.sum(y * y, axis=1)
 
 
+def _varying_as(x: jax.Array) -> dict[str, Any]:
+    """The ``ShapeDtypeStruct`` keyword that types an output as varying over the
+    ``shard_map`` axes as ``x`` does (``check_vma``): ``manual_axis_type`` in newer jax,
+    ``vma`` in older; none outside ``shard_map``."""
+    aval = jax.typeof(x)
+    parameters = inspect.signature(jax.ShapeDtypeStruct).parameters
+    for attribute, keyword in (("mat", "manual_axis_type"), ("vma", "vma")):
+        value = getattr(aval, attribute, None)
+        if value is not None and keyword in parameters:
+            return {keyword: value}
+    return {}
+
+
+def _varies(x: jax.Array) -> bool:
+    """Whether ``x`` varies over ``shard_map`` axes under ``check_vma``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    return bool(getattr(mat, "varying", None) or getattr(aval, "vma", None))
+
+
 def row_call(
     body: Callable[..., Sequence[jax.Array]],
     packed: Sequence[jax.Array],
@@ -64,6 +85,14 @@ def row_call(
         return [jnp.zeros((0, packed[0].shape[1]), d) for d in out_packed] + [
             jnp.zeros((0,), stats_dtype) for _ in range(out_pieces)
         ]
+    views = [b.reshape(shape) for b in packed]
+    run_interpreted = interpret()
+    if run_interpreted and _varies(packed[0]):
+        # Pallas's interpreter does not type its loop for shard_map's check_vma; the body
+        # is row-wise, so on all rows at once it computes what the grid computes.
+        results = list(body(*views, *per_piece))
+        results = [r.astype(d) for r, d in zip(results, [*out_packed, *[stats_dtype] * out_pieces])]
+        return [r.reshape(rows, -1) for r in results[: len(out_packed)]] + results[len(out_packed) :]
     block = pl.BlockSpec((SUB, PIECE), lambda i: (i, 0))
     piece = pl.BlockSpec((SUB,), lambda i: (i,))
     n_in, n_out = len(packed) + len(per_piece), len(out_packed) + out_pieces
@@ -74,8 +103,9 @@ def row_call(
         for ref, value in zip(refs[n_in:], outs):
             ref[...] = value.astype(ref.dtype)
 
-    out_shape = [jax.ShapeDtypeStruct(shape, d) for d in out_packed]
-    out_shape += [jax.ShapeDtypeStruct((rows * SUB,), stats_dtype)] * out_pieces
+    like = _varying_as(packed[0])
+    out_shape = [jax.ShapeDtypeStruct(shape, d, **like) for d in out_packed]
+    out_shape += [jax.ShapeDtypeStruct((rows * SUB,), stats_dtype, **like)] * out_pieces
     results = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -83,7 +113,7 @@ def row_call(
         in_specs=[block] * len(packed) + [piece] * len(per_piece),
         out_specs=tuple([block] * len(out_packed) + [piece] * out_pieces),
         input_output_aliases=dict(aliases or {}),
-        interpret=interpret(),
-    )(*[b.reshape(shape) for b in packed], *per_piece)
+        interpret=run_interpreted,
+    )(*views, *per_piece)
     assert len(results) == n_out
     return [r.reshape(rows, -1) for r in results[: len(out_packed)]] + list(results[len(out_packed) :])
