@@ -21,7 +21,16 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from largebatch.jax import exclusion_mask, lamb, lars, make_schedule  # noqa: E402
 from largebatch.lars.jax import packed as packed_mod  # noqa: E402
+from largebatch.lars.jax import rows  # noqa: E402
 from largebatch.lars.jax.fused import FusedLambState, FusedLarsState  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def pallas_interpreter(monkeypatch):
+    """The kernels in Pallas's interpreter, as a GPU compiles them (the CPU's default
+    runs their bodies as XLA over all rows: ``test_the_cpu_route_is_the_interpreter``)."""
+    monkeypatch.setattr(rows, "CPU_KERNELS", "interpret")
+
 
 # Every case in float32 (a compile each, in the interpreter); bfloat16, float64 and
 # float16 on a few (float16 LARS only: LAMB's (1 - b2) g^2 underflows a float16 state, as
@@ -48,6 +57,20 @@ def test_fused_matches_the_spec(case, precision):
     expected = run_reference(case, params, grads)
     actual = run_jax(case, params, grads, dtype=dtype, fused=True)
     assert_matches(actual, Result(expected.params, {}), precision, start=params)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.id in ("lars-larc", "lamb-max-grad-norm", "lamb-eps")], ids=lambda c: c.id
+)
+def test_the_cpu_route_is_the_interpreter(case, monkeypatch):
+    """The CPU's default, the bodies as XLA over all rows, gives the interpreted kernels'
+    numbers."""
+    params, grads = make_problem(np.float32)
+    interpreted = run_jax(case, params, grads, dtype=np.float32, fused=True)
+    monkeypatch.setattr(rows, "CPU_KERNELS", "xla")
+    direct = run_jax(case, params, grads, dtype=np.float32, fused=True)
+    for a, b in zip(direct.params, interpreted.params):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.max(np.abs(b), initial=0.0))
 
 
 def test_every_case_is_in_the_grid():
@@ -132,7 +155,9 @@ def test_fused_equals_unfused_on_awkward_trees(name):
         assert fused[k].dtype == params[k].dtype and fused[k].shape == params[k].shape, k
         rtol = TOLERANCE["bfloat16" if params[k].dtype == jnp.bfloat16 else "float32"]
         a, b = np.asarray(fused[k], np.float64), np.asarray(plain[k], np.float64)
-        scale = max(np.max(np.abs(b), initial=0.0), np.max(np.abs(np.asarray(params[k], np.float64)), initial=0.0))
+        scale = max(
+            np.max(np.abs(b), initial=0.0), np.max(np.abs(np.asarray(params[k], np.float64)), initial=0.0)
+        )
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=k)
     assert [b.dtype for b in jax.tree.leaves(state)[1:]] == [jnp.float32, jnp.bfloat16] * (
         2 if factory is lamb else 1
@@ -145,7 +170,7 @@ def test_norms_do_not_overflow_or_underflow(make):
     square to zero: the fused step follows the unfused one."""
     rng = np.random.default_rng(3)
     params = {
-        "huge": jnp.asarray(1e19 * rng.standard_normal((5, 4)), jnp.float32),
+        "huge": jnp.asarray(1e19 * rng.standard_normal((300, 130)), jnp.float32),  # past a run
         "tiny": jnp.asarray(1e-25 * rng.standard_normal((3, 3)), jnp.float32),
         "plain": jnp.asarray(rng.standard_normal(6), jnp.float32),
     }
@@ -233,7 +258,9 @@ def test_inject_hyperparams_jits_once_and_equals_plain(make):
 def test_multi_steps_equals_the_averaged_gradient(make):
     params, grads = tree_problem(4)
     params, grads = jax.tree.map(lambda x: x.astype(jnp.float32), (params, grads))
-    actual, _ = run(optax.MultiSteps(make(0.1, weight_decay=1e-2, fused=True), every_k_schedule=2), params, grads)
+    actual, _ = run(
+        optax.MultiSteps(make(0.1, weight_decay=1e-2, fused=True), every_k_schedule=2), params, grads
+    )
     means = [jax.tree.map(lambda a, b: (a + b) / 2, grads[i], grads[i + 1]) for i in (0, 2)]
     expected, _ = run(make(0.1, weight_decay=1e-2, fused=True), params, means)
     for k in params:
@@ -270,8 +297,10 @@ def test_jit_with_donated_state_does_not_recompile_or_copy(make):
     unusable donations), one compile over steps whose values change."""
     params, grads = tree_problem(3)
     sched = make_schedule("cosine", peak_lr=0.1, total_steps=10, warmup_steps=2)
-    opt = make(sched, weight_decay=1e-2, max_grad_norm=1.0, fused=True) if make is lamb else make(
-        sched, weight_decay=1e-2, trust_clip=True, fused=True
+    opt = (
+        make(sched, weight_decay=1e-2, max_grad_norm=1.0, fused=True)
+        if make is lamb
+        else make(sched, weight_decay=1e-2, trust_clip=True, fused=True)
     )
     update = jax.jit(opt.update, donate_argnums=(1,))
     state = opt.init(params)
@@ -366,7 +395,9 @@ def test_shard_map_with_axis_name_equals_one_device(name, check):
         p, state = step(p, state, put(g))
     assert step._cache_size() == 1
     for k in params:
-        np.testing.assert_allclose(p[k], single[k], rtol=2e-6, atol=1e-7 * float(np.max(np.abs(single[k]))), err_msg=k)
+        np.testing.assert_allclose(
+            p[k], single[k], rtol=2e-6, atol=1e-7 * float(np.max(np.abs(single[k]))), err_msg=k
+        )
     # One psum of all the leaves' sums a norm pass (LAMB: the grads' pass, then w and u);
     # the rescue branch's psum and pmax run only where a sum overflowed or underflowed.
     jaxpr = jax.make_jaxpr(shard_map(body, mesh, (specs, state_specs, specs), (specs, state_specs), check))(

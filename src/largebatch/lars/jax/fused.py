@@ -60,7 +60,8 @@ def _leaves(updates: Any, params: Any) -> tuple[list[jax.Array], list[jax.Array]
         raise ValueError(NO_PARAMS)
     gs, treedef = jax.tree.flatten(updates)
     gs = [jnp.asarray(g) for g in gs]
-    ws = [jnp.asarray(w).astype(g.dtype) for w, g in zip(treedef.flatten_up_to(params), gs)]
+    param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]  # PyTreeDef: no stubs
+    ws = [jnp.asarray(w).astype(g.dtype) for w, g in zip(param_leaves, gs)]
     return gs, ws, treedef, layout_of(gs)
 
 
@@ -77,7 +78,9 @@ def _pieces(group: Group, value: Any) -> jax.Array:
     return group.per_piece(value)
 
 
-def _safe_ratio(numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array, other: jax.Array) -> jax.Array:
+def _safe_ratio(
+    numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array, other: jax.Array
+) -> jax.Array:
     zero = (w_norm == 0.0) | (other == 0.0)
     return jnp.where(zero, jnp.ones_like(numerator), numerator / jnp.where(zero, 1.0, denominator))
 
@@ -134,7 +137,8 @@ def fused_lars(
             packed.append((w, g, wd))
         norms = norms_from_stats(stats, axis_name)
         per = 3 if decayed_norm else 2
-        new_momentum, new_leaves = [], [None] * layout.count
+        new_momentum: list[jax.Array] = []
+        new_leaves: list[Any] = [None] * layout.count
         for k, (group, (w, g, wd), v) in enumerate(zip(layout.groups, packed, state.momentum)):
             ct = group.compute_dtype
             w_norm, g_norm = norms[per * k], norms[per * k + 1]
@@ -263,7 +267,9 @@ def fused_lamb(
 
             scalars = (divisor, b1, b3, b2v, gv, bc1, bc2, eps)
             pieces = [group.piece_sizes(), _pieces(group, wd)] + [_pieces(group, x) for x in scalars]
-            m_new, v_new, *raw = row_call(moment, [g, w, m, v], pieces, [m.dtype, v.dtype], 4, ct, {2: 0, 3: 1})
+            m_new, v_new, *raw = row_call(
+                moment, [g, w, m, v], pieces, [m.dtype, v.dtype], 4, ct, {2: 0, 3: 1}
+            )
             moments.append((m_new, v_new))
             stats += [leaf_stats(group, raw[0], raw[1]), leaf_stats(group, raw[2], raw[3])]
         norms = norms_from_stats(stats, axis_name)
