@@ -151,9 +151,12 @@ PEERS="fused,foreach,timm,torch-optimizer,torch,apex,floor"
 GRAPHED="cuda graph"  # ResNet-50 only: the kernels without the host (BERT-large's steps are near their limits)
 step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 150 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
-    --providers "$PEERS,$GRAPHED,optax,(jax,packed" --json "$DIR/step-resnet50-fp32.json"
+    --providers "$PEERS,$GRAPHED,optax,(jax,packed,(pallas" --json "$DIR/step-resnet50-fp32.json"
 step "XLA's profile of the JAX step, ResNet-50: kernels a step and their times, optax against ours" 150 \
     "$PY" benchmarks/xla_profile.py --device cuda --model resnet50 --json "$DIR/xla-profile-resnet50.json"
+step "The fused JAX path compiled (Pallas on the GPU): the spec's cases in float32, awkward trees" 90 \
+    env LARGEBATCH_CUDA_TESTS=1 JAX_PLATFORMS=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_fused.py \
+    -k "matches_the_spec and float32 or awkward or launches" -rfEs
 step "Optimizer step, ResNet-50 fp16 (our fp32 masters)" 110 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp16 \
     --providers "$PEERS,$GRAPHED" --json "$DIR/step-resnet50-fp16.json"
@@ -190,6 +193,9 @@ else
 fi
 
 # BERT-large last: its two steps take the longest (about 100 s each on an H100 or H200).
+step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 75 \
+    "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \
+    --steps 5 --warmup 2 --providers "optax,(pallas" --json "$DIR/step-bert-large-fp32-jax.json"
 step "Optimizer step, BERT-large fp32" 120 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \
     --steps 5 --warmup 2 --providers "fused,timm,torch,apex,floor" --json "$DIR/step-bert-large-fp32.json"

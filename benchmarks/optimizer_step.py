@@ -364,6 +364,14 @@ PROVIDERS: list[Provider] = [
         needs="optax",
         cuda_only=_PALLAS,
     ),
+    # The fused JAX path (lars(..., fused=True)): Pallas kernels on a GPU; on the CPU their
+    # bodies as XLA over all rows.
+    Provider(
+        "ours lars (pallas)",
+        "lars",
+        _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM, fused=True),
+        needs="optax",
+    ),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
@@ -379,6 +387,9 @@ PROVIDERS: list[Provider] = [
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb), needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
     Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    Provider(
+        "ours lamb (pallas)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD, fused=True), needs="optax"
+    ),
     # apex's fused optimizers need its compiled extension (amp_C), not only its Python package.
     Provider("apex FusedLAMB", "lamb", torch_optimizer(_apex_lamb), needs="amp_C", cuda_only=_APEX),
     Provider(

@@ -68,6 +68,17 @@ def test_a_provider_that_fails_is_reported_and_the_others_still_run(monkeypatch)
     assert [r["provider"] for r in res["rows"]] == ["foreach SGD-momentum (floor)"]
 
 
+def test_the_fused_jax_providers_run_on_the_cpu(monkeypatch) -> None:
+    """``lars``/``lamb(..., fused=True)`` are timed on any device (the CPU runs the
+    kernels' bodies as XLA)."""
+    import optimizer_step as bench
+
+    monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(3, 4), (5,), (4099,)]})
+    res = bench.run("tiny", "cpu", steps=2, warmup=1, names=["(pallas"])
+    assert res["skipped"] == {}
+    assert [r["provider"] for r in res["rows"]] == ["ours lars (pallas)", "ours lamb (pallas)"]
+
+
 @pytest.mark.parametrize("python", ["/nonexistent/python3", "no-torch"])
 def test_gpu_check_fails_where_its_python_cannot_run_torch(python, tmp_path) -> None:
     """``make gpu-check`` exits 0 without running anything only where torch ran and saw no
