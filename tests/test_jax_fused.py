@@ -406,3 +406,55 @@ def test_shard_map_with_axis_name_equals_one_device(name, check):
     top = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns if e.primitive.name.startswith("psum")]
     assert len(top) == (1 if name == "lars" else 2)
     assert math.isfinite(float(np.asarray(p["kernel"]).sum()))
+
+
+# ------------------------------------------------------------ params kept packed
+
+
+@pytest.mark.parametrize("make", [lars, lamb])
+def test_params_kept_packed_step_as_the_pytree(make):
+    """``PackedParams``: grads taken of the packed buffers, the step on them without
+    packing, the same params as the pytree's fused step; the padding stays zero (LAMB at
+    eps = 0 too, where the padding's direction is 0 / 0)."""
+    from largebatch.jax import PackedParams
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((30, 20)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(20), jnp.float32),
+        "h": jnp.asarray(rng.standard_normal((5, 9)), jnp.bfloat16),
+    }
+    x = jnp.asarray(rng.standard_normal((8, 30)), jnp.float32)
+
+    def loss(p):
+        return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2) + jnp.sum(p["h"].astype(jnp.float32) ** 2)
+
+    kw = dict(weight_decay=1e-2, trust_ratio_mask=exclusion_mask, fused=True)
+    opt = lars(0.1, **kw) if make is lars else lamb(0.01, eps=0.0, **kw)
+    packed = PackedParams.pack(params)
+    assert jax.tree.structure(packed.unpack()) == jax.tree.structure(params)
+
+    @jax.jit
+    def packed_step(packed, state):
+        grads = jax.grad(lambda q: loss(q.unpack()))(packed)
+        assert isinstance(grads, PackedParams)
+        updates, state = opt.update(grads, state, packed)
+        return optax.apply_updates(packed, updates), state
+
+    @jax.jit
+    def tree_step(params, state):
+        updates, state = opt.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    state, packed_state = opt.init(params), opt.init(packed)
+    for _ in range(3):
+        params, state = tree_step(params, state)
+        packed, packed_state = packed_step(packed, packed_state)
+    for k, leaf in packed.unpack().items():
+        np.testing.assert_allclose(
+            np.asarray(leaf, np.float32), np.asarray(params[k], np.float32), rtol=1e-6, atol=1e-6
+        )
+    for buffer, again in zip(packed.buffers, PackedParams.pack(packed.unpack()).buffers):
+        np.testing.assert_array_equal(buffer, again)  # the padding is still zero
+    with pytest.raises(ValueError, match="the params must be PackedParams"):
+        opt.update(packed, packed_state, packed.unpack())

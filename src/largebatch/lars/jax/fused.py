@@ -20,6 +20,7 @@ from largebatch.lars.jax.packed import (
     SUB,
     Group,
     Layout,
+    PackedParams,
     global_norm,
     layout_of,
     leaf_stats,
@@ -54,15 +55,48 @@ def _flags(mask: Mask, updates: Any, treedef: Any) -> np.ndarray:
     return np.asarray([bool(x) for x in treedef.flatten_up_to(full_mask(mask, updates))], bool)
 
 
-def _leaves(updates: Any, params: Any) -> tuple[list[jax.Array], list[jax.Array], Any, Layout]:
-    """The grads' and params' leaves (params in the grads' dtypes), the treedef, the layout."""
+class _Inputs(NamedTuple):
+    """A step's grads and params as packed buffers, one pair a dtype of the layout."""
+
+    layout: Layout
+    weights: list[jax.Array]
+    grads: list[jax.Array]
+    adapt_decay: tuple[np.ndarray, np.ndarray]  # per leaf: the masks' flags
+    finish: Any  # the update buffers -> the updates, in the form the grads came in
+
+
+def _inputs(updates: Any, params: Any, trust_ratio_mask: Mask, weight_decay_mask: Mask) -> _Inputs:
+    """The grads and params packed (params in the grads' dtypes; :class:`PackedParams`
+    as they are), the masks' flags per leaf (of the grads, as ``optax.masked`` reads
+    them; ``weight_decay_mask`` None: decayed where adapted), and how to give back the
+    updates."""
     if params is None:
         raise ValueError(NO_PARAMS)
-    gs, treedef = jax.tree.flatten(updates)
-    gs = [jnp.asarray(g) for g in gs]
-    param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]  # PyTreeDef: no stubs
-    ws = [jnp.asarray(w).astype(g.dtype) for w, g in zip(param_leaves, gs)]
-    return gs, ws, treedef, layout_of(gs)
+    if isinstance(updates, PackedParams):
+        if not isinstance(params, PackedParams) or params.layout != updates.layout:
+            raise ValueError("the grads are PackedParams: the params must be PackedParams of the same layout")
+        tree, treedef, layout = updates.structure(), updates.treedef, updates.layout
+        gbufs = list(updates.buffers)
+        wbufs = [w.astype(g.dtype) for w, g in zip(params.buffers, gbufs)]
+        finish: Any = updates.like
+    else:
+        gs, treedef = jax.tree.flatten(updates)
+        gs = [jnp.asarray(g) for g in gs]
+        param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]  # PyTreeDef: no stubs
+        ws = [jnp.asarray(w).astype(g.dtype) for w, g in zip(param_leaves, gs)]
+        tree, layout = updates, layout_of(gs)
+        gbufs, wbufs = list(layout.pack(gs)), list(layout.pack(ws))
+
+        def finish(buffers: list[jax.Array]) -> Any:
+            return jax.tree.unflatten(treedef, layout.unpack(buffers))
+
+    adapt = _flags(trust_ratio_mask, tree, treedef)
+    decay = adapt if weight_decay_mask is None else _flags(weight_decay_mask, tree, treedef)
+    return _Inputs(layout, wbufs, gbufs, (adapt, decay), finish)
+
+
+def _layout(params: Any) -> Layout:
+    return params.layout if isinstance(params, PackedParams) else layout_of(jax.tree.leaves(params))
 
 
 def _of(group: Group, flags: np.ndarray) -> np.ndarray:
@@ -107,20 +141,17 @@ def fused_lars(
     trust ratio from the norms (one ``psum`` of all of them with ``axis_name``)."""
 
     def init_fn(params: optax.Params) -> FusedLarsState:
-        layout = layout_of(jax.tree.leaves(params))
-        return FusedLarsState(jnp.zeros([], jnp.int32), layout.zeros())
+        return FusedLarsState(jnp.zeros([], jnp.int32), _layout(params).zeros())
 
     def update_fn(
         updates: optax.Updates, state: FusedLarsState, params: optax.Params | None = None, **extra: Any
     ) -> tuple[optax.Updates, FusedLarsState]:
         del extra
-        gs, ws, treedef, layout = _leaves(updates, params)
-        adapt = _flags(trust_ratio_mask, updates, treedef)
-        decay = adapt if weight_decay_mask is None else _flags(weight_decay_mask, updates, treedef)
+        inputs = _inputs(updates, params, trust_ratio_mask, weight_decay_mask)
+        layout, (adapt, decay) = inputs.layout, inputs.adapt_decay
         lr = _rate(learning_rate, state.count)
         packed, stats = [], []
-        for group in layout.groups:
-            w, g = group.pack(ws), group.pack(gs)
+        for group, w, g in zip(layout.groups, inputs.weights, inputs.grads):
             ct = group.compute_dtype
             wd = jnp.where(jnp.asarray(_of(group, decay)), jnp.asarray(weight_decay, ct), 0.0)
             pieces = [_pieces(group, wd)] if decayed_norm else []
@@ -138,7 +169,7 @@ def fused_lars(
         norms = norms_from_stats(stats, axis_name)
         per = 3 if decayed_norm else 2
         new_momentum: list[jax.Array] = []
-        new_leaves: list[Any] = [None] * layout.count
+        new_updates: list[jax.Array] = []
         for k, (group, (w, g, wd), v) in enumerate(zip(layout.groups, packed, state.momentum)):
             ct = group.compute_dtype
             w_norm, g_norm = norms[per * k], norms[per * k + 1]
@@ -172,10 +203,9 @@ def fused_lars(
             pieces = [_pieces(group, x) for x in (inner, wd, mom, outer)]
             v_new, update = row_call(apply, [w, g, v], pieces, [v.dtype, g.dtype], 0, ct, {2: 0})
             new_momentum.append(v_new)
-            for i, leaf in zip(group.leaves, group.unpack(update)):
-                new_leaves[i] = leaf
+            new_updates.append(update)
         count = optax.safe_increment(state.count)
-        return jax.tree.unflatten(treedef, new_leaves), FusedLarsState(count, tuple(new_momentum))
+        return inputs.finish(new_updates), FusedLarsState(count, tuple(new_momentum))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -204,20 +234,19 @@ def fused_lamb(
     from the new moments (a pass over them instead of a buffer of ``u``)."""
 
     def init_fn(params: optax.Params) -> FusedLambState:
-        layout = layout_of(jax.tree.leaves(params))
+        layout = _layout(params)
         return FusedLambState(jnp.zeros([], jnp.int32), layout.zeros(), layout.zeros())
 
     def update_fn(
         updates: optax.Updates, state: FusedLambState, params: optax.Params | None = None, **extra: Any
     ) -> tuple[optax.Updates, FusedLambState]:
         del extra
-        gs, ws, treedef, layout = _leaves(updates, params)
-        trust = _flags(trust_ratio_mask, updates, treedef)
-        decay = trust if weight_decay_mask is None else _flags(weight_decay_mask, updates, treedef)
+        inputs = _inputs(updates, params, trust_ratio_mask, weight_decay_mask)
+        layout, (trust, decay) = inputs.layout, inputs.adapt_decay
         adapt = trust if adapt_without_decay else trust & decay
         count = optax.safe_increment(state.count)
         lr = _rate(learning_rate, state.count)
-        packed = [(group.pack(ws), group.pack(gs)) for group in layout.groups]
+        packed = list(zip(inputs.weights, inputs.grads))
         divisor: Any = 1.0
         if max_grad_norm is not None:
             stats = []
@@ -273,7 +302,7 @@ def fused_lamb(
             moments.append((m_new, v_new))
             stats += [leaf_stats(group, raw[0], raw[1]), leaf_stats(group, raw[2], raw[3])]
         norms = norms_from_stats(stats, axis_name)
-        new_leaves: list[Any] = [None] * layout.count
+        new_updates: list[jax.Array] = []
         for k, (group, (w, _), (m, v), wd) in enumerate(zip(layout.groups, packed, moments, wds)):
             ct = group.compute_dtype
             w_norm, u_norm = norms[2 * k], norms[2 * k + 1]
@@ -284,20 +313,22 @@ def fused_lamb(
             coef = -jnp.asarray(lr, ct) * ratio
 
             def apply(
-                w: jax.Array, m: jax.Array, v: jax.Array, wd: jax.Array, coef: jax.Array,
-                bc1: jax.Array, bc2: jax.Array, e: jax.Array, ct: Any = ct,
+                w: jax.Array, m: jax.Array, v: jax.Array, size: jax.Array, wd: jax.Array,
+                coef: jax.Array, bc1: jax.Array, bc2: jax.Array, e: jax.Array, ct: Any = ct,
             ) -> list[jax.Array]:  # fmt: skip
                 wd, coef, bc1, bc2, e = (x[:, None] for x in (wd, coef, bc1, bc2, e))
                 u = (m.astype(ct) / bc1) / (jnp.sqrt(v.astype(ct) / bc2) + e)
                 if adam_w_mode:
                     u = u + wd * w.astype(ct)
-                return [coef * u]
+                # Zero in the padding (0 / 0 at eps = 0), which params kept packed keep.
+                return [
+                    jnp.where(jax.lax.broadcasted_iota(jnp.int32, u.shape, 1) < size[:, None], coef * u, 0.0)
+                ]
 
-            pieces = [_pieces(group, x) for x in (wd, coef, bc1, bc2, eps)]
+            pieces = [group.piece_sizes()] + [_pieces(group, x) for x in (wd, coef, bc1, bc2, eps)]
             (update,) = row_call(apply, [w, m, v], pieces, [w.dtype], 0, ct)
-            for i, leaf in zip(group.leaves, group.unpack(update)):
-                new_leaves[i] = leaf
+            new_updates.append(update)
         new_state = FusedLambState(count, tuple(m for m, _ in moments), tuple(v for _, v in moments))
-        return jax.tree.unflatten(treedef, new_leaves), new_state
+        return inputs.finish(new_updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

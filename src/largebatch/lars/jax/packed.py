@@ -155,6 +155,57 @@ class Layout:
         return tuple(jnp.zeros((g.total_rows, ROW), g.dtype) for g in self.groups)
 
 
+@jax.tree_util.register_pytree_node_class
+class PackedParams:
+    """Params (or grads, updates) kept packed: one ``(rows, ROW)`` buffer a dtype, and
+    the layout and structure of the pytree they hold, so that ``lars``/``lamb(...,
+    fused=True)`` step them with no packing and no slicing (docs/jax.md, "Params kept
+    packed"). A pytree whose leaves are the buffers: ``jax.grad`` of a loss of
+    :meth:`unpack` gives the grads as ``PackedParams`` (zero in the padding), and
+    ``optax.apply_updates`` adds the updates buffer to buffer.
+
+    >>> import jax.numpy as jnp
+    >>> packed = PackedParams.pack({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
+    >>> [b.shape for b in packed.buffers], packed.unpack()["w"].shape
+    ([(2, 4096)], (3, 2))
+    """
+
+    def __init__(self, buffers: Sequence[jax.Array], layout: Layout, treedef: Any) -> None:
+        self.buffers = tuple(buffers)
+        self.layout = layout
+        self.treedef = treedef
+
+    @classmethod
+    def pack(cls, tree: Any) -> PackedParams:
+        """``tree``'s leaves packed (each padded with zeros to whole rows)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        layout = layout_of(leaves)
+        return cls(layout.pack(leaves), layout, treedef)
+
+    def unpack(self) -> Any:
+        """The pytree back: each leaf a static slice of its buffer (free inside ``jit``)."""
+        return jax.tree.unflatten(self.treedef, self.layout.unpack(self.buffers))
+
+    def like(self, buffers: Sequence[jax.Array]) -> PackedParams:
+        """Other buffers of the same layout (the updates of these params)."""
+        return PackedParams(buffers, self.layout, self.treedef)
+
+    def structure(self) -> Any:
+        """The pytree of ``jax.ShapeDtypeStruct`` it holds: what a mask is given."""
+        structs: list[Any] = [None] * self.layout.count
+        for g in self.layout.groups:
+            for i, shape in zip(g.leaves, g.shapes):
+                structs[i] = jax.ShapeDtypeStruct(shape, jnp.dtype(g.dtype))
+        return jax.tree.unflatten(self.treedef, structs)
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array, ...], tuple[Layout, Any]]:
+        return self.buffers, (self.layout, self.treedef)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Layout, Any], buffers: Sequence[jax.Array]) -> PackedParams:
+        return cls(buffers, *aux)
+
+
 def layout_of(leaves: Sequence[Any], what: str = "fused=True") -> Layout:
     """The layout of ``leaves`` (arrays or shape-dtype structs); a TypeError for a leaf
     that is not float16, bfloat16, float32 or float64."""
