@@ -193,7 +193,7 @@ else
 fi
 
 # BERT-large last: its two steps take the longest (about 100 s each on an H100 or H200).
-step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 75 \
+step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 90 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \
     --steps 5 --warmup 2 --providers "optax,(pallas" --json "$DIR/step-bert-large-fp32-jax.json"
 step "Optimizer step, BERT-large fp32" 120 \

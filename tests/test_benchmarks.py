@@ -76,7 +76,12 @@ def test_the_fused_jax_providers_run_on_the_cpu(monkeypatch) -> None:
     monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(3, 4), (5,), (4099,)]})
     res = bench.run("tiny", "cpu", steps=2, warmup=1, names=["(pallas"])
     assert res["skipped"] == {}
-    assert [r["provider"] for r in res["rows"]] == ["ours lars (pallas)", "ours lamb (pallas)"]
+    assert [r["provider"] for r in res["rows"]] == [
+        "ours lars (pallas)",
+        "ours lars, params packed (pallas)",
+        "ours lamb (pallas)",
+        "ours lamb, params packed (pallas)",
+    ]
 
 
 @pytest.mark.parametrize("python", ["/nonexistent/python3", "no-torch"])
