@@ -20,17 +20,13 @@ from largebatch.lars.jax.common import (
     computed_leaves,
     concrete_or_unknown,
     keep_dtypes,
+    rate_at,
     rate_to_check,
 )
 from largebatch.lars.jax.fused import fused_lars
 from largebatch.lars.jax.masks import Mask, check_masks, mask_and, masked
 from largebatch.lars.jax.norms import leaf_norms, safe_ratio
 from largebatch.lars.spec import LARS_SPEC
-
-
-def _rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
-    """The rate at step ``count``: a schedule's value there, or the number itself."""
-    return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
 def _is_zero(value: Any) -> bool:
@@ -106,7 +102,7 @@ def scale_by_lars_trust_ratio(
     ) -> tuple[optax.Updates, LarsTrustRatioState]:
         if params is None:
             raise ValueError(NO_PARAMS)
-        lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
+        lr = None if clip_learning_rate is None else rate_at(clip_learning_rate, state.count)
         gs, ws, treedef = computed_leaves(updates, params)
         ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
         norms = leaf_norms(ws + (ds if decayed_norm else gs), axis_name)

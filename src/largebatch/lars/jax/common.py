@@ -46,6 +46,11 @@ def check_fused(fused: Any) -> bool:
     raise TypeError(f"Invalid fused: {fused!r} (must be True, False or None)")
 
 
+def rate_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
+    """The rate at step ``count``: a schedule's value there, or the number itself."""
+    return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
 def rate_to_check(learning_rate: Any) -> dict[str, Any]:
     """The spec's ``lr`` entry for ``learning_rate``: none for a schedule (a callable)."""
     return {} if callable(learning_rate) else {"lr": concrete_or_unknown(learning_rate)}

@@ -14,8 +14,9 @@ import numpy as np
 import optax
 
 from largebatch.checks import AxisName
-from largebatch.lars.jax.common import NO_PARAMS, ScalarOrSchedule
+from largebatch.lars.jax.common import NO_PARAMS, ScalarOrSchedule, rate_at
 from largebatch.lars.jax.masks import Mask, full_mask
+from largebatch.lars.jax.norms import safe_ratio
 from largebatch.lars.jax.packed import (
     SUB,
     Group,
@@ -44,10 +45,6 @@ class FusedLambState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # int32 scalar; shadows tuple.count
     mu: tuple[jax.Array, ...]
     nu: tuple[jax.Array, ...]
-
-
-def _rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
-    return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
 def _flags(mask: Mask, updates: Any, treedef: Any) -> np.ndarray:
@@ -112,13 +109,6 @@ def _pieces(group: Group, value: Any) -> jax.Array:
     return group.per_piece(value)
 
 
-def _safe_ratio(
-    numerator: jax.Array, denominator: jax.Array, w_norm: jax.Array, other: jax.Array
-) -> jax.Array:
-    zero = (w_norm == 0.0) | (other == 0.0)
-    return jnp.where(zero, jnp.ones_like(numerator), numerator / jnp.where(zero, 1.0, denominator))
-
-
 def fused_lars(
     learning_rate: ScalarOrSchedule,
     momentum: Any,
@@ -149,7 +139,7 @@ def fused_lars(
         del extra
         inputs = _inputs(updates, params, trust_ratio_mask, weight_decay_mask)
         layout, (adapt, decay) = inputs.layout, inputs.adapt_decay
-        lr = _rate(learning_rate, state.count)
+        lr = rate_at(learning_rate, state.count)
         packed, stats = [], []
         for group, w, g in zip(layout.groups, inputs.weights, inputs.grads):
             ct = group.compute_dtype
@@ -176,9 +166,9 @@ def fused_lars(
             tc, e = jnp.asarray(trust_coefficient, ct), jnp.asarray(eps, ct)
             if decayed_norm:
                 d_norm = norms[per * k + 2]
-                ratio = _safe_ratio(tc * w_norm, d_norm + e, w_norm, d_norm)
+                ratio = safe_ratio(tc * w_norm, d_norm + e, w_norm, d_norm)
             else:
-                ratio = _safe_ratio(tc * w_norm, g_norm + wd * w_norm + e, w_norm, g_norm)
+                ratio = safe_ratio(tc * w_norm, g_norm + wd * w_norm + e, w_norm, g_norm)
             rate = jnp.asarray(lr, ct)
             if trust_clip:
                 ratio = jnp.minimum(ratio / rate, 1.0)
@@ -245,7 +235,7 @@ def fused_lamb(
         layout, (trust, decay) = inputs.layout, inputs.adapt_decay
         adapt = trust if adapt_without_decay else trust & decay
         count = optax.safe_increment(state.count)
-        lr = _rate(learning_rate, state.count)
+        lr = rate_at(learning_rate, state.count)
         packed = list(zip(inputs.weights, inputs.grads))
         divisor: Any = 1.0
         if max_grad_norm is not None:
@@ -306,7 +296,7 @@ def fused_lamb(
         for k, (group, (w, _), (m, v), wd) in enumerate(zip(layout.groups, packed, moments, wds)):
             ct = group.compute_dtype
             w_norm, u_norm = norms[2 * k], norms[2 * k + 1]
-            ratio = _safe_ratio(w_norm, u_norm, w_norm, u_norm)
+            ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)
             if not adapt_without_decay:
                 ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, 1.0)
             ratio = jnp.where(jnp.asarray(_of(group, adapt)), ratio, 1.0)
