@@ -286,8 +286,8 @@ def test_apply_if_finite_skips_a_nan_step_and_nan_propagates(make):
     assert int(skipped.notfinite_count) == 1
     # Without the wrapper a NaN gradient gives a NaN step where the unfused path does.
     fused_opt, plain_opt = make(0.1, weight_decay=1e-2, fused=True), make(0.1, weight_decay=1e-2)
-    fused, _ = fused_opt.update(bad, fused_opt.init(params), params)
-    plain, _ = plain_opt.update(bad, plain_opt.init(params), params)
+    fused, _ = jax.jit(fused_opt.update)(bad, fused_opt.init(params), params)
+    plain, _ = jax.jit(plain_opt.update)(bad, plain_opt.init(params), params)
     for k in params:
         np.testing.assert_array_equal(np.isfinite(np.asarray(fused[k])), np.isfinite(np.asarray(plain[k])), k)
 
