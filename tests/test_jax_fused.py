@@ -293,6 +293,27 @@ def test_apply_if_finite_skips_a_nan_step_and_nan_propagates(make):
 
 
 @pytest.mark.parametrize("make", [lars, lamb])
+def test_skip_if_nonfinite_skips_a_nan_step(make):
+    """largebatch's own skip (the inner step inside a ``lax.cond``): params and the
+    packed state as they were."""
+    from largebatch.jax import skip_if_nonfinite
+
+    params, (g0,) = tree_problem(1)
+    opt = skip_if_nonfinite(make(0.1, weight_decay=1e-2, fused=True))
+    update = jax.jit(opt.update)
+    state = opt.init(params)
+    bad = {**g0, "half": g0["half"].at[0, 0].set(jnp.inf)}
+    updates, skipped = update(bad, state, params)
+    for a, b in zip(jax.tree.leaves(optax.apply_updates(params, updates)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(skipped.inner_state), jax.tree.leaves(state.inner_state)):
+        np.testing.assert_array_equal(a, b)
+    assert int(skipped.skipped) == 1
+    updates, moved = update(g0, state, params)
+    assert int(jax.tree.leaves(moved.inner_state)[0]) == 1
+
+
+@pytest.mark.parametrize("make", [lars, lamb])
 def test_jit_with_donated_state_does_not_recompile_or_copy(make):
     """The state donated to the jitted update: its buffers reused (no warning about
     unusable donations), one compile over steps whose values change."""
