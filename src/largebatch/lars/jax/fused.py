@@ -32,7 +32,7 @@ from largebatch.lars.jax.rows import piece_stats, row_call
 
 class FusedLarsState(NamedTuple):
     """State of ``lars(..., fused=True)``: the step count and the momentum buffers, one
-    ``(rows, ROW)`` buffer a dtype of the leaves (docs/jax.md, "The fused path")."""
+    buffer a dtype of the leaves, ``(rows * 8, 512)`` (docs/jax.md, "The fused path")."""
 
     count: jax.Array  # type: ignore[assignment]  # int32 scalar; shadows tuple.count
     momentum: tuple[jax.Array, ...]

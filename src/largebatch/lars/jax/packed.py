@@ -1,5 +1,6 @@
 """The packed layout of the fused JAX path (docs/jax.md, "The fused path"): the leaves of
-one dtype as one buffer of fixed-width rows, each leaf padded to whole rows; packing and
+one dtype as one buffer of fixed-width rows, each leaf padded to whole rows (held as
+``(rows * SUB, PIECE)``, the kernels' pieces); packing and
 unpacking; and the per-leaf norms formed from the kernels' per-piece statistics by sums
 over each leaf's contiguous pieces (static gathers, no scatter), with one ``psum`` of all
 leaves' sums under ``shard_map``."""
@@ -102,17 +103,20 @@ class Group:
         return jnp.promote_types(jnp.dtype(self.dtype), jnp.float32)
 
     def pack(self, leaves: Sequence[jax.Array]) -> jax.Array:
-        """This group's leaves (of all ``leaves``) as one ``(total_rows, ROW)`` buffer."""
+        """This group's leaves (of all ``leaves``) as one buffer of ``total_rows`` rows,
+        shaped ``(total_rows * SUB, PIECE)``: the pieces the kernels read, so that no
+        reshape stands between the buffer and them (on the CPU, XLA's reductions over a
+        reshaped buffer index it element by element, ten times slower)."""
         parts = [
             jnp.pad(jnp.ravel(leaves[i]), (0, r * ROW - n))
             for i, r, n in zip(self.leaves, self.rows, self.sizes)
         ]
         if not parts:
-            return jnp.zeros((0, ROW), self.dtype)
-        return jnp.concatenate(parts).reshape(self.total_rows, ROW)
+            return jnp.zeros((0, PIECE), self.dtype)
+        return jnp.concatenate(parts).reshape(self.total_rows * SUB, PIECE)
 
     def unpack(self, buffer: jax.Array) -> list[jax.Array]:
-        """The leaves back from a ``(total_rows, ROW)`` buffer: static slices."""
+        """The leaves back from a buffer of :meth:`pack`'s shape: static slices."""
         flat = buffer.reshape(-1)
         starts = np.concatenate([[0], np.cumsum(self.rows)[:-1]]) * ROW
         return [flat[s : s + n].reshape(shape) for s, n, shape in zip(starts, self.sizes, self.shapes)]
@@ -152,12 +156,12 @@ class Layout:
 
     def zeros(self) -> tuple[jax.Array, ...]:
         """Zero buffers of this layout (a state's moments)."""
-        return tuple(jnp.zeros((g.total_rows, ROW), g.dtype) for g in self.groups)
+        return tuple(jnp.zeros((g.total_rows * SUB, PIECE), g.dtype) for g in self.groups)
 
 
 @jax.tree_util.register_pytree_node_class
 class PackedParams:
-    """Params (or grads, updates) kept packed: one ``(rows, ROW)`` buffer a dtype, and
+    """Params (or grads, updates) kept packed: one buffer a dtype (``Group.pack``), and
     the layout and structure of the pytree they hold, so that ``lars``/``lamb(...,
     fused=True)`` step them with no packing and no slicing (docs/jax.md, "Params kept
     packed"). A pytree whose leaves are the buffers: ``jax.grad`` of a loss of
@@ -167,7 +171,7 @@ class PackedParams:
     >>> import jax.numpy as jnp
     >>> packed = PackedParams.pack({"w": jnp.ones((3, 2)), "b": jnp.zeros(2)})
     >>> [b.shape for b in packed.buffers], packed.unpack()["w"].shape
-    ([(2, 4096)], (3, 2))
+    ([(16, 512)], (3, 2))
     """
 
     def __init__(self, buffers: Sequence[jax.Array], layout: Layout, treedef: Any) -> None:

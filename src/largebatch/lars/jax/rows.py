@@ -76,7 +76,7 @@ def row_call(
     stats_dtype: Any,
     aliases: dict[int, int] | None = None,
 ) -> list[jax.Array]:
-    """``body`` over every row of the ``(rows, ROW)`` buffers ``packed``, with
+    """``body`` over every row of the ``(rows * SUB, PIECE)`` buffers ``packed``, with
     ``per_piece`` vectors (one value a piece: ``(rows * SUB,)``).
 
     ``body(*blocks, *piece_values)`` gets each buffer's row as a ``(SUB, PIECE)`` block
@@ -84,20 +84,20 @@ def row_call(
     (buffers of the dtypes given) followed by ``out_pieces`` vectors of ``stats_dtype``.
     ``aliases`` maps an index of ``packed`` to one of ``out_packed`` that overwrites it.
     One program a row: a grid of ``rows``."""
-    rows = packed[0].shape[0]
+    rows = packed[0].shape[0] // SUB
     shape = (rows * SUB, PIECE)
     if rows == 0:
-        return [jnp.zeros((0, packed[0].shape[1]), d) for d in out_packed] + [
+        return [jnp.zeros(shape, d) for d in out_packed] + [
             jnp.zeros((0,), stats_dtype) for _ in range(out_pieces)
         ]
-    views = [b.reshape(shape) for b in packed]
+    views = list(packed)
     run_interpreted = interpret()
     if run_interpreted and (CPU_KERNELS == "xla" or _varies(packed[0])):
         # The body is row-wise: on all rows at once it computes what the grid computes.
         # (Pallas's interpreter cannot type its loop for shard_map's check_vma either.)
         results = list(body(*views, *per_piece))
         results = [r.astype(d) for r, d in zip(results, [*out_packed, *[stats_dtype] * out_pieces])]
-        return [r.reshape(rows, -1) for r in results[: len(out_packed)]] + results[len(out_packed) :]
+        return results
     block = pl.BlockSpec((SUB, PIECE), lambda i: (i, 0))
     piece = pl.BlockSpec((SUB,), lambda i: (i,))
     n_in, n_out = len(packed) + len(per_piece), len(out_packed) + out_pieces
@@ -121,4 +121,4 @@ def row_call(
         interpret=run_interpreted,
     )(*views, *per_piece)
     assert len(results) == n_out
-    return [r.reshape(rows, -1) for r in results[: len(out_packed)]] + list(results[len(out_packed) :])
+    return list(results)
