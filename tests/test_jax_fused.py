@@ -199,6 +199,27 @@ def test_kernel_launches_per_step():
     assert launches(lamb(0.1, max_grad_norm=1.0, fused=True)) == 3 * 2
 
 
+def test_the_kernels_lower_for_a_gpu_with_triton(monkeypatch):
+    """Lowered for CUDA on this CPU (``jax.export``), every kernel of a step, two dtypes,
+    every pass, becomes one Triton call: Pallas's Triton backend takes each operation
+    the bodies use (newer jax picks Mosaic GPU unless told, which refuses the blocks)."""
+    from jax import export
+
+    monkeypatch.setattr(rows, "interpret", lambda what="fused=True": False)
+    params, _ = tree_problem(0)
+    triton = "__gpu$xla.gpu.triton"
+    for opt, kernels in [
+        (lars(0.1, weight_decay=1e-3, trust_clip=True, nesterov=True, decayed_norm=True, fused=True), 2),
+        (lamb(0.01, weight_decay=1e-2, max_grad_norm=1.0, eps=0.0, fused=True), 3),
+    ]:
+        lowered = export.export(
+            jax.jit(opt.update),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+        )(params, opt.init(params), params)
+        assert lowered.mlir_module().count(f"custom_call @{triton}") == kernels * 2
+
+
 # ---------------------------------------------------------------------- the state
 
 

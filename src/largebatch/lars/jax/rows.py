@@ -60,6 +60,20 @@ def _varying_as(x: jax.Array) -> dict[str, Any]:
     return {}
 
 
+def _triton() -> Any:
+    """The compiler parameters that take Pallas's Triton backend on a GPU (newer jax
+    takes Mosaic GPU by default, whose copies are at most 256 elements a dimension)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    # CompilerParams in current jax, TritonCompilerParams in older releases.
+    params = (
+        pltriton.CompilerParams
+        if hasattr(pltriton, "CompilerParams")
+        else vars(pltriton)["TritonCompilerParams"]
+    )
+    return params(num_warps=4)
+
+
 def _varies(x: jax.Array) -> bool:
     """Whether ``x`` varies over ``shard_map`` axes under ``check_vma``."""
     aval = jax.typeof(x)
@@ -119,6 +133,7 @@ def row_call(
         out_specs=tuple([block] * len(out_packed) + [piece] * out_pieces),
         input_output_aliases=dict(aliases or {}),
         interpret=run_interpreted,
+        **({} if run_interpreted else {"compiler_params": _triton()}),
     )(*views, *per_piece)
     assert len(results) == n_out
     return list(results)
