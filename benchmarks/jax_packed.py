@@ -15,7 +15,10 @@ or huge norms, so it is the cheaper of the two. ``optimizer_step.py`` times it a
 sums of squares, the update) are Pallas kernels (compiled on a GPU, interpreted on the
 CPU) instead of XLA's fusions: ``lars packed (jax, pallas)``. ``packed_rows_step`` is the
 same step on params and grads the caller already keeps packed (no packing, no slicing):
-``lars on packed rows (jax, pallas)``, the floor a fused JAX path can reach.
+``lars on packed rows (jax, pallas)``, the floor a fused JAX path can reach. The product's
+fused path, ``lars(..., fused=True)`` (``largebatch.lars.jax.fused``, docs/jax.md), took
+this layout (its rows are :data:`largebatch.lars.jax.packed.ROW` wide, as here) with
+kernels of its own: overflow-safe norms, every option, and no scatter.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import numpy as np
 import optax
 from jax.experimental import pallas as pl
 
-CHUNK = 4096  # elements per row of the packed buffer, as the fused Triton path's chunks
+from largebatch.lars.jax.packed import ROW
+
+CHUNK = ROW  # elements per row of the packed buffer, as the fused Triton path's chunks
 # The kernels see each row as SUB pieces of CHUNK // SUB elements, BLOCK pieces a program.
 SUB, BLOCK = 8, 8
 

@@ -332,6 +332,30 @@ def _ours_jax(name: str, **kwargs):
     return optax_jit(factory)
 
 
+def _ours_packed(name: str, **kwargs):
+    """Ours with ``fused=True`` on params kept packed (``largebatch.jax.PackedParams``):
+    the step without packing the grads and params or slicing the updates."""
+
+    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
+        import jax
+
+        from largebatch import jax as lb
+
+        weights, grads = jax_arrays(shapes, device, seed, precision)
+        params, gs = lb.PackedParams.pack(weights), lb.PackedParams.pack(grads)
+        tx = getattr(lb, name)(LR, fused=True, **kwargs)
+        jitted = jitted_update(tx)
+        carry = [params, tx.init(params)]
+
+        def step() -> None:
+            carry[0], carry[1] = jitted(carry[0], carry[1], gs)
+            jax.block_until_ready(carry[0])
+
+        return step
+
+    return make
+
+
 @dataclasses.dataclass(frozen=True)
 class Provider:
     name: str
@@ -395,6 +419,20 @@ PROVIDERS: list[Provider] = [
         needs="optax",
         cuda_only=_PALLAS,
     ),
+    # The fused JAX path (lars(..., fused=True)): Pallas kernels on a GPU; on the CPU their
+    # bodies as XLA over all rows.
+    Provider(
+        "ours lars (pallas)",
+        "lars",
+        _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM, fused=True),
+        needs="optax",
+    ),
+    Provider(
+        "ours lars, params packed (pallas)",
+        "lars",
+        _ours_packed("lars", weight_decay=LARS_WD, momentum=MOMENTUM),
+        needs="optax",
+    ),
     Provider("ours LAMB loop", "lamb", _ours("LAMB", **_LAMB, **_LOOP)),
     Provider("ours LAMB foreach", "lamb", _ours("LAMB", **_LAMB, **_FOREACH)),
     Provider("ours LAMB compiled", "lamb", _ours("LAMB", **_LAMB, **_COMPILED)),
@@ -417,6 +455,12 @@ PROVIDERS: list[Provider] = [
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb), needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
     Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    Provider(
+        "ours lamb (pallas)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD, fused=True), needs="optax"
+    ),
+    Provider(
+        "ours lamb, params packed (pallas)", "lamb", _ours_packed("lamb", weight_decay=LAMB_WD), needs="optax"
+    ),
     # apex's fused optimizers need its compiled extension (amp_C), not only its Python package.
     Provider("apex FusedLAMB", "lamb", torch_optimizer(_apex_lamb), needs="amp_C", cuda_only=_APEX),
     Provider(

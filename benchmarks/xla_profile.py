@@ -3,8 +3,9 @@
     python benchmarks/xla_profile.py                          # ResNet-50 shapes, CPU
     python benchmarks/xla_profile.py --device cuda --json out.json
 
-For optax's ``lars``/``lamb``, ours, and LARS on a packed buffer (benchmarks/jax_packed.py),
-each jitted as ``optimizer_step.py`` times them (params and state donated), it prints:
+For optax's ``lars``/``lamb``, ours (unfused and ``fused=True``), and LARS on a packed
+buffer (benchmarks/jax_packed.py), each jitted as ``optimizer_step.py`` times them
+(params and state donated), it prints:
 the instructions of the compiled program's entry computation that launch work (fusions,
 custom calls, copies, reductions: on a GPU each is a kernel, or a few), the kernels a
 step ran under ``jax.profiler`` (``/device:GPU`` planes' stream lines; on the CPU the
@@ -90,8 +91,10 @@ def _transformation(name: str) -> Any:
         "optax lars": lambda: optax.lars(bench.LR, **lars),
         "ours lars": lambda: lb.lars(bench.LR, **lars),
         "lars packed": lambda: packed_lars(bench.LR, **lars),
+        "ours lars fused": lambda: lb.lars(bench.LR, **lars, fused=True),
         "optax lamb": lambda: optax.lamb(bench.LR, weight_decay=bench.LAMB_WD),
         "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
+        "ours lamb fused": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD, fused=True),
     }[name.split(" (")[0]]()
 
 
@@ -104,6 +107,8 @@ PROGRAMS = [
     "optax lamb",
     "ours lamb",
     "ours lamb (one pass)",
+    "ours lars fused",
+    "ours lamb fused",
 ]
 
 

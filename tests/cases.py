@@ -391,8 +391,10 @@ def run_jax(
     dtype: Any,
     lrs=LRS,
     split: int = ADAPTED,
+    fused: bool | None = None,
 ) -> Result:
-    """``case`` on ``largebatch.jax`` with leaves of ``dtype`` (a NumPy dtype or "bfloat16").
+    """``case`` on ``largebatch.jax`` with leaves of ``dtype`` (a NumPy dtype or "bfloat16");
+    ``fused``: the factories' argument (the fused path's steps are jitted).
 
     The second group is a ``trust_ratio_mask`` where it only excludes tensors, else an
     ``optax.multi_transform`` of two optimizers (not with ``max_grad_norm``, whose global
@@ -409,11 +411,11 @@ def run_jax(
     def build(hyper: dict[str, Any], **masks: Any):
         if case.optimizer == "lars":
             hyper = {k: v for k, v in hyper.items() if k != "trust_ratio"}
-            return lars(lr, **hyper, **masks)
+            return lars(lr, **hyper, **masks, fused=fused)
         hyper = dict(hyper)
         b1, b2 = hyper.pop("betas")
         hyper.pop("trust_ratio")
-        return lamb(lr, b1=b1, b2=b2, max_grad_norm=case.max_grad_norm, **hyper, **masks)
+        return lamb(lr, b1=b1, b2=b2, max_grad_norm=case.max_grad_norm, **hyper, **masks, fused=fused)
 
     first, second = case.groups()
     differs = {k for k in second if second[k] != first[k]}
@@ -434,7 +436,7 @@ def run_jax(
         ws = [jnp.asarray(p, jdtype) for p in params]
         state = opt.init(ws)
         # Eager for a few leaves; jitted for many, where one compile beats eager dispatch.
-        update = jax.jit(opt.update) if len(params) > 20 else opt.update
+        update = jax.jit(opt.update) if len(params) > 20 or fused else opt.update
         for step_grads in grads:
             updates, state = update([jnp.asarray(g, jdtype) for g in step_grads], state, ws)
             ws = optax.apply_updates(ws, updates)

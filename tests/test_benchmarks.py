@@ -68,6 +68,22 @@ def test_a_provider_that_fails_is_reported_and_the_others_still_run(monkeypatch)
     assert [r["provider"] for r in res["rows"]] == ["foreach SGD-momentum (floor)"]
 
 
+def test_the_fused_jax_providers_run_on_the_cpu(monkeypatch) -> None:
+    """``lars``/``lamb(..., fused=True)`` are timed on any device (the CPU runs the
+    kernels' bodies as XLA)."""
+    import optimizer_step as bench
+
+    monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(3, 4), (5,), (4099,)]})
+    res = bench.run("tiny", "cpu", steps=2, warmup=1, names=["(pallas"])
+    assert res["skipped"] == {}
+    assert [r["provider"] for r in res["rows"]] == [
+        "ours lars (pallas)",
+        "ours lars, params packed (pallas)",
+        "ours lamb (pallas)",
+        "ours lamb, params packed (pallas)",
+    ]
+
+
 @pytest.mark.parametrize("python", ["/nonexistent/python3", "no-torch"])
 def test_gpu_check_fails_where_its_python_cannot_run_torch(python, tmp_path) -> None:
     """``make gpu-check`` exits 0 without running anything only where torch ran and saw no
@@ -83,6 +99,19 @@ def test_gpu_check_fails_where_its_python_cannot_run_torch(python, tmp_path) -> 
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert f"{python} cannot run torch" in done.stderr, done.stderr
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "2a"])
+def test_gpu_check_refuses_a_from_that_is_not_a_step_number(value, tmp_path) -> None:
+    import os
+    import subprocess
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "GPU_CHECK_FROM": value, "GPU_REPORT": str(tmp_path / "report")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.strip() == f"make gpu-check: GPU_CHECK_FROM must be a step number, got '{value}'"
     assert not (tmp_path / "report").exists()
 
 

@@ -13,7 +13,10 @@ from largebatch.comm.jax import (
     adacomp_state_specs,
 )
 from largebatch.lars.jax import (
+    FusedLambState,
+    FusedLarsState,
     LarsTrustRatioState,
+    PackedParams,
     divide_by_global_norm,
     exclusion_mask,
     lamb,
@@ -48,6 +51,10 @@ __all__ = [
     "lamb",
     "lars",
     "exclusion_mask",
+    # the fused path (fused=True): its states, params kept packed
+    "FusedLarsState",
+    "FusedLambState",
+    "PackedParams",
     # their transformations
     "LarsTrustRatioState",
     "divide_by_global_norm",

@@ -2,7 +2,9 @@
 as in ``torch/``: ``_lars`` (``lars()`` and ``scale_by_lars_trust_ratio``), ``_lamb``
 (``lamb()`` and the transformations it chains), and what both share: ``common`` (checks of
 traced values, the rate, ``keep_dtypes``), ``masks`` (``exclusion_mask``, how masks
-combine), ``norms`` (overflow-safe L2 norms). Import from here, or from ``largebatch.jax``."""
+combine), ``norms`` (overflow-safe L2 norms); the fused path (``fused=True``): ``fused``
+(its steps), ``packed`` (the layout, ``PackedParams``), ``rows`` (the Pallas kernels).
+Import from here, or from ``largebatch.jax``."""
 
 from largebatch.lars.jax._lamb import (
     divide_by_global_norm,
@@ -11,10 +13,15 @@ from largebatch.lars.jax._lamb import (
     scale_by_uncorrected_adam,
 )
 from largebatch.lars.jax._lars import LarsTrustRatioState, lars, scale_by_lars_trust_ratio
+from largebatch.lars.jax.fused import FusedLambState, FusedLarsState
 from largebatch.lars.jax.masks import exclusion_mask
+from largebatch.lars.jax.packed import PackedParams
 
 __all__ = [
+    "FusedLambState",
+    "FusedLarsState",
     "LarsTrustRatioState",
+    "PackedParams",
     "divide_by_global_norm",
     "exclusion_mask",
     "lamb",

@@ -19,11 +19,13 @@ from largebatch.lars.jax.common import (
     NO_PARAMS,
     ScalarOrSchedule,
     as_optax_rate,
+    check_fused,
     computed_leaves,
     concrete_or_unknown,
     keep_dtypes,
     rate_to_check,
 )
+from largebatch.lars.jax.fused import fused_lamb
 from largebatch.lars.jax.masks import Mask, check_masks, mask_and, masked
 from largebatch.lars.jax.norms import abs_sq, global_norm, leaf_norms, safe_ratio
 from largebatch.lars.spec import LAMB_SPEC
@@ -179,6 +181,7 @@ def lamb(
     grad_averaging: bool = True,
     adapt_without_decay: bool = True,
     freeze_step: int | None = None,
+    fused: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""LAMB: Adam with decoupled weight decay and a layer-wise trust ratio.
 
@@ -232,6 +235,10 @@ def lamb(
         ``scale_by_uncorrected_adam(..., freeze_step=...)`` for the moments.
       axis_name: None, or the ``jax.shard_map`` mesh axis (a name, or a tuple of names)
         over which the params are sharded; see "Sharded params" below.
+      fused: ``True``: the fused path, Pallas kernels over a packed state (compiled on a
+        GPU, interpreted on the CPU; "The fused path" in docs/jax.md): the same numbers,
+        another state (:class:`~largebatch.lars.jax.fused.FusedLambState`), real
+        floating-point leaves only. ``None`` and ``False``: the ``optax.chain`` below.
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -252,10 +259,12 @@ def lamb(
     Raises:
       ValueError: naming the value, for a negative rate, eps or weight decay, betas
         outside [0, 1), ``max_grad_norm <= 0`` or a non-finite number; for an empty
-        ``axis_name`` or one with an empty or repeated name.
+        ``axis_name`` or one with an empty or repeated name; ``fused=True`` on a
+        platform other than a GPU or the CPU (at the first step).
       TypeError: naming the value, for a non-number (a bool, a string) where a number
-        belongs, anything but ``True``/``False`` for ``bias_correction``, or an
-        ``axis_name`` that is not None, a str or a tuple of strs.
+        belongs, anything but ``True``/``False`` for ``bias_correction`` (``None`` too
+        for ``fused``), or an ``axis_name`` that is not None, a str or a tuple of strs;
+        with ``fused=True``, for a leaf that is not real floating point.
 
     Example::
 
@@ -298,6 +307,12 @@ def lamb(
     grad_averaging, adapt_without_decay = checked["grad_averaging"], checked["adapt_without_decay"]
     axis_name = checks.axis_name("axis_name", axis_name)
     learning_rate = as_optax_rate(learning_rate)
+    if check_fused(fused):
+        return fused_lamb(
+            learning_rate, b1, b2, eps, weight_decay, bias_correction, max_grad_norm,
+            weight_decay_mask, trust_ratio_mask, axis_name, adam_w_mode, grad_averaging,
+            adapt_without_decay, freeze_step,
+        )  # fmt: skip
     clip = [] if max_grad_norm is None else [divide_by_global_norm(max_grad_norm, axis_name)]
     if grad_averaging and bias_correction and freeze_step is None:
         moments = optax.scale_by_adam(b1, b2, eps)

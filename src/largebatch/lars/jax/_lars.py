@@ -16,19 +16,17 @@ from largebatch.lars.jax.common import (
     NO_PARAMS,
     ScalarOrSchedule,
     as_optax_rate,
+    check_fused,
     computed_leaves,
     concrete_or_unknown,
     keep_dtypes,
+    rate_at,
     rate_to_check,
 )
+from largebatch.lars.jax.fused import fused_lars
 from largebatch.lars.jax.masks import Mask, check_masks, mask_and, masked
 from largebatch.lars.jax.norms import leaf_norms, safe_ratio
 from largebatch.lars.spec import LARS_SPEC
-
-
-def _rate(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
-    """The rate at step ``count``: a schedule's value there, or the number itself."""
-    return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
 def _is_zero(value: Any) -> bool:
@@ -104,7 +102,7 @@ def scale_by_lars_trust_ratio(
     ) -> tuple[optax.Updates, LarsTrustRatioState]:
         if params is None:
             raise ValueError(NO_PARAMS)
-        lr = None if clip_learning_rate is None else _rate(clip_learning_rate, state.count)
+        lr = None if clip_learning_rate is None else rate_at(clip_learning_rate, state.count)
         gs, ws, treedef = computed_leaves(updates, params)
         ds = [g32 if _is_zero(wd) else g32 + wd * w32 for g32, w32 in zip(gs, ws)]
         norms = leaf_norms(ws + (ds if decayed_norm else gs), axis_name)
@@ -145,6 +143,7 @@ def lars(
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
     decayed_norm: bool = False,
+    fused: bool | None = None,
 ) -> optax.GradientTransformation:
     r"""LARS: SGD with momentum and a layer-wise trust ratio (MLPerf's form).
 
@@ -201,6 +200,10 @@ def lars(
       lr_in_momentum: ``True``: the rate inside the buffer; ``False``: outside it.
       zero_norm_skip: apex LARC's zero-norm rule (above).
       decayed_norm: optax's trust-ratio denominator ``||g + wd * w|| + eps`` (above).
+      fused: ``True``: the fused path, Pallas kernels over a packed state (compiled on a
+        GPU, interpreted on the CPU; "The fused path" in docs/jax.md): the same numbers,
+        another state (:class:`~largebatch.lars.jax.fused.FusedLarsState`), real
+        floating-point leaves only. ``None`` and ``False``: the ``optax.chain`` below.
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.
@@ -223,10 +226,12 @@ def lars(
         outside [0, 1), ``trust_coefficient <= 0``, ``eps < 0``, a non-finite number,
         ``nesterov=True`` with ``momentum=0``, or ``decayed_norm=True`` with
         ``zero_norm_skip=True``; for an empty ``axis_name`` or one with an empty or
-        repeated name.
+        repeated name; ``fused=True`` on a platform other than a GPU or the CPU (at
+        the first step).
       TypeError: naming the value, for a non-number (a bool, a string, None) where a
-        number belongs, anything but ``True``/``False`` for a flag, or an
-        ``axis_name`` that is not None, a str or a tuple of strs.
+        number belongs, anything but ``True``/``False`` for a flag (``None`` too for
+        ``fused``), or an ``axis_name`` that is not None, a str or a tuple of strs;
+        with ``fused=True``, for a leaf that is not real floating point.
 
     Example::
 
@@ -268,6 +273,12 @@ def lars(
     decayed_norm = checked["decayed_norm"]
     axis_name = checks.axis_name("axis_name", axis_name)
     learning_rate = as_optax_rate(learning_rate)
+    if check_fused(fused):
+        return fused_lars(
+            learning_rate, momentum, weight_decay, trust_coefficient, eps, nesterov, trust_clip,
+            weight_decay_mask, trust_ratio_mask, axis_name, lr_in_momentum, zero_norm_skip,
+            decayed_norm,
+        )  # fmt: skip
     clip = learning_rate if trust_clip else None
 
     def adapt(wd: Any) -> optax.GradientTransformation:

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from largebatch.lars import spec
@@ -32,6 +33,22 @@ def as_optax_rate(learning_rate: Any) -> ScalarOrSchedule:
     if isinstance(learning_rate, Schedule):
         return as_optax_schedule(learning_rate)
     return learning_rate
+
+
+def check_fused(fused: Any) -> bool:
+    """``fused`` checked (True, False or None; a TypeError naming it otherwise): whether
+    the fused path is taken. ``None`` keeps the unfused chain until a GPU's numbers say
+    that the fused path is the faster there (docs/jax.md, "The fused path")."""
+    if fused is None:
+        return False
+    if isinstance(fused, (bool, np.bool_)):
+        return bool(fused)
+    raise TypeError(f"Invalid fused: {fused!r} (must be True, False or None)")
+
+
+def rate_at(learning_rate: ScalarOrSchedule, count: jax.Array) -> Any:
+    """The rate at step ``count``: a schedule's value there, or the number itself."""
+    return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
 def rate_to_check(learning_rate: Any) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def exclusion_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
 
 
-def _full_mask(mask: Mask, tree: Any) -> Any:
+def full_mask(mask: Mask, tree: Any) -> Any:
     """``mask`` resolved against ``tree``: a pytree of bools with its full structure."""
     if mask is None:
         return jax.tree.map(lambda _: True, tree)
@@ -77,8 +77,8 @@ def mask_and(a: Mask, b: Mask, negate_b: bool = False) -> Mask:
     def mask_fn(tree: Any) -> Any:
         return jax.tree.map(
             lambda x, y: bool(x) and (bool(y) != negate_b),
-            _full_mask(a, tree),
-            _full_mask(b, tree),
+            full_mask(a, tree),
+            full_mask(b, tree),
         )
 
     return mask_fn
