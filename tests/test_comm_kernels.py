@@ -235,8 +235,8 @@ def test_resumed_residuals_are_gathered_again() -> None:
 
 
 def test_the_choice_of_path(monkeypatch) -> None:
-    msg = "Invalid fused: 'yes' (must be None, True or False)"
-    with pytest.raises(ValueError, match=re.escape(msg)):
+    msg = "Invalid fused: 'yes' (must be True, False or None)"
+    with pytest.raises(TypeError, match=re.escape(msg)):
         SimulatedWorkers(["w"], [(4, 50)], 2, fused="yes")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert fused_mod.resolve_fused(None, cpu) and fused_mod.resolve_fused(True, cpu)
@@ -460,7 +460,7 @@ def test_the_hook_reports_its_path(monkeypatch, one_rank) -> None:
         monkeypatch, 4, "allgather", extra=[(fused_mod.MAX_BIN + 1, 1, 1)], conv_bin=fused_mod.MAX_BIN + 1
     )
     assert long[3]["fused_buckets"] == 0
-    with pytest.raises(ValueError, match=re.escape("Invalid fused: 1 (must be None, True or False)")):
+    with pytest.raises(TypeError, match=re.escape("Invalid fused: 1 (must be True, False or None)")):
         AdaCompState(torch.nn.Linear(2, 2), form="allgather", fused=1)
 
 

@@ -32,9 +32,9 @@ def triton_available() -> bool:
 
 
 def check_fused(fused: Any) -> bool | None:
-    """``fused`` is None, True or False; else a ValueError."""
+    """``fused`` is None, True or False; else a TypeError (as for every flag)."""
     if fused is not None and not isinstance(fused, bool):
-        raise ValueError(f"Invalid fused: {fused!r} (must be None, True or False)")
+        raise TypeError(f"Invalid fused: {fused!r} (must be True, False or None)")
     return fused
 
 
