@@ -167,13 +167,18 @@ def jitted_update(tx):
     return jax.jit(update, donate_argnums=(0, 1))
 
 
-def optax_jit(factory: Callable[[], object]):
-    """A provider's ``make`` for an optax transformation, jitted with donated params and state."""
+def optax_jit(factory: Callable[[], object], packed: bool = False):
+    """A provider's ``make`` for an optax transformation, jitted with donated params and
+    state; ``packed``: params and grads held as ``largebatch.jax.PackedParams``."""
 
     def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
         import jax
 
         params, gs = jax_arrays(shapes, device, seed, precision)
+        if packed:
+            from largebatch import jax as lb
+
+            params, gs = lb.PackedParams.pack(params), lb.PackedParams.pack(gs)
         tx = factory()
         jitted = jitted_update(tx)
         carry = [params, tx.init(params)]
@@ -336,24 +341,12 @@ def _ours_packed(name: str, **kwargs):
     """Ours with ``fused=True`` on params kept packed (``largebatch.jax.PackedParams``):
     the step without packing the grads and params or slicing the updates."""
 
-    def make(shapes: Shapes, device: str, seed: int, precision: str) -> Step:
-        import jax
-
+    def factory():
         from largebatch import jax as lb
 
-        weights, grads = jax_arrays(shapes, device, seed, precision)
-        params, gs = lb.PackedParams.pack(weights), lb.PackedParams.pack(grads)
-        tx = getattr(lb, name)(LR, fused=True, **kwargs)
-        jitted = jitted_update(tx)
-        carry = [params, tx.init(params)]
+        return getattr(lb, name)(LR, fused=True, **kwargs)
 
-        def step() -> None:
-            carry[0], carry[1] = jitted(carry[0], carry[1], gs)
-            jax.block_until_ready(carry[0])
-
-        return step
-
-    return make
+    return optax_jit(factory, packed=True)
 
 
 @dataclasses.dataclass(frozen=True)
