@@ -24,6 +24,7 @@ from largebatch.comm import reference as ref
 from largebatch.comm.torch import AdaCompState, SimulatedWorkers, _kernels, adacomp_hook
 from largebatch.comm.torch import _codec as codec
 from largebatch.comm.torch import _fused as fused_mod
+from largebatch.comm.torch import _hook as hook_mod
 
 FORMS = ("allgather", "two_phase")
 MODES = [("adacomp", "ternary"), ("adacomp", "exact"), ("all", "exact"), ("all", "ternary")]
@@ -239,8 +240,8 @@ def test_the_choice_of_path(monkeypatch) -> None:
     with pytest.raises(TypeError, match=re.escape(msg)):
         SimulatedWorkers(["w"], [(4, 50)], 2, fused="yes")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert fused_mod.resolve_fused(None, cpu) and fused_mod.resolve_fused(True, cpu)
-    assert not fused_mod.resolve_fused(None, cpu, interpreted=False)
+    # None: CUDA only, never the interpreter; True: also the CPU under TRITON_INTERPRET=1
+    assert not fused_mod.resolve_fused(None, cpu) and fused_mod.resolve_fused(True, cpu)
     assert not fused_mod.resolve_fused(False, cuda) and fused_mod.resolve_fused(None, cuda)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not fused_mod.resolve_fused(None, cpu)
@@ -369,7 +370,7 @@ def one_rank(request):
 
 
 def _hook_counts(
-    monkeypatch, layers: int, form: str, fused=None, extra=(), device=None, bucket_mb=100, **kwargs
+    monkeypatch, layers: int, form: str, fused=True, extra=(), device=None, bucket_mb=100, **kwargs
 ) -> tuple[int, int, int, dict]:
     """Triton launches, torch operations and host reads of one iteration of a one-bucket
     DDP model of ``layers`` layers (half conv weights, half biases) after two (DDP orders
@@ -456,10 +457,18 @@ def test_the_hook_reports_its_path(monkeypatch, one_rank) -> None:
     torch_path = _hook_counts(monkeypatch, 4, "allgather", fused=False)
     assert torch_path[0] == 0 and torch_path[3]["fused_buckets"] == 0
     assert _hook_counts(monkeypatch, 40, "allgather", fused=False)[1] > torch_path[1]
+    # fused=None where the kernels run (the CPU taken for CUDA): a bin too long keeps the torch path
+    monkeypatch.setattr(hook_mod, "resolve_fused", lambda fused, device: fused is not False)
     long = _hook_counts(
-        monkeypatch, 4, "allgather", extra=[(fused_mod.MAX_BIN + 1, 1, 1)], conv_bin=fused_mod.MAX_BIN + 1
+        monkeypatch,
+        4,
+        "allgather",
+        fused=None,
+        extra=[(fused_mod.MAX_BIN + 1, 1, 1)],
+        conv_bin=fused_mod.MAX_BIN + 1,
     )
     assert long[3]["fused_buckets"] == 0
+    assert _hook_counts(monkeypatch, 4, "allgather", fused=None)[3]["fused_buckets"] == 3  # 3 iterations
     with pytest.raises(TypeError, match=re.escape("Invalid fused: 1 (must be True, False or None)")):
         AdaCompState(torch.nn.Linear(2, 2), form="allgather", fused=1)
 

@@ -38,17 +38,18 @@ def check_fused(fused: Any) -> bool | None:
     return fused
 
 
-def resolve_fused(fused: bool | None, device: torch.device, interpreted: bool = True) -> bool:
-    """Whether a bucket on ``device`` takes the kernels: ``None`` where they run (CUDA,
-    or with ``interpreted`` the CPU under ``TRITON_INTERPRET=1``) and triton imports;
-    ``True`` where they run, else a RuntimeError saying why; ``False`` never."""
-    runs = device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+def resolve_fused(fused: bool | None, device: torch.device) -> bool:
+    """Whether a bucket on ``device`` takes the kernels: ``None`` on CUDA where triton
+    imports (never the interpreter: on the CPU the torch operations are faster);
+    ``True`` where they run (CUDA, or the CPU under ``TRITON_INTERPRET=1``, as the tests
+    run them), else a RuntimeError saying why; ``False`` never."""
     if fused is None:
-        return (device.type == "cuda" or (runs and interpreted)) and triton_available()
+        return device.type == "cuda" and triton_available()
     if fused:
         if not triton_available():
             raise RuntimeError("AdaComp's fused=True needs triton: pip install triton")
-        if not runs:
+        interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpreted:
             raise RuntimeError(
                 f"AdaComp's fused=True needs CUDA gradients (these are on {device}); on the CPU "
                 "the Triton kernels run only under TRITON_INTERPRET=1 (set before import)"

@@ -75,7 +75,7 @@ class SimulatedWorkers:
 
     def _compressed(self, flats: list[torch.Tensor]) -> torch.Tensor:
         device = flats[0].device
-        if resolve_fused(self.fused, device, interpreted=False) and applies(self.layout, self.fused):
+        if resolve_fused(self.fused, device) and applies(self.layout, self.fused):
             result = self._fused(flats)
         else:
             result = self._unfused(flats)
