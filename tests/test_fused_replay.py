@@ -204,3 +204,24 @@ def test_a_deep_copy_steps_on_its_own_tensors():
     twin.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert not any(torch.equal(p, b) for p, b in zip(twin_params, before))
+
+
+@pytest.mark.parametrize("habit", ["static", "moved"])
+def test_the_memory_of_a_step_keeps_no_grad_alive(habit):
+    """``zero_grad()`` frees the grads before the next backward: the optimizer's memory of
+    its last step must not hold them (a model's worth of memory)."""
+    import gc
+    import weakref
+
+    params = [torch.nn.Parameter(torch.randn(30)) for _ in range(3)]
+    opt = LAMB(params, lr=0.1, fused=True)
+    refs = []
+    for k in range(3):
+        if habit == "moved" or k == 0:
+            for p in params:
+                p.grad = torch.ones_like(p)
+        refs += [weakref.ref(p.grad) for p in params]
+        opt.step()
+    opt.zero_grad()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

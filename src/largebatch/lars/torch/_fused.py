@@ -5,10 +5,11 @@ fused step, which runs the next one on the same plan when nothing has moved."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from itertools import chain, compress
-from operator import attrgetter, is_, itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
@@ -133,11 +134,18 @@ REPLAY, NEW_GRADS, FULL = "replay", "new grads", "full"
 _LOCAL = attrgetter("_local_tensor")  # a DTensor's local block
 
 
-def _addresses(tensors: Sequence[Tensor | None], present: Sequence[bool], sharded: bool) -> tuple[int, ...]:
+_DEREF = weakref.ref.__call__  # a weak reference's object (None once it is freed)
+
+
+def _addresses(tensors: Iterable[Tensor], sharded: bool) -> tuple[int, ...]:
     """The data addresses of ``tensors`` (of their local blocks: ``sharded``, every one a
-    DTensor) where ``present``, in one C-level pass."""
-    chosen = cast("list[Tensor]", compress(tensors, present))
-    return tuple(map(Tensor.data_ptr, map(_LOCAL, chosen) if sharded else chosen))
+    DTensor), in one C-level pass."""
+    return tuple(map(Tensor.data_ptr, map(_LOCAL, tensors) if sharded else tensors))
+
+
+def _present(grads: list[Tensor | None]) -> list[bool]:
+    """Where a param has a grad, in one C-level pass."""
+    return list(map(is_not, grads, repeat(None)))
 
 
 @dataclass
@@ -159,24 +167,25 @@ class Replay:
       hyperparameter, a loaded state dict) takes the full step, which is recorded.
 
     State tensors are the optimizer's: changed in place, replaced only by
-    ``load_state_dict``."""
+    ``load_state_dict``. Grads are held by weak references only: ``zero_grad()`` frees
+    them before the next backward, as it would without this memory."""
 
     lr_buffers: dict = field(default_factory=dict)
     plan: Plan | None = None  # set by :func:`step`: the plan of the last fused step
     lamb: bool = False
     groups: list[dict] = field(default_factory=list)  # the optimizer's param groups
-    steps: list[GroupStep] = field(default_factory=list)  # the last step's, with grads
+    steps: list[GroupStep] = field(default_factory=list)  # the last step's, grads left out
     planned: list[dict] = field(default_factory=list)  # their param groups
     hypers: list[Hyperparams] = field(default_factory=list)
     params: list[Tensor] = field(default_factory=list)
-    grads: list[Tensor | None] = field(default_factory=list)
+    grads: list[weakref.ref] = field(default_factory=list)  # the grads, where present
     present: list[bool] = field(default_factory=list)  # where a param has a grad
     addresses: tuple[int, ...] | None = None  # the params' then the grads' (where present)
     counter: Tensor | None = None
     state: Any = None  # the optimizer's state mapping, and its size
     n_state: int = -1
     reducer: _sharded.Reducer | None = None  # for sharded (DTensor) params, their norms' sums
-    seen: list[Tensor | None] = field(default_factory=list)  # the grads check() found
+    seen: list[Tensor] = field(default_factory=list)  # the grads check() found, until used
     moved: bool = False  # whether they were other tensors than the last step's
 
     def record(
@@ -194,21 +203,23 @@ class Replay:
         if self.plan is None or (reducer is not None and not all(map(_sharded.is_sharded, params))):
             self.forget()
             return
-        self.params = params
-        self.grads = list(map(_GRAD, self.params))
-        self.present = [g is not None for g in self.grads]
+        grads = list(map(_GRAD, params))
+        self.params, self.present = params, _present(grads)
+        live = cast("list[Tensor]", list(compress(grads, self.present)))
+        self.grads = list(map(weakref.ref, live))
         self.lamb = isinstance(hypers[0], LambHyperparams)
         self.groups, self.hypers = list(param_groups), list(hypers)
-        self.steps = [s for s in steps if s.params]
+        self.steps = [replace(s, grads=[]) for s in steps if s.params]
         self.planned = [g for g, s in zip(param_groups, steps) if s.params]
         self.reducer = reducer
-        self.addresses = self._addresses_of(self.params, self.grads)
+        self.addresses = self._addresses_of(params, live)
         self.counter, self.state, self.n_state = counter, state, len(state)
+        self.seen = []
 
-    def _addresses_of(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[int, ...]:
-        """The params' then the grads' data addresses, where a param has a grad."""
+    def _addresses_of(self, params: list[Tensor], grads: list[Tensor]) -> tuple[int, ...]:
+        """The params' (where a param has a grad) then ``grads``' data addresses."""
         sharded = self.reducer is not None
-        return _addresses(params, self.present, sharded) + _addresses(grads, self.present, sharded)
+        return _addresses(compress(params, self.present), sharded) + _addresses(grads, sharded)
 
     def forget(self) -> None:
         """Take the next step in full."""
@@ -227,13 +238,17 @@ class Replay:
         params = list(chain.from_iterable(map(_PARAMS, param_groups)))
         if len(params) != len(self.params) or not all(map(is_, params, self.params)):
             return FULL
-        self.seen = grads = list(map(_GRAD, params))
-        self.moved = not all(map(is_, grads, self.grads))
-        if self.moved:
-            return NEW_GRADS if [g is not None for g in grads] == self.present else FULL
-        if self.addresses is None:  # the last step's grads were new: their plan is looked up
+        grads = list(map(_GRAD, params))
+        if _present(grads) != self.present:
+            return FULL
+        self.seen = live = cast("list[Tensor]", list(compress(grads, self.present)))
+        self.moved = not all(map(is_, live, map(_DEREF, self.grads)))
+        if self.moved or self.addresses is None:  # new grads, or the last step's were: look the plan up
             return NEW_GRADS
-        return REPLAY if self._addresses_of(params, grads) == self.addresses else FULL
+        if self._addresses_of(params, live) == self.addresses:
+            self.seen = []
+            return REPLAY
+        return FULL
 
     def run(self, *, grad_scale: Tensor | None, found_inf: Tensor | None, options: dict[str, Any]) -> Tensor:
         """The step on the recorded plan (after :meth:`check` said :data:`REPLAY`);
@@ -250,7 +265,7 @@ class Replay:
 
     def new_grads(self) -> list[Tensor]:
         """The grads :meth:`check` found (after it said :data:`NEW_GRADS`), where present."""
-        return cast(list[Tensor], list(compress(self.seen, self.present)))
+        return self.seen
 
     def with_new_grads(self) -> list[GroupStep]:
         """The last step's groups with the grads :meth:`check` found and their lrs now;
@@ -264,8 +279,8 @@ class Replay:
         if self.moved:
             self.addresses = None
         else:  # the same grads twice: a replay may follow
-            self.addresses = self._addresses_of(self.params, self.seen)
-        self.grads = self.seen
+            self.addresses = self._addresses_of(self.params, grads)
+        self.grads, self.seen = list(map(weakref.ref, grads)), []
         return out
 
     @staticmethod
