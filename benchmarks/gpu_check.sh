@@ -163,16 +163,17 @@ GRAPHED="cuda graph"  # ResNet-50 only: the kernels without the host (BERT-large
 step "Optimizer step, ResNet-50 fp32: the kernels against the copy bandwidth, timm, apex, torch fused, optax" 150 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model resnet50 --precision fp32 \
     --providers "$PEERS,$GRAPHED,moved grads,optax,(jax,packed,(pallas" --json "$DIR/step-resnet50-fp32.json"
-step "The fused JAX path compiled (Pallas on the GPU): the spec's cases in float32, awkward trees" 90 \
+step "The fused JAX path compiled (Pallas on the GPU): the spec's cases in float32, awkward trees; AdaComp's packed exchange against leaf by leaf" 120 \
     env LARGEBATCH_CUDA_TESTS=1 JAX_PLATFORMS=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_jax_fused.py \
-    -k "matches_the_spec and float32 or awkward or launches" -rfEs
+    tests/test_jax_comm_packed.py -k "matches_the_spec and float32 or awkward or launches or comm_packed" -rfEs
 if [ "$NGPU" -gt 1 ]; then
-    step "AdaComp hook (torch operations, and fused kernels) against DDP's all-reduce, NCCL, $NGPU processes" 150 \
-        "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" benchmarks/comm_hook.py \
-        --device cuda --json "$DIR/comm-hook.json"
+    step "AdaComp hook (torch operations, and fused kernels) against DDP's all-reduce, NCCL, $NGPU processes; AdaComp in JAX" 200 \
+        bash -c "'$PY' -m torch.distributed.run --standalone --nproc_per_node=$NGPU benchmarks/comm_hook.py \
+        --device cuda --json '$DIR/comm-hook.json'; '$PY' benchmarks/jax_adacomp.py --json '$DIR/jax-adacomp.json'"
 else
-    step "AdaComp hook (torch operations, and fused kernels) against DDP's all-reduce, NCCL, one process (the hook's own cost; goal: fused at most 1.5x DDP)" 150 \
-        "$PY" benchmarks/comm_hook.py --device cuda --json "$DIR/comm-hook.json"
+    step "AdaComp hook (torch operations, and fused kernels) against DDP's all-reduce, NCCL, one process (the hook's own cost; goal: fused at most 1.5x DDP); AdaComp in JAX against pmean" 200 \
+        bash -c "'$PY' benchmarks/comm_hook.py --device cuda --json '$DIR/comm-hook.json'; \
+        '$PY' benchmarks/jax_adacomp.py --json '$DIR/jax-adacomp.json'"
 fi
 step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 90 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \

@@ -246,3 +246,21 @@ def test_comm_hook_counts_what_an_iteration_runs() -> None:
         assert (fused["triton_launches"], fused["host_reads"]) == (launches, reads)
         assert plain["triton_launches"] == 0 and fused["torch_ops"] < plain["torch_ops"] / 3
     assert all(getattr(_kernels, name) is k for name, k in kernels.items())
+
+
+def test_jax_adacomp_times_pmean_and_both_exchanges(monkeypatch, tmp_path) -> None:
+    """``jax_adacomp.py`` times ``pmean`` and the exchange leaf by leaf and packed, and
+    writes each row's cost a gradient byte."""
+    import json
+
+    import jax_adacomp
+    import optimizer_step as bench
+
+    monkeypatch.setattr(bench, "MODELS", {"tiny": lambda: [(8, 3, 3, 3), (5,), (40, 30)]})
+    out = tmp_path / "adacomp.json"
+    args = ["--model", "tiny", "--steps", "1", "--warmup", "0", "--devices", "2", "--only", "pmean,allgather"]
+    assert jax_adacomp.main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["kind"] for r in result["rows"]] == ["pmean", "allgather (per-leaf)", "allgather (packed)"]
+    assert result["devices"] == 2 and all(r["ms"] > 0 for r in result["rows"])
+    assert result["rows"][0]["ns_per_byte"] is None and result["rows"][2]["ns_per_byte"] is not None

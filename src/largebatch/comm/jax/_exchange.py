@@ -30,7 +30,7 @@ _MAX_SPAN = 2**30 - 1  # index * 2 + sign bit must fit an int32 (with the fill v
 _GATHER_TO = "to" in inspect.signature(lax.all_gather).parameters
 
 
-def _check_span(span: int, values: str) -> None:
+def check_span(span: int, values: str) -> None:
     if values == "ternary" and span > _MAX_SPAN:
         raise ValueError(
             f"a compressed leaf (or chunk) of {span} elements is too long for "
@@ -51,7 +51,7 @@ def _unpack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
     return codes >> 1, jnp.where(negative, -scale, scale)
 
 
-def _gather(x: Any, axis_name: AxisName) -> Any:
+def all_gather(x: Any, axis_name: AxisName) -> Any:
     """``lax.all_gather`` typed as the same on every device (``check_vma``), where jax
     has the option."""
     if _GATHER_TO:
@@ -128,11 +128,11 @@ def allgather_mean(
     shape, numel = jnp.shape(grad), math.prod(jnp.shape(grad))
     if numel == 0:
         return lax.pmean(grad, axis_name), new_residual, message
-    _check_span(numel, values)
+    check_span(numel, values)
     parts = CompressedRows(
         new_residual, message.indices, message.values, message.scale, message.count, message.selected
     )
-    indices, vals = _exchanged(parts, values, lambda x: _gather(x, axis_name))
+    indices, vals = _exchanged(parts, values, lambda x: all_gather(x, axis_name))
     mean = _ordered_mean(indices, vals, numel)
     return mean.reshape(shape).astype(jnp.result_type(grad)), new_residual, message
 
@@ -195,7 +195,7 @@ def two_phase_mean(
             jnp.zeros((n, 0), jnp.int32), jnp.zeros((n, 0), dtype), jnp.zeros((), dtype), zero, zero
         )
         return lax.pmean(grad, axis_name), r.reshape(shape), cr, message
-    _check_span(span, values)
+    check_span(span, values)
     cap = message_capacity(capacity, span, bin_len)
     parts = compress_rows(r, g, bin_len, n, span, cap, select, values)
 
@@ -208,7 +208,7 @@ def two_phase_mean(
     chunk_mean = _ordered_mean(indices, vals, span)
     again = compress_rows(cr, chunk_mean, bin_len, 1, span, cap, select, values)
     again = again._replace(indices=again.indices[0], values=again.values[0])
-    indices, vals = _exchanged(again, values, lambda x: _gather(x, axis_name))
+    indices, vals = _exchanged(again, values, lambda x: all_gather(x, axis_name))
     offsets = jnp.arange(n, dtype=jnp.int32)[:, None] * span
     where = jnp.where(indices < span, indices + offsets, n * span)  # fill: dropped
     out = jnp.zeros(n * span, dtype).at[where.reshape(-1)].set(vals.reshape(-1), mode="drop")

@@ -22,8 +22,12 @@ from largebatch.comm.jax._compress import (
     compute_dtype,
     default_capacity,
 )
-from largebatch.comm.jax._exchange import allgather_mean, axis_size, two_phase_mean
+from largebatch.comm.jax._exchange import all_gather, allgather_mean, axis_size, check_span, two_phase_mean
+from largebatch.comm.jax._packed import Layout, Leaf, fusable
+from largebatch.comm.jax._packed import allgather_mean as packed_allgather
+from largebatch.comm.jax._packed import two_phase_mean as packed_two_phase
 from largebatch.comm.reference import CONV_BIN, FC_BIN, check_options
+from largebatch.lars.jax.common import check_fused
 from largebatch.mixed_precision.jax.finite import select_tree
 
 
@@ -64,6 +68,7 @@ def adacomp(
     form: str = "allgather",
     select: str = "adacomp",
     values: str = "ternary",
+    fused: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaComp's compressed average of the gradients over ``axis_name``, as an optax
     transformation for use inside ``jax.shard_map``.
@@ -106,6 +111,11 @@ def adacomp(
       values: ``"ternary"``, or ``"exact"``: the values as they are. With
         ``select="all"``, ``values="exact"`` and ``bin_capacity=None`` the result is the
         plain average.
+      fused: ``True``: every leaf with bins of at most 2,048 elements in one packed
+        exchange (Pallas kernels compiled on a GPU, their bodies as XLA on the CPU; "The
+        packed exchange" in docs/communication.md): a fixed number of operations whatever
+        the number of leaves, the same numbers and the same state. ``None`` and
+        ``False``: leaf by leaf.
 
     Returns:
       An ``optax.GradientTransformation`` (``update`` ignores ``params``).
@@ -114,7 +124,8 @@ def adacomp(
       ValueError: naming the value, for ``warmup_steps < 0``, a bin length or
         ``bin_capacity`` below 1 (or not an int), an unknown ``form``, ``select`` or
         ``values``, or a bad ``axis_name``; at construction.
-      TypeError: for an ``axis_name`` that is not a str or a tuple of strs.
+      TypeError: for an ``axis_name`` that is not a str or a tuple of strs, or a
+        ``fused`` that is not True, False or None.
     """
     if axis_name is None:
         raise ValueError("axis_name must name the data-parallel mesh axis, got None")
@@ -126,6 +137,7 @@ def adacomp(
     if bin_capacity is not None:
         bin_capacity = checks.integer("bin_capacity", bin_capacity, 1)
     two_phase = form == "two_phase"
+    use_kernels = check_fused(fused)
 
     def bins_of(leaves: Sequence[Any]) -> list[int | None]:
         return [compressible(x, conv_bin, fc_bin) for x in leaves]
@@ -169,27 +181,88 @@ def adacomp(
     def exchange(
         grads: Sequence[jax.Array], bins: Sequence[Any], residuals: Sequence[Any], chunks: Sequence[Any]
     ) -> tuple[list[Any], ...]:
-        means, new_res, new_chunks, selected = [], [], [], []
-        for g, b, r, c in zip(grads, bins, residuals, chunks):
-            numel = math.prod(jnp.shape(g))
-            if two_phase:
-                n = axis_size(axis_name)
-                cap = capacity(chunk_length(numel, b, n), b)
-                mean, r, c, message = two_phase_mean(
-                    r[0], c[0], g, b, axis_name, capacity=cap, select=select, values=values
-                )
-                c = c[None]
+        out: tuple[list[Any], ...] = tuple([None] * len(grads) for _ in range(4))
+        packed: dict[Any, list[int]] = {}
+        for i, (g, b) in enumerate(zip(grads, bins)):
+            if use_kernels and fusable(b):
+                packed.setdefault(compute_dtype(g), []).append(i)
             else:
-                mean, r, sent = allgather_mean(
-                    r[0], g, b, axis_name, capacity=capacity(numel, b), select=select, values=values
-                )
-                assert sent is not None  # a compressed leaf (b is not None) has a message
-                message = sent
-            means.append(mean)
-            new_res.append(r[None])
-            new_chunks.append(c)
-            selected.append(message.selected[None])
-        return means, new_res, new_chunks, selected
+                for x, value in zip(out, exchange_leaf(g, b, residuals[i], chunks[i])):
+                    x[i] = value
+        for dtype, leaves in packed.items():
+            results = exchange_packed(
+                [grads[i] for i in leaves],
+                [bins[i] for i in leaves],
+                [residuals[i] for i in leaves],
+                [chunks[i] for i in leaves],
+                dtype,
+            )
+            for x, values_ in zip(out, results):
+                for i, value in zip(leaves, values_):
+                    x[i] = value
+        return out
+
+    def exchange_leaf(g: jax.Array, b: int, r: Any, c: Any) -> tuple[Any, ...]:
+        numel = math.prod(jnp.shape(g))
+        if two_phase:
+            n = axis_size(axis_name)
+            cap = capacity(chunk_length(numel, b, n), b)
+            mean, r, c, message = two_phase_mean(
+                r[0], c[0], g, b, axis_name, capacity=cap, select=select, values=values
+            )
+            c = c[None]
+        else:
+            mean, r, sent = allgather_mean(
+                r[0], g, b, axis_name, capacity=capacity(numel, b), select=select, values=values
+            )
+            assert sent is not None  # a compressed leaf (b is not None) has a message
+            message = sent
+        return mean, r[None], c, message.selected[None]
+
+    def exchange_packed(
+        grads: Sequence[jax.Array],
+        bins: Sequence[int],
+        residuals: Sequence[Any],
+        chunks: Sequence[Any],
+        dtype: Any,
+    ) -> tuple[list[Any], ...]:
+        """Leaves of one compute dtype in one packed exchange (``_packed.py``)."""
+        shapes = [jnp.shape(g) for g in grads]
+        numels = [math.prod(s) for s in shapes]
+        flat_r = [r[0].reshape(-1).astype(dtype) for r in residuals]
+        flat_g = [g.reshape(-1).astype(dtype) for g in grads]
+
+        def gather(x: jax.Array) -> jax.Array:
+            return all_gather(x, axis_name)
+
+        if two_phase:
+            n = axis_size(axis_name)
+            spans = [chunk_length(m, b, n) for m, b in zip(numels, bins)]
+            caps = [min(capacity(s, b), s) for s, b in zip(spans, bins)]
+            for s in spans:
+                check_span(s, values)
+            first = Layout(tuple(Leaf(m, b, n, s, c) for m, b, s, c in zip(numels, bins, spans, caps)), True)
+            second = Layout(tuple(Leaf(s, b, 1, s, c) for b, s, c in zip(bins, spans, caps)))
+            flat_c = [c[0].reshape(-1).astype(dtype) for c in chunks]
+            means, new_r, new_c, selected = packed_two_phase(
+                first, second, flat_r, flat_c, flat_g, axis_name, gather, select, values
+            )
+            new_chunks = [c[None] for c in new_c]
+        else:
+            for m in numels:
+                check_span(m, values)
+            spans = [-(-m // b) * b for m, b in zip(numels, bins)]
+            layout = Layout(
+                tuple(Leaf(m, b, 1, s, min(capacity(m, b), m)) for m, b, s in zip(numels, bins, spans))
+            )
+            means, new_r, selected = packed_allgather(layout, flat_r, flat_g, gather, select, values)
+            new_chunks = list(chunks)
+        return (
+            [m.reshape(s).astype(jnp.result_type(g)) for m, s, g in zip(means, shapes, grads)],
+            [r.reshape(s)[None] for r, s in zip(new_r, shapes)],
+            new_chunks,
+            [selected[k][None] for k in range(len(grads))],
+        )
 
     def update_fn(
         updates: optax.Updates, state: AdaCompState, params: optax.Params | None = None, **extra_args: Any

@@ -1,7 +1,8 @@
 """The Pallas kernels of the fused JAX path: one program a row of the packed buffers
 (``packed.py``), compiled on a GPU and interpreted on the CPU. :func:`row_call` runs a
-body over the rows; the bodies are the passes of LARS and LAMB (docs/jax.md, "The fused
-path"); :func:`piece_stats` is the overflow-safe statistics each norm is formed from."""
+body over the rows (:func:`block_call` over any row-wise blocks: AdaComp's bins too); the
+bodies are the passes of LARS and LAMB (docs/jax.md, "The fused path"); :func:`piece_stats`
+is the overflow-safe statistics each norm is formed from."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from largebatch.lars.jax.packed import PIECE, SUB
+from largebatch.lars.jax.packed import SUB
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm")
 # How the CPU runs the kernels' bodies: "xla", as one XLA computation over all rows (the
@@ -98,23 +99,38 @@ def row_call(
     (buffers of the dtypes given) followed by ``out_pieces`` vectors of ``stats_dtype``.
     ``aliases`` maps an index of ``packed`` to one of ``out_packed`` that overwrites it.
     One program a row: a grid of ``rows``."""
-    rows = packed[0].shape[0] // SUB
-    shape = (rows * SUB, PIECE)
+    return block_call(body, packed, per_piece, out_packed, [stats_dtype] * out_pieces, SUB, aliases)
+
+
+def block_call(
+    body: Callable[..., Sequence[jax.Array]],
+    blocks: Sequence[jax.Array],
+    vectors: Sequence[jax.Array],
+    out_blocks: Sequence[Any],
+    out_vectors: Sequence[Any],
+    block_rows: int,
+    aliases: dict[int, int] | None = None,
+) -> list[jax.Array]:
+    """``body`` over the 2-D arrays ``blocks`` (all ``(rows, width)``, ``rows`` a multiple
+    of ``block_rows``), ``block_rows`` rows a program, with ``vectors`` of one value a row.
+
+    ``body(*block_values, *vector_values)`` returns the blocks of ``out_blocks`` (arrays of
+    the dtypes given, in ``blocks``' shape) followed by the values of ``out_vectors`` (a
+    value a row, of the dtypes given). ``aliases`` maps an index of ``blocks`` to one of
+    ``out_blocks`` that overwrites it. The body must be row-wise: on the CPU it runs on
+    all rows at once (:data:`CPU_KERNELS`)."""
+    rows, width = blocks[0].shape
     if rows == 0:
-        return [jnp.zeros(shape, d) for d in out_packed] + [
-            jnp.zeros((0,), stats_dtype) for _ in range(out_pieces)
-        ]
-    views = list(packed)
+        return [jnp.zeros((0, width), d) for d in out_blocks] + [jnp.zeros((0,), d) for d in out_vectors]
     run_interpreted = interpret()
-    if run_interpreted and (CPU_KERNELS == "xla" or _varies(packed[0])):
+    if run_interpreted and (CPU_KERNELS == "xla" or _varies(blocks[0])):
         # The body is row-wise: on all rows at once it computes what the grid computes.
         # (Pallas's interpreter cannot type its loop for shard_map's check_vma either.)
-        results = list(body(*views, *per_piece))
-        results = [r.astype(d) for r, d in zip(results, [*out_packed, *[stats_dtype] * out_pieces])]
-        return results
-    block = pl.BlockSpec((SUB, PIECE), lambda i: (i, 0))
-    piece = pl.BlockSpec((SUB,), lambda i: (i,))
-    n_in, n_out = len(packed) + len(per_piece), len(out_packed) + out_pieces
+        results = list(body(*blocks, *vectors))
+        return [r.astype(d) for r, d in zip(results, [*out_blocks, *out_vectors])]
+    block = pl.BlockSpec((block_rows, width), lambda i: (i, 0))
+    per_row = pl.BlockSpec((block_rows,), lambda i: (i,))
+    n_in = len(blocks) + len(vectors)
 
     def kernel(*refs: Any) -> None:
         values = [r[...] for r in refs[:n_in]]
@@ -122,18 +138,18 @@ def row_call(
         for ref, value in zip(refs[n_in:], outs):
             ref[...] = value.astype(ref.dtype)
 
-    like = _varying_as(packed[0])
-    out_shape = [jax.ShapeDtypeStruct(shape, d, **like) for d in out_packed]
-    out_shape += [jax.ShapeDtypeStruct((rows * SUB,), stats_dtype, **like)] * out_pieces
+    like = _varying_as(blocks[0])
+    out_shape = [jax.ShapeDtypeStruct((rows, width), d, **like) for d in out_blocks]
+    out_shape += [jax.ShapeDtypeStruct((rows,), d, **like) for d in out_vectors]
     results = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(rows,),
-        in_specs=[block] * len(packed) + [piece] * len(per_piece),
-        out_specs=tuple([block] * len(out_packed) + [piece] * out_pieces),
+        grid=(rows // block_rows,),
+        in_specs=[block] * len(blocks) + [per_row] * len(vectors),
+        out_specs=tuple([block] * len(out_blocks) + [per_row] * len(out_vectors)),
         input_output_aliases=dict(aliases or {}),
         interpret=run_interpreted,
         **({} if run_interpreted else {"compiler_params": _triton()}),
-    )(*views, *per_piece)
-    assert len(results) == n_out
+    )(*blocks, *vectors)
+    assert len(results) == len(out_shape)
     return list(results)
