@@ -40,7 +40,7 @@ def mesh_of(n):
     return Mesh(np.array(devices), (AXIS,))
 
 
-def steps(tx, mesh, grads_list):
+def steps(tx, mesh, grads_list, check_vma=False):
     """``update`` under ``shard_map`` on each step's per-device gradients: every output."""
     params = {k: jnp.zeros(s, DTYPES.get(k, jnp.float32)) for k, s in SHAPES.items()}
     state, specs = adacomp_init_state(tx, params, mesh, AXIS)
@@ -86,8 +86,9 @@ def test_packed_equals_leaf_by_leaf_bit_for_bit(monkeypatch, form, options, inte
     mesh = mesh_of(4)
     n = mesh.devices.size
     grads = gradients(n, 3, seed=len(options), nonfinite_at=1)
-    plain = steps(adacomp(AXIS, form=form, fused=False, **options), mesh, grads)
-    fused = steps(adacomp(AXIS, form=form, fused=True, **options), mesh, grads)
+    check_vma = form == "two_phase" and not options  # shard_map's type check on one case
+    plain = steps(adacomp(AXIS, form=form, fused=False, **options), mesh, grads, check_vma)
+    fused = steps(adacomp(AXIS, form=form, fused=True, **options), mesh, grads, check_vma)
     for t, (a, b) in enumerate(zip(plain, fused)):
         leaves_a, tree_a = jax.tree.flatten(a)
         leaves_b, tree_b = jax.tree.flatten(b)
