@@ -5,11 +5,12 @@
 
 Each device holds gradients of a model's parameter shapes (``--model``: ResNet-50's 161,
 BERT-large's 391), random and fixed per device, and one jitted ``shard_map`` step over
-all devices runs ``adacomp(...).update`` on them (compressing from the first step),
-``--warmup`` untimed calls, then the median of ``--steps`` timed ones (each ends when the
-result is ready). Rows: ``pmean`` (the dense average every leaf would otherwise take),
-and per form (``allgather``, ``two_phase``) the exchange leaf by leaf and packed (on a
-GPU, the packed exchange's passes are Pallas kernels; on the CPU, their bodies as XLA).
+all devices runs ``adacomp(...).update`` on them (compressing from the first step):
+``--warmup`` untimed calls, then ``--rounds`` rounds over the rows of ``--steps`` timed
+calls each (each ends when the result is ready), and each row's median. Rows: ``pmean``
+(the dense average every leaf would otherwise take), and per form (``allgather``,
+``two_phase``) the exchange leaf by leaf and packed (on a GPU, the packed exchange's
+passes are Pallas kernels; on the CPU, their bodies as XLA).
 Beside each time: its ratio to ``pmean``. On one device the collectives move nothing,
 and the times are the compressor's and decoder's own work: the number that says whether
 compression can pay for itself (``largebatch scaling --compressor-ns-per-byte``; the
@@ -73,7 +74,8 @@ KINDS = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(bench.MODELS), default="resnet50")
-    parser.add_argument("--steps", type=int, default=10, help="timed calls (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=5, help="timed calls a round (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the rows (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default %(default)s)")
     parser.add_argument("--devices", type=int, default=0, help="devices of the mesh (default: all)")
     parser.add_argument("--only", default=None, help="comma-separated rows to run (default: all)")
@@ -92,18 +94,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}: {len(shapes)} tensors, {sum(int(np.prod(s)) for s in shapes) / 1e6:.1f}M params, "
         f"{n} {devices[0].platform} device(s); jax {jax.__version__}"
     )
-    rows = []
-    base = None
+    programs = {}
     for kind in kinds:
         fn, state = build(kind, shapes, mesh)
         operands = (grads,) if state is None else (grads, state)
-        times = []
-        for i in range(args.warmup + args.steps):
-            start = time.perf_counter()
+        for _ in range(args.warmup):
             jax.block_until_ready(fn(*operands))
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        ms = 1e3 * statistics.median(times)
+        programs[kind] = (fn, operands)
+    # Rounds alternate the rows, so that a load that comes and goes falls on all alike.
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(args.rounds):
+        for kind, (fn, operands) in programs.items():
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*operands))
+                times[kind].append(time.perf_counter() - start)
+    rows = []
+    base = None
+    for kind in kinds:
+        ms = 1e3 * statistics.median(times[kind])
         base = ms if kind == "pmean" else base
         ratio = f"{ms / base:6.2f}x" if base else "      "
         per_byte = 1e6 * (ms - base) / grad_bytes if base is not None and kind != "pmean" else None

@@ -183,3 +183,9 @@ def test_the_kernels_lower_for_a_gpu_with_triton(monkeypatch, select, values):
         disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
     )(flats, flats)
     assert lowered.mlir_module().count(f"custom_call @{triton}") == 3 * len(layout.groups) == 6
+
+
+def test_an_exchange_too_large_for_int32_places_is_refused():
+    layout = packed.Layout((packed.Leaf(2**31 - 50, 50, 1, 2**31 - 50, 8),))
+    with pytest.raises(ValueError, match=r"too large for int32 places .*use fused=False"):
+        jax.eval_shape(lambda: packed.compress(layout, [jnp.zeros(8)], [jnp.zeros(8)], "adacomp", "ternary"))

@@ -272,6 +272,12 @@ def compress(
     index order: what ``compress_rows`` gives leaf by leaf."""
     dtype = grads[0].dtype
     slots = layout.slots
+    elements = sum(leaf.rows * _width(leaf.bin_len) for leaf in layout.leaves) + BLOCK * len(layout.leaves)
+    if max(slots, elements) >= FILL:
+        raise ValueError(
+            f"a packed AdaComp exchange of {elements} elements and {slots} message entries is "
+            f"too large for int32 places (at most {FILL - 1}): use fused=False"
+        )
     codes = jnp.full((slots,), FILL, jnp.int32)
     exact = jnp.zeros((slots,), dtype)
     count_parts, selected_parts, leaf_of_part = [], [], []
