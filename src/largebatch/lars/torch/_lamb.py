@@ -392,7 +392,7 @@ class LAMB(LayerwiseOptimizer):
         params: params or param groups. Group keys: ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``adam_w_mode``,
             ``grad_averaging``, ``adapt_without_decay``, ``freeze_step``,
-            ``master_weights``.
+            ``master_weights``, ``maximize``.
         lr: the global learning rate (a float or a one-element Tensor).
         betas: the moments' decay rates ``(b1, b2)``, each in [0, 1).
         eps: At least 0; added to ``sqrt(v_hat)``.
@@ -424,6 +424,10 @@ class LAMB(LayerwiseOptimizer):
         foreach: as in :class:`LARS`.
         fused: as in :class:`LARS`.
         compiled: as in :class:`LARS`.
+        maximize: as in :class:`LARS` (``-grad`` enters the moments, as in torch's
+            ``Adam(maximize=True)``).
+        differentiable: as in :class:`LARS`.
+        capturable: as in :class:`LARS`.
 
     References:
         You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76

@@ -346,7 +346,8 @@ class LARS(LayerwiseOptimizer):
 
     Args:
         params: params or param groups. Group keys: ``lr``, ``weight_decay``,
-            ``trust_ratio`` and every keyword below but ``foreach``/``fused``/``compiled``.
+            ``trust_ratio`` and every keyword below but ``foreach``/``fused``/``compiled``
+            and ``differentiable``/``capturable``.
         lr: the global learning rate: a float, or a one-element Tensor (the fused path
             reads an fp32 one on the params' device in place, without a copy).
         momentum: the momentum coefficient, in [0, 1).
@@ -370,6 +371,14 @@ class LARS(LayerwiseOptimizer):
         compiled: the per-tensor update through ``torch.compile`` (a norm kernel and one
             fused elementwise kernel per tensor: the fast CPU path). ``None``: for CPU
             models of ``COMPILE_MIN_NUMEL`` (2**20) elements or more; the first step compiles.
+        maximize: ascend: the step takes ``-grad`` where it takes ``grad``, then goes on as
+            usual (torch's ``SGD(maximize=True)``), on every path.
+        differentiable: take the step with autograd on, so that a graph runs through it
+            (torch's meaning); the single-tensor path only: ``foreach``, ``fused`` or
+            ``compiled`` set True with it is a ValueError.
+        capturable: state that the step must be capturable in a CUDA graph: every count
+            on the device, nothing read on the host. The fused path only (it always is);
+            any other path, as chosen for these params, is a ValueError naming it.
 
     Examples:
         >>> from largebatch.torch import LARS, param_groups
