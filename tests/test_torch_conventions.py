@@ -586,7 +586,7 @@ ASCENT_RUNS = [(c, i) for c in ASCENT_CASES for i in IMPLS if i != "compiled" or
 def test_maximize_equals_minimizing_the_negated_grads_bit_for_bit(case, impl):
     """torch's ``maximize``: each path takes ``-grad`` where it took ``grad`` (the fused
     kernels through a sign in their table), so ascending on f is descending on -f, to
-    the bit, params and state."""
+    the bit, params and state; ``trust_ratios()`` reports the ratios of that step."""
     params, opt = _ascent(case, impl, True, 1.0)
     ref_params, ref = _ascent(case, impl, False, -1.0)
     assert_same(params, ref_params, rtol=0, atol=0)
@@ -594,6 +594,7 @@ def test_maximize_equals_minimizing_the_negated_grads_bit_for_bit(case, impl):
         {**opt.state_dict(), "param_groups": []}, {**ref.state_dict(), "param_groups": []}
     )
     assert opt.param_groups[0]["maximize"] is True
+    assert opt.trust_ratios() == ref.trust_ratios()  # the ratios the next step would apply
 
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
