@@ -37,7 +37,7 @@ CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled", "different
 TORCH_KEYS = {"maximize": False, "differentiable": False, "capturable": False}
 
 
-def _grad_mode_of_differentiable(step: Callable[..., Any]) -> Callable[..., Any]:
+def _autograd_if_differentiable(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` under ``torch.no_grad()``, or with autograd on for an optimizer made with
     ``differentiable=True`` (torch's optimizers do the same)."""
 
@@ -358,7 +358,7 @@ class LayerwiseOptimizer(Optimizer):
         already unscaled) and still passes ``found_inf``."""
         return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
 
-    @_grad_mode_of_differentiable
+    @_autograd_if_differentiable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step. ``closure`` re-evaluates the model and returns the loss.
 
