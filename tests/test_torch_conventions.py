@@ -485,6 +485,9 @@ def test_masters_of_a_checkpoint_are_dropped_when_not_wanted(cls):
         (LARS, dict(foreach="True"), TypeError, "foreach"),
         (LAMB, dict(fused=0), TypeError, "fused"),
         (LAMB, dict(compiled="yes"), TypeError, "compiled"),
+        (LARS, dict(maximize="yes"), TypeError, "maximize: 'yes'"),
+        (LAMB, dict(differentiable=1), TypeError, "differentiable: 1"),
+        (LAMB, dict(capturable=None), TypeError, "capturable: None"),
         (
             LARS,
             dict(lr=torch.tensor([0.1, 0.2])),
@@ -549,3 +552,278 @@ def test_non_finite_grads_without_a_scaler_are_applied_as_torch_optim_does(case,
     assert not torch.isfinite(params[0]).all() and not torch.isfinite(params[3]).all()
     assert_same(params, ref_params, rtol=2e-5, atol=2e-6)
     assert opt.num_steps == 2
+
+
+# --------------------------------------------------------------------------- torch.optim's keywords
+
+# One group of every param (each path's graphs once per flag set): LARS with optax's
+# denominator ||g + wd * w||, where the sign of g changes the ratio; LAMB in L2 mode (the
+# decay enters the moments beside g) with global clipping.
+ASCENT_CASES = [
+    ("lars_decayed", LARS, dict(lr=0.5, weight_decay=1e-2, nesterov=True, decayed_norm=True)),
+    ("lamb_l2_clip", LAMB, dict(lr=0.05, weight_decay=1e-2, adam_w_mode=False, max_grad_norm=0.5)),
+]
+
+
+def _ascent(case, impl, maximize: bool, sign: float):
+    """Three steps of ``case`` on ``impl`` with ``maximize`` and the grads times ``sign``."""
+    _, cls, kwargs = case
+    params = make_params()
+    opt = cls(params, **kwargs, **IMPLS[impl], maximize=maximize)
+    for t in range(3):
+        grads_for(t, params)
+        for p in params:
+            p.grad.mul_(sign)
+        opt.step()
+    return params, opt
+
+
+# The compiled path runs the single-tensor body, compiled (two compiles a case): one case.
+ASCENT_RUNS = [(c, i) for c in ASCENT_CASES for i in IMPLS if i != "compiled" or c[1] is LARS]
+
+
+@pytest.mark.parametrize("case,impl", ASCENT_RUNS, ids=[f"{i}-{c[0]}" for c, i in ASCENT_RUNS])
+def test_maximize_equals_minimizing_the_negated_grads_bit_for_bit(case, impl):
+    """torch's ``maximize``: each path takes ``-grad`` where it took ``grad`` (the fused
+    kernels through a sign in their table), so ascending on f is descending on -f, to
+    the bit, params and state; ``trust_ratios()`` reports the ratios of that step."""
+    params, opt = _ascent(case, impl, True, 1.0)
+    ref_params, ref = _ascent(case, impl, False, -1.0)
+    assert_same(params, ref_params, rtol=0, atol=0)
+    assert_state_dicts_equal(
+        {**opt.state_dict(), "param_groups": []}, {**ref.state_dict(), "param_groups": []}
+    )
+    assert opt.param_groups[0]["maximize"] is True
+    assert opt.trust_ratios() == ref.trust_ratios()  # the ratios the next step would apply
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("impl", ["single_tensor", "foreach", "fused"])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_the_loss_goes_the_way_maximize_says(cls, impl, maximize):
+    """torch's test_forloop_goes_right_direction: a least-squares loss falls, or with
+    ``maximize`` rises, over a few steps."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(10, 5, generator=gen))
+    bias = torch.nn.Parameter(torch.randn(10, generator=gen))
+    x = torch.randn(5, generator=gen)
+    opt = cls([weight, bias], lr=0.5 if cls is LARS else 0.05, **IMPLS[impl], maximize=maximize)
+
+    def closure():
+        opt.zero_grad()
+        loss = (weight.mv(x) + bias).pow(2).sum()
+        loss.backward()
+        return loss
+
+    start = closure().item()
+    for _ in range(5):
+        opt.step(closure)
+    end = closure().item()
+    assert end > start if maximize else end < start
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_maximize_changed_between_steps_is_seen(impl):
+    """A group's maximize written between steps takes effect at the next step, also on
+    the fused path, whose memory replays its last plan when the grads are written in
+    place (as ``zero_grad(set_to_none=False)`` leaves them)."""
+    runs = []
+    for flip in (True, False):
+        params = make_params()
+        opt = LARS(params, **ASCENT_CASES[0][2], **IMPLS[impl])
+        held = [torch.zeros_like(p) for p in params]
+        for t in range(3):
+            grads_for(t, params)
+            for p, g in zip(params, held):
+                p.grad = g.copy_(p.grad if flip or t < 2 else -p.grad)
+            if flip and t == 2:
+                opt.param_groups[0]["maximize"] = True
+            opt.step()
+        runs.append(params)
+    assert_same(*runs, rtol=0, atol=0)
+
+
+def test_the_functionals_take_maximize():
+    from largebatch.lars.torch import lamb, lars
+
+    gen = torch.Generator().manual_seed(4)
+    w, g = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    for fn, cls in ((lars, LARS), (lamb, LAMB)):
+        out = []
+        for sign, maximize in ((1.0, True), (-1.0, False)):
+            x = w.clone()
+            state = [[torch.zeros(6)] for _ in cls.spec.state]
+            hyper = group_hyper(cls.spec, {"lr": 0.1, "weight_decay": 0.1})
+            fn([x], [g * sign], *state, [None], [torch.zeros(())], **hyper, maximize=maximize)
+            out.append(x)
+        assert torch.equal(*out) and not torch.equal(out[0], w)
+
+
+def _diff_fn(p, grad, opt_differentiable_state, opt_class, kwargs, *ignored):
+    """torch's test/optim/test_optim.py helper: one step from the given state, on a copy
+    of ``p``; returns the new param and every state tensor that requires grad (``ignored``:
+    the state's tensors again, so that gradcheck sees them as inputs)."""
+    p = p.clone()
+    p.grad = grad
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt_differentiable_state.items()}
+    opt = opt_class([p], **kwargs)
+    opt.state[p].update(state)
+    opt.step()
+    return (p,) + tuple(v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+
+def _rand(*shape, requires_grad=True):
+    return torch.rand(*shape, requires_grad=requires_grad, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [
+        (LARS, dict(lr=0.9, weight_decay=0.1, trust_coefficient=0.5)),
+        (LARS, dict(lr=0.9, weight_decay=0.1, nesterov=True, trust_clip=True, maximize=True)),
+        (LARS, dict(lr=0.9, weight_decay=0.1, decayed_norm=True, lr_in_momentum=False)),
+        (LAMB, dict(lr=0.9, weight_decay=0.1)),
+        (LAMB, dict(lr=0.9, weight_decay=0.1, adam_w_mode=False, maximize=True, max_grad_norm=0.5)),
+    ],
+    ids=["lars", "lars-nesterov-clip-maximize", "lars-decayed-lr-outside", "lamb", "lamb-l2-maximize-clip"],
+)
+def test_differentiable_step_passes_gradcheck(cls, kwargs):
+    """torch's TestDifferentiableOptimizer: with ``differentiable=True`` autograd runs
+    through a step, from the param, its grad and the state to the new param and state,
+    checked against finite differences in float64."""
+    torch.manual_seed(5)
+    state = {"step": torch.tensor(10.0, dtype=torch.float64)}
+    for key in cls.spec.state:
+        state[key] = _rand(10)
+    assert torch.autograd.gradcheck(
+        _diff_fn, (_rand(10), _rand(10), state, cls, {**kwargs, "differentiable": True}, *state.values())
+    )
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_differentiable_lr_gets_its_meta_gradient(cls):
+    """torch's test_adam_differentiable_lr: two steps with the grads' graph kept, then the
+    loss's gradient with respect to a tensor lr, against finite differences."""
+
+    def meta_loss(params, lr):
+        params = params.clone()
+        opt = cls([params], lr=lr, weight_decay=0.1, differentiable=True)
+        x, y = torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64)
+        for _ in range(2):
+            loss = torch.nn.functional.mse_loss(x * params.sum(), y)
+            (params.grad,) = torch.autograd.grad(loss, params, create_graph=True)
+            opt.step()
+        return loss
+
+    lr = torch.tensor(0.01, requires_grad=True, dtype=torch.float64)
+    assert torch.autograd.gradcheck(meta_loss, (_rand(10), lr))
+
+
+def test_without_differentiable_the_step_builds_no_graph():
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = LARS([p], lr=0.1)
+    p.grad = torch.randn(4, requires_grad=True)
+    with torch.enable_grad():
+        opt.step()
+    assert p.grad_fn is None and all(t.grad_fn is None for t in opt.state[p].values())
+    with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
+        LARS([p.clone()], lr=0.1)
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("path", ["fused", "foreach", "compiled"])
+def test_differentiable_refuses_the_other_paths_by_name(cls, path):
+    params = make_params()
+    with pytest.raises(
+        ValueError, match=f"differentiable=True does not apply to the {path} path \\({path}=True\\)"
+    ):
+        cls(params, lr=0.1, differentiable=True, **{path: True})
+    opt = cls(params[:2], lr=0.1)
+    before = copy.deepcopy(opt.param_groups)
+    with pytest.raises(ValueError, match=f"the {path} path"):
+        opt.add_param_group({"params": params[2:], "differentiable": True, path: True})
+    assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in before]
+    opt = cls(params, lr=0.1, differentiable=True)
+    assert [(g["foreach"], g["fused"], g["compiled"]) for g in opt.param_groups] == [(False, False, False)]
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_capturable_fused_steps_read_nothing_on_the_host(cls):
+    """``capturable=True`` on the fused path: the same bits as without it, step counts on
+    the params' device, and no step after the first reads a device value on the host."""
+    from devices import HostSyncs
+
+    extra = {} if cls is LARS else {"max_grad_norm": 1.0}
+    runs = []
+    for capturable in (True, False):
+        params = make_params()
+        opt = cls(groups_of(params), lr=0.1, weight_decay=1e-2, fused=True, capturable=capturable, **extra)
+        opt.found_inf = torch.zeros(1)  # what torch.amp.GradScaler.step sets
+        syncs = []
+        for t in range(3):
+            grads_for(t, params)
+            with HostSyncs() as record:
+                opt.step()
+            syncs.append(record.record)
+        assert syncs[1:] == [[], []], syncs
+        assert all(opt.state[p]["step"].device == p.device for p in params)
+        runs.append(params)
+    assert opt.param_groups[0]["capturable"] is False
+    assert_same(*runs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("impl", ["single_tensor", "foreach", "compiled"])
+def test_capturable_refuses_the_other_paths_by_name(cls, impl):
+    with pytest.raises(ValueError, match=f"capturable=True applies only to the fused path.* the {impl} path"):
+        cls(make_params(), lr=0.1, capturable=True, **IMPLS[impl])
+    if impl == "foreach":  # CPU params by default: the foreach path
+        with pytest.raises(ValueError, match="the foreach path"):
+            cls(make_params(), lr=0.1, capturable=True)
+
+
+@cases
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_the_keywords_round_trip_and_older_state_dicts_load(case, impl):
+    """The keywords are param-group keys: saved and loaded with the rest (maximize is
+    the checkpoint's; differentiable and capturable, like the paths, the constructor's).
+    A state dict saved before they existed (torch's test_can_load_older_state_dict
+    deletes them and the paths) loads with maximize off; a pickled optimizer of that
+    time too."""
+    params, opt = build(case, impl, maximize=True)
+    run(opt, params, 2)
+    sd = opt.state_dict()
+    assert [(g["maximize"], g["differentiable"], g["capturable"]) for g in sd["param_groups"]] == [
+        (True, False, False)
+    ] * 2
+    _, opt2 = twin(case, impl, params)
+    opt2.load_state_dict(sd)
+    assert_state_dicts_equal(opt2.state_dict(), sd)
+
+    old = copy.deepcopy(sd)
+    for group in old["param_groups"]:
+        for key in (
+            "maximize",
+            "differentiable",
+            "capturable",
+            "foreach",
+            "fused",
+            "compiled",
+            "master_weights",
+        ):
+            del group[key]
+    params3, opt3 = twin(case, impl, params)
+    opt3.load_state_dict(old)
+    assert [g["maximize"] for g in opt3.param_groups] == [False, False]
+    assert [g["fused"] for g in opt3.param_groups] == [impl == "fused"] * 2
+    run(opt3, params3, 1, start=2)
+
+    pickled = opt.__getstate__()
+    for key in ("maximize", "differentiable", "capturable"):
+        del pickled["defaults"][key]
+        for group in pickled["param_groups"]:
+            del group[key]
+    opt4 = type(opt).__new__(type(opt))
+    opt4.__setstate__(copy.deepcopy(pickled))
+    assert [g["maximize"] for g in opt4.param_groups] == [False, False]
+    assert opt4.defaults["differentiable"] is False

@@ -26,7 +26,8 @@ from largebatch.lars.kernels.common import (
 )
 from largebatch.lars.spec import LAMB_SPEC
 
-# Columns of the fp64 per-group table: LAMB_SPEC.columns, by name.
+# Columns of the fp64 per-group table: LAMB_SPEC.columns, by name, then the grads' sign
+# (-1 under maximize; plan._row).
 _B1 = tl.constexpr(LAMB_SPEC.columns.index("b1"))
 _B2 = tl.constexpr(LAMB_SPEC.columns.index("b2"))
 _EPS = tl.constexpr(LAMB_SPEC.columns.index("eps"))
@@ -37,7 +38,8 @@ _ADAM_W_MODE = tl.constexpr(LAMB_SPEC.columns.index("adam_w_mode"))
 _GRAD_AVERAGING = tl.constexpr(LAMB_SPEC.columns.index("grad_averaging"))
 _ADAPT_WITHOUT_DECAY = tl.constexpr(LAMB_SPEC.columns.index("adapt_without_decay"))
 _FREEZE_STEP = tl.constexpr(LAMB_SPEC.columns.index("freeze_step"))  # 2**31 - 1: never
-_LAMB_COLS = tl.constexpr(len(LAMB_SPEC.columns))
+_SIGN = tl.constexpr(len(LAMB_SPEC.columns))
+_LAMB_COLS = tl.constexpr(len(LAMB_SPEC.columns) + 1)
 
 
 @triton.jit
@@ -135,7 +137,7 @@ def lamb_moments_kernel(
     meta,  # int64 [n_tensors, META_COLS]: addresses, numel, group and first slot of each tensor
     parts,  # fp64 [n_slots, 2]: each chunk's sums of w^2 and u^2, one slot a chunk
     ws,  # fp64 workspace: [GSQ] sum of squares of all grads
-    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
+    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row and grads' sign
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     max_grad_norm,  # float: global clipping threshold (used only if CLIP)
@@ -156,7 +158,8 @@ def lamb_moments_kernel(
     v_ptr = tensor_ptr(row, COL_S1, W_DTYPE, ALIGNED)
     group = tl.load(row + COL_GROUP)
     b1, b2, b3, eps, wd_g, wd, inv_bc1, inv_bc2, _, frozen = _lamb_factors(hyper, row, group, False)
-    g_mul = unscale_factor(grad_scale, HAS_SCALE)
+    sign = tl.load(hyper + group * _LAMB_COLS + _SIGN).to(tl.float32)  # -1 under maximize
+    g_mul = unscale_factor(grad_scale, HAS_SCALE) * sign
     if CLIP:
         # Compiled, a Python float argument is fp32 already; the interpreter passes it as
         # a Python constant, which is fp64 outside fp32's normal range. fp32 in both.
@@ -251,7 +254,7 @@ def lamb_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
     meta,  # int64 [n_tensors, META_COLS]: addresses, numel and group of each tensor
     acc,  # fp64 [n_tensors, 2]: ||w||^2, ||u||^2, summed from pass 1
-    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row
+    hyper,  # fp64 [n_groups, _LAMB_COLS]: each group's LAMB_SPEC.row and grads' sign
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,

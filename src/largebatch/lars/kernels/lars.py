@@ -22,7 +22,8 @@ from largebatch.lars.kernels.common import (
 )
 from largebatch.lars.spec import LARS_SPEC
 
-# Columns of the fp64 per-group table: LARS_SPEC.columns, by name.
+# Columns of the fp64 per-group table: LARS_SPEC.columns, by name, then the grads' sign
+# (-1 under maximize; plan._row).
 _MOMENTUM = tl.constexpr(LARS_SPEC.columns.index("momentum"))
 _WEIGHT_DECAY = tl.constexpr(LARS_SPEC.columns.index("weight_decay"))
 _TRUST_COEFFICIENT = tl.constexpr(LARS_SPEC.columns.index("trust_coefficient"))
@@ -33,7 +34,8 @@ _TRUST_RATIO = tl.constexpr(LARS_SPEC.columns.index("trust_ratio"))
 _LR_IN_MOMENTUM = tl.constexpr(LARS_SPEC.columns.index("lr_in_momentum"))
 _ZERO_NORM_SKIP = tl.constexpr(LARS_SPEC.columns.index("zero_norm_skip"))
 _DECAYED_NORM = tl.constexpr(LARS_SPEC.columns.index("decayed_norm"))
-_LARS_COLS = tl.constexpr(len(LARS_SPEC.columns))
+_SIGN = tl.constexpr(len(LARS_SPEC.columns))
+_LARS_COLS = tl.constexpr(len(LARS_SPEC.columns) + 1)
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def lars_norms_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
     meta,  # int64 [n_tensors, META_COLS]: addresses, numel, group and first slot of each tensor
     parts,  # fp64 [n_slots, 2]: each chunk's sums of squares, one slot a chunk
-    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
+    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row and grads' sign
     grad_scale,  # fp32 []: loss scale the grads carry (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
     P_DTYPE: tl.constexpr,
@@ -58,8 +60,8 @@ def lars_norms_kernel(
     _, row, start, numel, slot = program_chunk(chunks, meta, found_inf, HAS_FOUND_INF, BLOCK * TILES)
     w_ptr = tensor_ptr(row, COL_W, W_DTYPE, ALIGNED)
     g_ptr = tensor_ptr(row, COL_G, P_DTYPE, ALIGNED)
-    inv_scale = unscale_factor(grad_scale, HAS_SCALE)
     h = hyper + tl.load(row + COL_GROUP) * _LARS_COLS
+    inv_scale = unscale_factor(grad_scale, HAS_SCALE) * tl.load(h + _SIGN).to(tl.float32)
     wd = (tl.load(h + _WEIGHT_DECAY) * tl.load(h + _DECAYED_NORM)).to(tl.float32)
     end = start + BLOCK * TILES
     if end <= numel:
@@ -112,7 +114,7 @@ def lars_apply_kernel(
     chunks,  # int64 [n_chunks, 2]: (tensor index, chunk index in it) of each program's chunk
     meta,  # int64 [n_tensors, META_COLS]: addresses, numel and group of each tensor
     acc,  # fp64 [n_tensors, 2]: ||w||^2, ||g||^2 (decayed_norm: ||g + wd * w||^2), summed
-    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row
+    hyper,  # fp64 [n_groups, _LARS_COLS]: each group's LARS_SPEC.row and grads' sign
     gaddr,  # int64 [n_groups]: address of each group's lr (fp32 scalar)
     grad_scale,  # fp32 []: loss scale (read only if HAS_SCALE)
     found_inf,  # fp32 []: GradScaler's overflow flag (read only if HAS_FOUND_INF)
@@ -145,7 +147,7 @@ def lars_apply_kernel(
     zero_norm_skip = tl.load(h + _ZERO_NORM_SKIP) != 0
     decayed_norm = tl.load(h + _DECAYED_NORM) != 0
     lr = tl.load(tl.load(gaddr + group).to(tl.pointer_type(tl.float32)))
-    inv_scale = unscale_factor(grad_scale, HAS_SCALE)
+    inv_scale = unscale_factor(grad_scale, HAS_SCALE) * tl.load(h + _SIGN).to(tl.float32)
 
     # The norms come in fp64 (no overflow for any finite weights); the ratio goes to fp32.
     w_norm = tl.sqrt(tl.load(acc + 2 * t))

@@ -44,7 +44,8 @@ class FusedGroup:
     param (params may share one), +1 on the device unless the step is skipped. ``lr``:
     fp32 0-dim, read by the kernels (a schedule may change it in place). ``hyper``: the
     group's hyperparameters, a ``LarsHyperparams`` or ``LambHyperparams``
-    (``LARS_SPEC.make({...})``), checked when it was made."""
+    (``LARS_SPEC.make({...})``), checked when it was made. ``maximize``: the step ascends
+    (the kernels take ``-grad``, as torch's ``maximize=True``)."""
 
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
@@ -53,6 +54,7 @@ class FusedGroup:
     steps: list[torch.Tensor]
     lr: torch.Tensor
     hyper: Hyperparams  # LarsHyperparams or LambHyperparams, as the entry point
+    maximize: bool = False
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -78,7 +80,7 @@ class Plan:
     step while the tensors stay where they were."""
 
     buckets: list[_Bucket]
-    hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns)]: each group's spec.row
+    hyper: torch.Tensor  # fp64 [n_groups, len(spec.columns) + 1]: each group's row (below)
     ws: torch.Tensor  # fp64 workspace: the global sums ([GSQ]), then per-tensor sums
     parts: torch.Tensor  # fp64 [n_slots, 2]: each chunk's partial sums, one slot a chunk
     spans: torch.Tensor  # int64 [n_tensors, 2]: (first slot, slot count) of each tensor
@@ -183,7 +185,7 @@ def _key(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor | 
             None if g.masters is None else tuple([None if m is None else m.data_ptr() for m in g.masters])
         )
         key += [
-            (g.hyper, names, tuple(map(len, lists))),
+            (g.hyper, bool(g.maximize), names, tuple(map(len, lists))),
             tuple(map(_DTYPE, g.params)),
             tuple(map(torch.Tensor.numel, g.params)),
             masters,
@@ -284,7 +286,7 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
             )
         )
 
-    hyper = [g.hyper.row for g in groups]
+    hyper = [_row(g) for g in groups]
     # Every distinct counter once (tensors may share one), then the optimizer-wide counter.
     steps = [x.data_ptr() for g in groups for x in g.steps]
     steps = list(dict.fromkeys(steps + ([] if counter is None else [counter.data_ptr()])))
@@ -312,6 +314,13 @@ def _build(spec: OptimizerSpec, groups: list[FusedGroup], counter: torch.Tensor 
         decayed=decayed,
         sources={"tables": source},
     )
+
+
+def _row(group: FusedGroup) -> tuple[float, ...]:
+    """A group's row of the kernels' fp64 table: its spec's columns (``hyper.row``), then
+    the sign its grads take (-1 under ``maximize``), which multiplies the unscaling
+    factor: exact, so an ascending step has the bits of a descending one on ``-grad``."""
+    return (*group.hyper.row, -1.0 if group.maximize else 1.0)
 
 
 def set_lrs(plan: Plan, lrs: list[torch.Tensor]) -> None:

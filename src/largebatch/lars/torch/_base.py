@@ -28,9 +28,25 @@ from largebatch.lars.torch._common import (
 )
 from largebatch.lars.torch._group import Bodies, GroupStep
 
-# Chosen by the constructor, kept by load_state_dict: which path runs and whether fp16/bf16
-# params get fp32 masters are settings of this optimizer, not of the checkpoint.
-CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled")
+# Chosen by the constructor, kept by load_state_dict: which path runs (and so whether a
+# step is differentiable or capturable) and whether fp16/bf16 params get fp32 masters are
+# settings of this optimizer, not of the checkpoint.
+CONSTRUCTOR_KEYS = ("master_weights", "foreach", "fused", "compiled", "differentiable", "capturable")
+# torch.optim's keywords beside the spec's hyperparameters, stored in every param group,
+# with the value a group saved before they existed loads with (torch's __setstate__ too).
+TORCH_KEYS = {"maximize": False, "differentiable": False, "capturable": False}
+
+
+def _autograd_if_differentiable(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` under ``torch.no_grad()``, or with autograd on for an optimizer made with
+    ``differentiable=True`` (torch's optimizers do the same)."""
+
+    @functools.wraps(step)
+    def run(self: LayerwiseOptimizer, closure: Callable[[], Any] | None = None) -> Any:
+        with torch.set_grad_enabled(self.defaults["differentiable"]):
+            return step(self, closure)
+
+    return run
 
 
 def _step_device(param: Tensor, group: dict[str, Any]) -> torch.device:
@@ -61,14 +77,31 @@ class LayerwiseOptimizer(Optimizer):
         foreach: Any,
         fused: Any,
         compiled: Any,
+        maximize: Any = False,
+        differentiable: Any = False,
+        capturable: Any = False,
     ) -> None:
         # Every default is checked here (``hyper`` when it was made), as torch's optimizers
         # check theirs, whether or not a group uses it, and before any group is.
-        defaults = {"lr": lr, **hyper.values(), "master_weights": master_weights}
+        defaults = {
+            "lr": lr,
+            **hyper.values(),
+            "master_weights": master_weights,
+            "maximize": maximize,
+            "differentiable": differentiable,
+            "capturable": capturable,
+        }
         self._check_settings({**defaults, "foreach": foreach, "fused": fused, "compiled": compiled})
         params = param_list(params)
         _sharded.check_not_flat(tensors_of(params))
-        paths = _paths.resolve(foreach, fused, compiled, tensors_of(params))
+        paths = _paths.resolve(
+            foreach,
+            fused,
+            compiled,
+            tensors_of(params),
+            differentiable=differentiable,
+            capturable=capturable,
+        )
         self._applied = torch.zeros((), dtype=torch.float32)
         self._hyperparams: dict[int, tuple[tuple, Hyperparams]] = {}
         self._replay = _fused.Replay()  # the last fused step, for the next (never pickled)
@@ -84,7 +117,14 @@ class LayerwiseOptimizer(Optimizer):
         hyper = self._validate(merged)
         # The group's path, resolved once: the step reads it back with _paths.pick.
         param_group.update(
-            _paths.resolve(merged["foreach"], merged["fused"], merged["compiled"], tensors_of([param_group]))
+            _paths.resolve(
+                merged["foreach"],
+                merged["fused"],
+                merged["compiled"],
+                tensors_of([param_group]),
+                differentiable=merged["differentiable"],
+                capturable=merged["capturable"],
+            )
         )
         if param_group["fused"]:
             _fused.check(hyper, len(self.param_groups))
@@ -106,16 +146,20 @@ class LayerwiseOptimizer(Optimizer):
         return hyper
 
     def _check_settings(self, group: dict[str, Any]) -> None:
-        """A group's settings beside its hyperparameters: lr, master_weights, the paths."""
+        """A group's settings beside its hyperparameters: lr, master_weights, torch.optim's
+        maximize, differentiable and capturable, the paths."""
         self.spec.check({"lr": lr_number(group["lr"])})
-        as_flag("master_weights", group["master_weights"])
+        for name in ("master_weights", *TORCH_KEYS):
+            as_flag(name, group[name])
         check_paths(group["foreach"], group["fused"], group["compiled"])
         if group["fused"] and group["foreach"]:
             raise ValueError("foreach=True and fused=True cannot both be set")
 
     def _hyper_values(self, group: dict[str, Any]) -> tuple:
-        """A group's hyperparameters but lr, as stored: what its typed object is made from."""
-        return tuple(group[k] for k in self.spec.group_keys[1:])
+        """A group's hyperparameters but lr, as stored (what its typed object is made
+        from), then its maximize: a new typed object when either changed, so that the
+        fused step's memory, which compares them by identity, plans again."""
+        return (*(group[k] for k in self.spec.group_keys[1:]), group["maximize"])
 
     def _group_hyperparams(self, i: int, group: dict[str, Any]) -> Hyperparams:
         """Group ``i``'s typed hyperparameters: made when the group is first stepped and
@@ -124,7 +168,8 @@ class LayerwiseOptimizer(Optimizer):
         values = self._hyper_values(group)
         cached = self._hyperparams.get(i)
         if cached is None or cached[0] != values:
-            hyper = self.spec.make(dict(zip(self.spec.group_keys[1:], values)))
+            as_flag("maximize", values[-1])
+            hyper = self.spec.make(dict(zip(self.spec.group_keys[1:], values[:-1])))
             if group["fused"]:
                 _fused.check(hyper, i)
             cached = self._hyperparams[i] = (values, hyper)
@@ -140,7 +185,11 @@ class LayerwiseOptimizer(Optimizer):
         self.__dict__.setdefault("_applied", torch.zeros((), dtype=torch.float32))
         self.__dict__.setdefault("_hyperparams", {})
         self.__dict__.setdefault("_replay", _fused.Replay())
+        for key, value in TORCH_KEYS.items():
+            self.defaults.setdefault(key, value)
         for group in self.param_groups:
+            for key, value in TORCH_KEYS.items():  # a group saved before they existed
+                group.setdefault(key, value)
             for key in (*self.spec.group_keys, *CONSTRUCTOR_KEYS):
                 group.setdefault(key, self.defaults[key])
 
@@ -277,6 +326,8 @@ class LayerwiseOptimizer(Optimizer):
             hyper=hyper,
             path=path,
             key=id(group),
+            maximize=group["maximize"],
+            differentiable=group["differentiable"],
         )
         use_masters = group["master_weights"]
         for p in group["params"]:
@@ -307,10 +358,11 @@ class LayerwiseOptimizer(Optimizer):
         already unscaled) and still passes ``found_inf``."""
         return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
 
-    @torch.no_grad()
+    @_autograd_if_differentiable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step. ``closure`` re-evaluates the model and returns the loss.
 
+        Runs without autograd unless the optimizer was made with ``differentiable=True``.
         Non-finite gradients are applied as torch.optim applies them (they reach the params
         and the state); a step is skipped only when a ``torch.amp.GradScaler`` found inf or
         NaN (``found_inf``), on every path."""
@@ -407,6 +459,7 @@ class LayerwiseOptimizer(Optimizer):
                     steps=[state["step"].clone() if state else torch.zeros(())],
                     lr=lr_value(group["lr"]),
                     hyper=hyper,
+                    maximize=group["maximize"],
                 )
                 ratio = self.bodies.one_tensor(trial, divisor, functools.partial(_sharded.whole_norm, p))
                 out.append(float(ratio))

@@ -89,6 +89,7 @@ def step(
             steps=g.steps,
             lr=device_lr(g.lr, device, None if memo is None else memo.lr_buffers, g.key),
             hyper=g.hyper,
+            maximize=g.maximize,
         )
         for g in groups
     ]

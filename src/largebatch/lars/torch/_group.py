@@ -21,7 +21,9 @@ class GroupStep:
     ``momentum_buffer``; LAMB ``exp_avg``, ``exp_avg_sq``); ``masters`` has None where a
     param has no fp32 master; ``steps`` are the params' step counts. ``lr`` is a float or
     a 0-dim Tensor; ``path`` the resolved path; ``key`` names the group's lr buffer on the
-    fused path."""
+    fused path. ``maximize``: the step ascends (every path negates the grads first, as
+    torch's optimizers do); ``differentiable``: the single-tensor body keeps autograd's
+    graph whole (it reads copies of what it writes in place)."""
 
     params: list[Tensor]
     grads: list[Tensor]
@@ -32,6 +34,8 @@ class GroupStep:
     hyper: Hyperparams
     path: str = "foreach"
     key: Any = None
+    maximize: bool = False
+    differentiable: bool = False
 
     def local(self) -> tuple[GroupStep, _sharded.Reducer | None]:
         """This group with each sharded (DTensor) list as its local blocks, and the

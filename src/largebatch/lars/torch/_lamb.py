@@ -41,13 +41,15 @@ def lamb(
     grad_averaging: bool = True,
     adapt_without_decay: bool = True,
     freeze_step: int | None = None,
+    maximize: bool = False,
 ) -> None:
     """Functional LAMB on one group (see :class:`LAMB`); updates its arguments in place.
 
     Every grad is divided by ``grad_scale`` first (the GradScaler scale, times the global
     clipping divisor ``max(1, ||all grads|| / max_grad_norm)`` when the caller clips) and
     is never written; a nonzero ``found_inf`` makes the step a no-op.
-    ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`.
+    ``foreach``/``fused``/``compiled`` pick the path, as in :class:`LAMB`; ``maximize``
+    ascends.
     """
     hyper = LAMB_SPEC.from_arguments(locals())
     group = GroupStep(
@@ -58,6 +60,7 @@ def lamb(
         steps=state_steps,
         lr=lr,
         hyper=hyper,
+        maximize=bool(as_flag("maximize", maximize)),
     )
     _step.run_functional(
         LAMB_SPEC,
@@ -93,10 +96,22 @@ def bias_corrections(
 
 
 def lamb_direction(
-    w: Tensor, m: Tensor, v: Tensor, eps: Number, weight_decay: Number, bc1: Number, bc2: Number
+    w: Tensor,
+    m: Tensor,
+    v: Tensor,
+    eps: Number,
+    weight_decay: Number,
+    bc1: Number,
+    bc2: Number,
+    differentiable: bool = False,
 ) -> Tensor:
-    """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor."""
-    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    """u = (m / bc1) / (sqrt(v / bc2) + eps) + wd * w, a new tensor (``differentiable``:
+    formed out of place, for autograd, whose square root keeps its result; the same
+    values)."""
+    if differentiable:
+        u = (m / bc1) / ((v / bc2).sqrt() + eps)
+    else:
+        u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
     if isinstance(weight_decay, Tensor) or weight_decay != 0:
         u.add_(w * weight_decay)
     return u
@@ -121,33 +136,40 @@ def _lamb_one(
     adam_w_mode: bool = True,
     grad_averaging: bool = True,
     freeze: bool = False,
+    maximize: bool = False,
+    differentiable: bool = False,
     norm: Norm = norm,
     plain_norm: Norm = norm,
 ) -> tuple[Tensor | float, Tensor | None]:
     """LAMB on one tensor at the bias corrections ``bc1``, ``bc2`` (``weight_decay``
     already the applied one); ``freeze``: v stays as it is. The numbers are floats, or
     0-dim tensors when this body runs compiled. Returns the trust ratio it applied and
-    ``||u||`` (None without trust ratio).
+    ``||u||`` (None without trust ratio). ``maximize``: ``-grad`` enters (torch's Adam);
+    ``differentiable``: nothing autograd keeps is written in place (the weights are read
+    from a copy, u is formed and scaled out of place).
 
     ``norm`` never overflows. ``plain_norm`` (for ``||u||``, which a compiled body then
     forms in the same pass as ``||w||``) may: an infinite ``||u||`` gives ratio 0 and
     leaves ``w`` as it was, for :func:`_lamb_after_overflow` to finish."""
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
+    if maximize:
+        g = -g
+    src = w.clone() if differentiable else w  # what the step reads of w
     if not adam_w_mode:  # L2: the decay enters the moments, not u
-        g = g + weight_decay * w
+        g = g + weight_decay * src
     m.mul_(b1).add_(g * (1.0 - b1) if grad_averaging else g)
     if not freeze:
         v.mul_(b2).add_(g * g * (1.0 - b2))
-    u = lamb_direction(w, m, v, eps, weight_decay if adam_w_mode else 0.0, bc1, bc2)
+    u = lamb_direction(src, m, v, eps, weight_decay if adam_w_mode else 0.0, bc1, bc2, differentiable)
     u_norm = None
     ratio: Tensor | float
     if trust_ratio:
-        w_norm, u_norm = norm(w), plain_norm(u)
+        w_norm, u_norm = norm(src), plain_norm(u)
         ratio = lamb_ratio(w_norm, u_norm)
     else:
         ratio = 1.0
-    w.sub_(u.mul_(lr * ratio))
+    w.sub_(u * (lr * ratio) if differentiable else u.mul_(lr * ratio))
     if master is not None:
         p.copy_(master)
     return ratio, u_norm
@@ -182,9 +204,17 @@ def _numbers(group: GroupStep) -> dict[str, Any]:
     return dict(lr=group.lr, b1=h.betas[0], b2=h.betas[1], eps=h.eps, weight_decay=h.weight_decay)
 
 
-def _flags(h: LambHyperparams) -> dict[str, Any]:
+def _flags(group: GroupStep) -> dict[str, Any]:
     """The flags ``_lamb_one`` takes but ``freeze`` (each set compiles its own graph)."""
-    return dict(trust_ratio=h.adapts, adam_w_mode=h.adam_w_mode, grad_averaging=h.grad_averaging)
+    h = group.hyper
+    assert isinstance(h, LambHyperparams)
+    return dict(
+        trust_ratio=h.adapts,
+        adam_w_mode=h.adam_w_mode,
+        grad_averaging=h.grad_averaging,
+        maximize=group.maximize,
+        differentiable=group.differentiable,
+    )
 
 
 def _counted(h: LambHyperparams, step: Tensor) -> tuple[float, float, bool]:
@@ -199,7 +229,7 @@ def _single_tensor_lamb(
 ) -> None:
     h = group.hyper
     assert isinstance(h, LambHyperparams)
-    flags, numbers = _flags(h), _numbers(group)
+    flags, numbers = _flags(group), _numbers(group)
     compiled_numbers = dict(zip(numbers, _compiled.as_tensors(*numbers.values()))) if compiled else {}
     # One compiled body per value of the per-tensor freeze flag (each compiles on first use).
     bodies = (
@@ -269,7 +299,7 @@ def _one_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, norm: Callable
         **_numbers(group),
         bc1=bc1,
         bc2=bc2,
-        **_flags(h),
+        **_flags(group),
         freeze=freeze,
         norm=norm,
         plain_norm=norm,
@@ -290,6 +320,8 @@ def _foreach_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
     gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
+    if group.maximize:
+        gs = torch._foreach_neg(gs)
     if not adam_w_mode and wd != 0:  # L2: the decay enters the moments, not u
         gs = torch._foreach_add(gs, ws, alpha=wd)
     torch._foreach_add_(state_steps, 1)
@@ -360,7 +392,7 @@ class LAMB(LayerwiseOptimizer):
         params: params or param groups. Group keys: ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``bias_correction``, ``trust_ratio``, ``adam_w_mode``,
             ``grad_averaging``, ``adapt_without_decay``, ``freeze_step``,
-            ``master_weights``.
+            ``master_weights``, ``maximize``.
         lr: the global learning rate (a float or a one-element Tensor).
         betas: the moments' decay rates ``(b1, b2)``, each in [0, 1).
         eps: At least 0; added to ``sqrt(v_hat)``.
@@ -392,6 +424,10 @@ class LAMB(LayerwiseOptimizer):
         foreach: as in :class:`LARS`.
         fused: as in :class:`LARS`.
         compiled: as in :class:`LARS`.
+        maximize: as in :class:`LARS` (``-grad`` enters the moments, as in torch's
+            ``Adam(maximize=True)``).
+        differentiable: as in :class:`LARS`.
+        capturable: as in :class:`LARS`.
 
     References:
         You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
@@ -426,6 +462,9 @@ class LAMB(LayerwiseOptimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         compiled: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
         LAMB_SPEC.check({"max_grad_norm": max_grad_norm})
         self.max_grad_norm = max_grad_norm
@@ -434,7 +473,16 @@ class LAMB(LayerwiseOptimizer):
             _sharded.check_default_group("partitioned=True")
         hyper = LAMB_SPEC.from_arguments(locals())
         super().__init__(
-            params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
+            params,
+            lr,
+            hyper,
+            master_weights=master_weights,
+            foreach=foreach,
+            fused=fused,
+            compiled=compiled,
+            maximize=maximize,
+            differentiable=differentiable,
+            capturable=capturable,
         )
 
     def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from largebatch.lars.spec import LARS_SPEC, LarsHyperparams
+from largebatch.lars.spec import LARS_SPEC, LarsHyperparams, as_flag
 from largebatch.lars.torch import _compiled, _sharded, _step
 from largebatch.lars.torch._base import LayerwiseOptimizer
 from largebatch.lars.torch._common import norm, safe_ratio, stacked_norms, unscaled, weights, write_back
@@ -41,13 +41,14 @@ def lars(
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
     decayed_norm: bool = False,
+    maximize: bool = False,
 ) -> None:
     """Functional LARS on one group (see :class:`LARS`); updates its arguments in place.
 
     ``masters[i]`` is the fp32 master of ``params[i]`` or None; every grad is divided by
     ``grad_scale`` (the GradScaler scale) first and is never written; a nonzero
     ``found_inf`` makes the step a no-op. ``foreach``/``fused``/``compiled`` pick the
-    path, as in :class:`LARS` (``largebatch.lars.torch._paths``).
+    path, as in :class:`LARS` (``largebatch.lars.torch._paths``); ``maximize`` ascends.
     """
     hyper = LARS_SPEC.from_arguments(locals())
     group = GroupStep(
@@ -58,6 +59,7 @@ def lars(
         steps=state_steps,
         lr=lr,
         hyper=hyper,
+        maximize=bool(as_flag("maximize", maximize)),
     )
     _step.run_functional(
         LARS_SPEC,
@@ -130,21 +132,28 @@ def _lars_one(
     lr_in_momentum: bool = True,
     zero_norm_skip: bool = False,
     decayed_norm: bool = False,
+    maximize: bool = False,
+    differentiable: bool = False,
     norm: Norm = norm,
     plain_norm: Norm = norm,
 ) -> Tensor | None:
     """LARS on one tensor (``weight_decay`` already the applied one); returns the trust
     ratio it applied (None without one). The numbers are floats, or 0-dim tensors when
-    this body runs compiled."""
+    this body runs compiled. ``maximize``: the step ascends (``-grad`` enters, as in
+    torch's SGD); ``differentiable``: the weights are read from a copy, since autograd
+    keeps what the norm read and ``w`` is written in place."""
     del plain_norm  # LARS's norms are all of inputs: ``norm`` serves
     w = p if master is None else master
     g = unscaled(grad, w, grad_scale)
+    if maximize:
+        g = -g
+    src = w.clone() if differentiable else w  # what the step reads of w
     ratio: Tensor | None = None
     d: Tensor | None = None
     if trust_ratio:
         if decayed_norm:  # the norm of the direction itself (optax)
-            d = _direction(g, w, weight_decay)
-        w_norm, g_norm = norm(w), norm(g if d is None else d)
+            d = _direction(g, src, weight_decay)
+        w_norm, g_norm = norm(src), norm(g if d is None else d)
         ratio = lars_ratio(
             w_norm,
             g_norm,
@@ -158,7 +167,7 @@ def _lars_one(
         )
         weight_decay = _decay(weight_decay, w_norm, g_norm, zero_norm_skip)
     if d is None:
-        d = _direction(g, w, weight_decay)
+        d = _direction(g, src, weight_decay)
     if lr_in_momentum:
         scaled = d * (lr * ratio) if ratio is not None else d * lr
     else:
@@ -184,8 +193,10 @@ def _numbers(group: GroupStep) -> dict[str, Any]:
     )
 
 
-def _flags(h: LarsHyperparams) -> dict[str, Any]:
+def _flags(group: GroupStep) -> dict[str, Any]:
     """The flags ``_lars_one`` takes, by its keywords (each set compiles its own graph)."""
+    h = group.hyper
+    assert isinstance(h, LarsHyperparams)
     return dict(
         nesterov=h.nesterov,
         trust_clip=h.trust_clip,
@@ -193,14 +204,15 @@ def _flags(h: LarsHyperparams) -> dict[str, Any]:
         lr_in_momentum=h.lr_in_momentum,
         zero_norm_skip=h.zero_norm_skip,
         decayed_norm=h.decayed_norm,
+        maximize=group.maximize,
+        differentiable=group.differentiable,
     )
 
 
 def _single_tensor_lars(
     group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None, compiled: bool = False
 ) -> None:
-    assert isinstance(group.hyper, LarsHyperparams)
-    flags, numbers = _flags(group.hyper), _numbers(group)
+    flags, numbers = _flags(group), _numbers(group)
     body = _compiled.compiled_body(_lars_one, tuple(sorted(flags.items()))) if compiled else None
     compiled_numbers = dict(zip(numbers, _compiled.as_tensors(*numbers.values()))) if compiled else {}
     lists = zip(group.params, group.grads, group.state["momentum_buffer"], group.masters, group.steps)
@@ -227,6 +239,8 @@ def _foreach_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
     gs: list[Tensor] | tuple[Tensor, ...] = [unscaled(g, w, None) for g, w in zip(grads, ws)]
     if grad_scale is not None:
         gs = torch._foreach_div(gs, grad_scale)
+    if group.maximize:
+        gs = torch._foreach_neg(gs)
     ratios = None
     ds: list[Tensor] | tuple[Tensor, ...] | None = None
     if h.trust_ratio and h.decayed_norm and wd != 0:  # optax: the norm of d = g + wd * w
@@ -272,7 +286,6 @@ def _foreach_lars(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.
 
 
 def _one_tensor_lars(group: GroupStep, grad_scale: Tensor | None, norm: Callable[[Tensor], Tensor]) -> Tensor:
-    assert isinstance(group.hyper, LarsHyperparams)
     ratio = _lars_one(
         p=group.params[0],
         grad=group.grads[0],
@@ -280,7 +293,7 @@ def _one_tensor_lars(group: GroupStep, grad_scale: Tensor | None, norm: Callable
         master=group.masters[0],
         grad_scale=grad_scale,
         **_numbers(group),
-        **_flags(group.hyper),
+        **_flags(group),
         norm=norm,
     )
     group.steps[0].add_(1)
@@ -333,7 +346,8 @@ class LARS(LayerwiseOptimizer):
 
     Args:
         params: params or param groups. Group keys: ``lr``, ``weight_decay``,
-            ``trust_ratio`` and every keyword below but ``foreach``/``fused``/``compiled``.
+            ``trust_ratio`` and every keyword below but ``foreach``/``fused``/``compiled``
+            and ``differentiable``/``capturable``.
         lr: the global learning rate: a float, or a one-element Tensor (the fused path
             reads an fp32 one on the params' device in place, without a copy).
         momentum: the momentum coefficient, in [0, 1).
@@ -357,6 +371,14 @@ class LARS(LayerwiseOptimizer):
         compiled: the per-tensor update through ``torch.compile`` (a norm kernel and one
             fused elementwise kernel per tensor: the fast CPU path). ``None``: for CPU
             models of ``COMPILE_MIN_NUMEL`` (2**20) elements or more; the first step compiles.
+        maximize: ascend: the step takes ``-grad`` where it takes ``grad``, then goes on as
+            usual (torch's ``SGD(maximize=True)``), on every path.
+        differentiable: take the step with autograd on, so that a graph runs through it
+            (torch's meaning); the single-tensor path only: ``foreach``, ``fused`` or
+            ``compiled`` set True with it is a ValueError.
+        capturable: state that the step must be capturable in a CUDA graph: every count
+            on the device, nothing read on the host. The fused path only (it always is);
+            any other path, as chosen for these params, is a ValueError naming it.
 
     Examples:
         >>> from largebatch.torch import LARS, param_groups
@@ -392,8 +414,20 @@ class LARS(LayerwiseOptimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         compiled: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        capturable: bool = False,
     ) -> None:
         hyper = LARS_SPEC.from_arguments(locals())
         super().__init__(
-            params, lr, hyper, master_weights=master_weights, foreach=foreach, fused=fused, compiled=compiled
+            params,
+            lr,
+            hyper,
+            master_weights=master_weights,
+            foreach=foreach,
+            fused=fused,
+            compiled=compiled,
+            maximize=maximize,
+            differentiable=differentiable,
+            capturable=capturable,
         )

@@ -1,7 +1,8 @@
 """Which path takes a step: ``single_tensor`` (a readable loop), ``foreach`` (the
 default), ``compiled`` (``_compiled``: the fast CPU path) or ``fused`` (the Triton
 kernels, the CUDA default). :func:`resolve` turns the user's ``foreach``/``fused``/
-``compiled`` into settings once per group; the thresholds that choose are named here."""
+``compiled`` into settings once per group, refusing the paths where ``differentiable``
+or ``capturable`` does not apply; the thresholds that choose are named here."""
 
 from __future__ import annotations
 
@@ -35,7 +36,15 @@ def triton_available() -> bool:
     return True
 
 
-def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> PathSettings:
+def resolve(
+    foreach: Any,
+    fused: Any,
+    compiled: Any,
+    tensors: list[Tensor],
+    *,
+    differentiable: bool = False,
+    capturable: bool = False,
+) -> PathSettings:
     """The path settings for ``tensors``, checked, with the defaults filled in.
 
     ``fused=None``: fused when every tensor is on CUDA and triton imports, unless
@@ -43,12 +52,20 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> P
     ``compiled=None``: compiled for CPU tensors of COMPILE_MIN_NUMEL+ elements in all,
     unless fused or sharded (DTensors, which ``compiled=True`` refuses).
     ``foreach=None`` stays None (foreach, where nothing else is chosen).
+    ``differentiable=True``: the single-tensor path, the one autograd can run through
+    (any other path asked for is a ValueError naming it). ``capturable=True``: the fused
+    path, the one whose step never reads a device value on the host (a ValueError names
+    the path these tensors would take otherwise).
     """
     check_paths(foreach, fused, compiled)
+    asked = f"foreach={foreach}, fused={fused}, compiled={compiled}"
     if fused and foreach:
         raise ValueError("foreach=True and fused=True cannot both be set")
     if fused and compiled:
         raise ValueError("compiled=True and fused=True cannot both be set")
+    if differentiable:
+        _check_differentiable(foreach, fused, compiled, capturable)
+        return {"foreach": False, "fused": False, "compiled": False}
     if fused is None:
         fused = (
             not (foreach or compiled)
@@ -79,7 +96,37 @@ def resolve(foreach: Any, fused: Any, compiled: Any, tensors: list[Tensor]) -> P
             and all(t.device.type == "cpu" for t in tensors)
             and sum(t.numel() for t in tensors) >= COMPILE_MIN_NUMEL
         )
+    if capturable and not fused:
+        path = pick(foreach, False, bool(compiled))
+        raise ValueError(
+            f"capturable=True applies only to the fused path (the Triton kernels, for CUDA "
+            f"params with triton); these params take the {path} path ({asked}), whose step "
+            "reads device values on the host (GradScaler's found_inf, the norms' overflow "
+            "check, LAMB's step counts), which a CUDA graph cannot capture"
+        )
     return {"foreach": foreach, "fused": bool(fused), "compiled": bool(compiled)}
+
+
+def _check_differentiable(foreach: Any, fused: Any, compiled: Any, capturable: Any) -> None:
+    """``differentiable=True`` with the other settings: only the single-tensor path."""
+    reasons = {
+        "fused": "the Triton kernels write params and state outside autograd",
+        "foreach": "its torch._foreach_* updates are not written for autograd (torch's "
+        "optimizers refuse foreach with differentiable too)",
+        "compiled": "its torch.compile'd per-tensor body is built for speed, not for autograd",
+    }
+    for name, value in (("fused", fused), ("foreach", foreach), ("compiled", compiled)):
+        if value:
+            raise ValueError(
+                f"differentiable=True does not apply to the {name} path ({name}={value!r}): "
+                f"{reasons[name]}; differentiable=True takes the single-tensor path (leave "
+                f"{name} unset or False)"
+            )
+    if capturable:
+        raise ValueError(
+            "differentiable=True and capturable=True cannot both be set: differentiable "
+            "takes the single-tensor path, capturable the fused one"
+        )
 
 
 def pick(foreach: bool | None, fused: bool, compiled: bool) -> str:
