@@ -824,6 +824,25 @@ def test_freeze_variance_freezes_lambs_v_when_the_plain_exchange_ends():
     assert "v frozen after 3" in study.RunSpec(**common, optimizer="lamb", freeze_variance=True).describe()
 
 
+def test_a_scaled_warmup_is_shown_rounded():
+    """A warmup scaled with --epochs (2 of 30 epochs in 7) is 0.4667 in a run's line and
+    the report's tables, not 0.466667; 5 significant digits that hold a value stay."""
+    from largebatch.outputs import rounded
+
+    assert [rounded(v) for v in (2 * 7 / 30, 16 * 1024 / 1536, 24.699, 0.0625, 2.0, 0.0)] == [
+        "0.4667",
+        "10.67",
+        "24.699",
+        "0.0625",
+        "2",
+        "0",
+    ]
+    cfg = study.StudyConfig(epochs=7)
+    lines = [spec.describe() for spec in study.runs_left(cfg, {})]
+    assert any(" warmup=0.4667 " in line for line in lines), lines
+    assert not any("0.46666" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("compression", ["adacomp", "none"])
 def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
     """docs/study's 8-worker runs were recorded before the AdaComp warm-up became a flag:
