@@ -2,13 +2,14 @@
 # make check-kernels -- each sets up .venv first (Python 3.10+). make gpu-check runs the
 # CUDA checks with the machine's own python3 (docs/gpu.md).
 # make docs builds the documentation site (mkdocs, --strict: a warning fails) into site/.
+# make dist builds the sdist and the wheel into dist/ and checks both with twine.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: demo test test-fast lint bench docs data setup clean
+.PHONY: demo test test-fast lint bench docs dist data setup clean
 
 setup: $(STAMP)
 
@@ -64,8 +65,15 @@ bench: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
+# The sdist and the wheel a release uploads (docs/install.md); tests/test_packaging.py
+# also installs the wheel on its own and imports both facades.
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist
+	$(PY) -m twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) .pytest_cache build site *.egg-info src/*.egg-info
+	rm -rf $(VENV) .pytest_cache build dist site *.egg-info src/*.egg-info
 
 # On a CUDA machine: every check of docs/gpu.md (tests in the CUDA mode, CUDA graphs,
 # the step's bandwidth against the copy and its peers, the AdaComp hook on NCCL, FSDP2,

@@ -396,7 +396,9 @@ def test_cli_writes_plot_and_json(tmp_path, capsys):
         )
         == 0
     )
-    assert "model bert-large" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model bert-large" in out
+    assert out.splitlines()[-1] == f"wrote {plot}, {data}", out  # where each file went
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(data.read_text())
     assert doc["params"] == 340e6 and [r["workers"] for r in doc["rows"]] == [1, 2, 16]
@@ -427,6 +429,21 @@ def test_cli_json_on_stdout_and_calibration(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     ring = doc["rows"][0]["forms"]["ring"]["comm_time"]
     assert ring == pytest.approx(sc.ring(4e6, 2, 1e-4, 1e9, buckets=1))
+    # With --plot, stdout still holds the JSON alone; the plot's path goes to stderr.
+    plot = tmp_path / "eff.png"
+    assert cli(["scaling", "--params", "1e6", "--workers", "1", "2", "--plot", str(plot), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["params"] == 1e6
+    assert captured.err == f"largebatch scaling: wrote {plot}\n" and plot.is_file()
+
+
+def test_cli_calibration_help_states_the_file_it_reads(capsys):
+    """The wheel ships no benchmarks/: the help says what the file holds."""
+    with pytest.raises(SystemExit):
+        cli(["scaling", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.rindex("--calibration FILE")  # its entry, after the usage line
+    assert '{"fit": {"latency_s": S, "bandwidth_Bps": B}}' in text[start : start + 400], text[start:]
 
 
 def test_cli_published(capsys):

@@ -824,6 +824,25 @@ def test_freeze_variance_freezes_lambs_v_when_the_plain_exchange_ends():
     assert "v frozen after 3" in study.RunSpec(**common, optimizer="lamb", freeze_variance=True).describe()
 
 
+def test_a_scaled_warmup_is_shown_rounded():
+    """A warmup scaled with --epochs (2 of 30 epochs in 7) is 0.4667 in a run's line and
+    the report's tables, not 0.466667; 5 significant digits that hold a value stay."""
+    from largebatch.outputs import rounded
+
+    assert [rounded(v) for v in (2 * 7 / 30, 16 * 1024 / 1536, 24.699, 0.0625, 2.0, 0.0)] == [
+        "0.4667",
+        "10.67",
+        "24.699",
+        "0.0625",
+        "2",
+        "0",
+    ]
+    cfg = study.StudyConfig(epochs=7)
+    lines = [spec.describe() for spec in study.runs_left(cfg, {})]
+    assert any(" warmup=0.4667 " in line for line in lines), lines
+    assert not any("0.46666" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("compression", ["adacomp", "none"])
 def test_the_recorded_worker_runs_are_reused_not_rerun(compression):
     """docs/study's 8-worker runs were recorded before the AdaComp warm-up became a flag:
@@ -1140,6 +1159,47 @@ def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatc
     else:
         assert "\r" not in err.getvalue() + out.getvalue()
         assert err.getvalue() == ""
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["file", "terminal"])
+def test_off_a_terminal_progress_lines_say_what_the_bar_would(tmp_path, monkeypatch, tty):
+    """``make demo > log``: with stdout no terminal, progress lines come between the
+    first line and the first finished run (here one a message: PROGRESS_EVERY 0); on a
+    terminal the bar says it and stdout gets none."""
+    import torch
+
+    out, err = _Stream(tty), _Stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+    monkeypatch.setattr(study.run, "PROGRESS_EVERY", 0.0)
+    cfg = StudyConfig(
+        quick=True,
+        batches=(384,),
+        optimizers=("lars",),
+        seeds=1,
+        epochs=1,
+        subset=1200,
+        jobs=1,
+        threads=torch.get_num_threads(),
+        out=str(tmp_path),
+    )
+    try:
+        study.run_study(cfg)
+    finally:
+        study.WORKER.clear()
+    lines = out.getvalue().splitlines()
+    progress = [line for line in lines if "] study " in line]
+    if tty:
+        assert progress == [], progress
+        return
+    finished = next(i for i, line in enumerate(lines) if line.startswith("[  1 "))
+    assert progress and all(lines.index(line) < finished for line in progress), lines
+    # 3 steps of 384 images; the last message, at the epoch's end, has its loss.
+    assert progress[0].startswith("[  0 ") and "runs 0/1 done" in progress[0], progress
+    assert "running B=384 lars (final) epoch " in progress[0], progress
+    assert "study 100% of its images" in progress[-1] and "epoch 1/1, loss " in progress[-1], progress
+    assert "left" in progress[-1], progress
 
 
 def test_vs_baseline_is_the_difference_of_the_means_as_shown():

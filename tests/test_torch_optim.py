@@ -101,6 +101,9 @@ def test_empty_group_is_fine(cls, path):
 
 @pytest.mark.parametrize("cls", [LARS, LAMB])
 @pytest.mark.parametrize("path", PATHS)
+# The fused LARS kernel forms ratio / lr and keeps it only under trust_clip (tl.where); at
+# the warmup's first lr, 0, the Triton interpreter's NumPy warns of the discarded quotient.
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in divide:RuntimeWarning")
 def test_resume_gives_the_identical_trajectory(cls, path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))

@@ -61,11 +61,15 @@ def test_one_epoch_writes_every_output_and_beats_chance(tmp_path, capsys):
     assert ckpt["epoch"] == 1 and ckpt["optimizer"]["state"] and "last_epoch" in ckpt["scheduler"]
 
 
-def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path):
+def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path, capsys):
     # LARS with warmup and poly decay: the optimizer, schedule and data order all matter.
     args = ["train", "--subset", "1024", "--batch-size", "256", "--epochs", "2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     cli([*args, "--out", str(straight)])
+    # The header rounds what the batch and epochs compute: lr 16 * 256 / 1536 and a
+    # 2-epoch warmup of 30 scaled to 2 show 4 significant digits.
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "peak lr 2.667, " in header and "schedule 0.1333-epoch warmup, poly 2 (" in header, header
     cli([*args, "--out", str(split), "--stop-after", "1"])
     first = _params(split)
     cli([*args, "--out", str(split), "--resume"])
@@ -652,6 +656,9 @@ def test_with_epochs_scales_warmup_and_milestones():
     assert (short.epochs, short.warmup_epochs, short.milestones) == (9, 0.5, (3, 6, 8))
     assert short.schedule_text == "0.5-epoch warmup, x0.1 at 3/6/8"
     assert get_recipe("fmnist-lars-1536").with_epochs(3).warmup_epochs == pytest.approx(0.2)
+    # Shown to 4 significant digits where it runs longer; the recipe's own values as given.
+    assert get_recipe("fmnist-lars-1536").with_epochs(1).schedule_text == "0.06667-epoch warmup, poly 2"
+    assert goyal.with_epochs(10).schedule_text == "0.5556-epoch warmup, x0.1 at 3.333/6.667/8.889"
 
 
 def test_a_shortened_run_scales_the_schedule_and_decays(tmp_path, capsys, monkeypatch):

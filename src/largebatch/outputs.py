@@ -1,6 +1,7 @@
 """The commands' output files and user errors: :func:`atomic_write` (a file replaced whole or
 not at all), :func:`lock_folder` (one run per folder), :class:`CommandError` (one line,
-exit status 2) and :func:`figure`. Imports no framework (docs/design.md §6).
+exit status 2), :func:`figure` and :func:`rounded` (a number as a header shows it). Imports no
+framework (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -23,11 +24,20 @@ __all__ = [
     "plot_or_warn",
     "remove_stale_temporaries",
     "require",
+    "rounded",
     "writable_folder",
 ]
 
 LOCK_NAME = ".lock"
 _TMP_SUFFIX = ".tmp"
+
+
+def rounded(value: float) -> str:
+    """``value`` as a header or a table shows it: as given when 5 significant digits hold
+    it (a recipe's 24.699, 0.0625), else to 4 (a computed 16 * 1024 / 1536 is 10.67, a
+    2-epoch warmup scaled to 3 of 30 epochs 0.2, to 1 of 30 0.06667)."""
+    exact = f"{value:.5g}"
+    return exact if float(exact) == value else f"{value:.4g}"
 
 
 class CommandError(SystemExit):

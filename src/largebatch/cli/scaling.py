@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibration",
         default=None,
         metavar="FILE",
-        help="use the latency and bandwidth fitted by benchmarks/comm_calibrate.py (its JSON) "
-        "for both links instead of the four network flags",
+        help="one measured link's latency (s) and bandwidth (bytes/s) for both links, instead "
+        'of the four network flags: a JSON file {"fit": {"latency_s": S, "bandwidth_Bps": B}}, '
+        "as benchmarks/comm_calibrate.py in the source repository writes from timed all-reduces",
     )
     add(
         "--published",
@@ -190,8 +192,7 @@ def _read_calibration(path: str) -> model.Link:
         model.Network.flat(*link)
     except (TypeError, KeyError, ValueError):
         raise _fail(
-            f"--calibration {path} has no valid fit (a 'fit' with latency_s >= 0 and "
-            "bandwidth_Bps > 0, as benchmarks/comm_calibrate.py writes)"
+            f"--calibration {path} has no valid fit (a 'fit' with latency_s >= 0 and bandwidth_Bps > 0)"
         ) from None
     return link
 
@@ -447,6 +448,7 @@ def main(args: argparse.Namespace) -> int:
         "crossovers": {k: None if math.isinf(v) else v for k, v in _crossovers(s).items()},
         "rows": [p.to_dict() for p in predictions],
     }
+    wrote = []
     if args.plot is not None:
         require("scaling", ("matplotlib",))
         plot = Path(args.plot)
@@ -455,13 +457,19 @@ def main(args: argparse.Namespace) -> int:
             _draw(plot, s, predictions)
         except OSError as err:
             raise _fail(f"cannot write --plot {plot}: {err.strerror or err}") from None
+        wrote.append(plot)
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     if args.json == "-":
         print(text, end="")
+        if wrote:  # stdout holds the JSON alone
+            print(f"largebatch scaling: wrote {', '.join(map(str, wrote))}", file=sys.stderr)
         return 0
     if args.json is not None:
         out = Path(args.json)
         writable_folder(out.parent, "scaling", "--json")
         atomic_write(out, text)
+        wrote.append(out)
     print(_table(s, predictions))
+    if wrote:
+        print(f"\nwrote {', '.join(map(str, wrote))}")
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 
 from largebatch import checks
 from largebatch.lars.sources import SOURCES, source_keywords
+from largebatch.outputs import rounded
 
 __all__ = [
     "COMPRESSIONS",
@@ -196,9 +197,9 @@ class Recipe:
 
     @property
     def schedule_text(self) -> str:
-        warm = f"{self.warmup_epochs:g}-epoch warmup, " if self.warmup_epochs else ""
+        warm = f"{rounded(self.warmup_epochs)}-epoch warmup, " if self.warmup_epochs else ""
         if self.schedule == "step":
-            return warm + "x0.1 at " + "/".join(f"{m:g}" for m in self.milestones)
+            return warm + "x0.1 at " + "/".join(rounded(m) for m in self.milestones)
         if self.schedule == "poly":
             return warm + f"poly {self.power:g}"
         return warm + self.schedule

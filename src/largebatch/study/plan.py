@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from largebatch import checks
+from largebatch.outputs import rounded
 from largebatch.recipes.registry import COMPRESSIONS, TRAIN_IMAGES, Recipe, get_recipe
 
 __all__ = [
@@ -322,7 +323,7 @@ class RunSpec:
     def describe(self) -> str:
         return (
             f"{self.phase:<5} B={self.batch:<5} {self.optimizer:<8} lr={self.lr:<7g} "
-            f"warmup={self.warmup_epochs:g} ls={self.label_smoothing:g} "
+            f"warmup={rounded(self.warmup_epochs)} ls={self.label_smoothing:g} "
             f"power={self.power:g} seed={self.seed}"
             + (f" workers={self.workers} {self.compression}" if self.workers > 1 else "")
             + (f" after {self.compression_warmup}" if self.compression != "none" else "")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from largebatch.outputs import rounded
 from largebatch.recipes.registry import TRAIN_IMAGES, imagenet_equivalent
 from largebatch.study.plan import (
     BASELINE,
@@ -209,7 +210,7 @@ def _table(rows: list[dict[str, Any]], reach: str) -> list[str]:
         lines.append(
             f"| {r['batch']:,} | {r['imagenet_batch']:,} | {r['optimizer']} | {r['epochs']} | "
             f"{r['steps']:,} | {r['lr']:g}{' (edge)' if r['lr_on_grid_edge'] else ''} | "
-            f"{r['warmup_epochs']:g} | {r['label_smoothing']:g}, poly {r['power']:g} | "
+            f"{rounded(r['warmup_epochs'])} | {r['label_smoothing']:g}, poly {r['power']:g} | "
             f"{_mean_std(r)} ({r['seeds']}{div}) "
             f"| {delta} | {_steps_text(r['steps_to_target'])} | "
             f"{'-' if r['fewer_steps'] is None else format(r['fewer_steps'], '.1f') + 'x'} |"
@@ -250,7 +251,7 @@ def study_markdown(summary: dict[str, Any]) -> str:
             lines.append(
                 f"B={g['batch']:,} {g['optimizer']}: "
                 + "; ".join(
-                    f"warmup {w:g}: "
+                    f"warmup {rounded(w)}: "
                     + ", ".join(_grid_cell(cell.get((lr, w)), lr, cell.get((lr, w)) is best) for lr in lrs)
                     for w in warmups
                 )
@@ -269,17 +270,18 @@ def study_markdown(summary: dict[str, Any]) -> str:
         for t in summary["techniques"]:
             other = (
                 ", ".join(
-                    f"{100 * o['accuracy']:.2f} ({o['warmup_epochs']:g} ep.)" for o in t["other_warmup"]
+                    f"{100 * o['accuracy']:.2f} ({rounded(o['warmup_epochs'])} ep.)"
+                    for o in t["other_warmup"]
                 )
                 or "-"
             )
             chosen = t["chosen"]
             lines.append(
                 f"| {t['batch']:,} | {t['optimizer']} | lr {t['lr']:g}, warmup "
-                f"{t['warmup_epochs']:g} | {100 * t['accuracy']:.2f} | {other} | "
+                f"{rounded(t['warmup_epochs'])} | {100 * t['accuracy']:.2f} | {other} | "
                 f"{_pct(t.get('no_label_smoothing'))} | {_pct(t.get('power_1'))} | "
                 f"ls {chosen['label_smoothing']:g}, poly {chosen['power']:g}, warmup "
-                f"{chosen['warmup_epochs']:g} |"
+                f"{rounded(chosen['warmup_epochs'])} |"
             )
     if summary.get("runs"):
         lines += [

@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
+# Off a terminal (make demo > log), a progress line at most this often, in seconds, where a
+# terminal shows the bar: the runs in flight, their epochs and losses, and the time left.
+PROGRESS_EVERY = 60.0
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -204,7 +207,8 @@ def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log:
     pairs = cfg.pairs()
     own = sorted({pair_recipe(b, o).epochs for b, o in pairs})
     epochs = (
-        f"{cfg.epochs} epochs (the recipes' schedules scaled from {'/'.join(map(str, own))})"
+        f"{cfg.epochs} epoch{'s' * (cfg.epochs != 1)} (the recipes' schedules scaled from "
+        f"{'/'.join(map(str, own))})"
         if cfg.epochs and own != [cfg.epochs]
         else f"{'/'.join(map(str, own))} epochs"
     )
@@ -221,16 +225,24 @@ class _StudyBar:
     """The study's progress bar (tqdm on stderr, shown on a terminal only): the images
     trained by the runs of this invocation, against those its runs still to run take
     (:func:`runs_left`), hence tqdm's estimate of the time left; the runs done and the last
-    epoch's training loss a run reported."""
+    epoch's training loss a run reported. With ``lines`` (a print function: stdout is no
+    terminal), the same as a line at most every :data:`PROGRESS_EVERY` seconds."""
 
-    def __init__(self, cfg: StudyConfig, todo: list[RunSpec]) -> None:
+    def __init__(
+        self, cfg: StudyConfig, todo: list[RunSpec], lines: Callable[[str], None] | None = None
+    ) -> None:
         from tqdm import tqdm
 
         self.cfg = cfg
         self.running: dict[str, int] = {}  # key -> steps done, of the runs in flight
         self.batch: dict[str, int] = {}
+        self.specs: dict[str, RunSpec] = {}
+        self.losses: dict[str, float] = {}
         self.done, self.done_images, self.left = 0, 0, len(todo)
+        self.total = sum(_images(s) for s in todo)
         self.loss: float | None = None
+        self.lines = lines
+        self.t0 = self.shown = time.perf_counter()
         self.bar = tqdm(
             total=sum(_images(s) for s in todo),
             desc="study",
@@ -242,7 +254,7 @@ class _StudyBar:
         )
 
     def start(self, spec: RunSpec) -> None:
-        self.running[spec.key], self.batch[spec.key] = 0, spec.batch
+        self.running[spec.key], self.batch[spec.key], self.specs[spec.key] = 0, spec.batch, spec
 
     def progress(self, message: tuple[str, int, float | None]) -> None:
         """A run's ``(key, steps done, last epoch's loss)`` (:class:`_Progress`); a
@@ -253,18 +265,42 @@ class _StudyBar:
         self.bar.update((steps - self.running[key]) * self.batch[key])
         self.running[key] = steps
         if loss is not None:
-            self.loss = loss
+            self.loss = self.losses[key] = loss
             self._postfix()
+        if self.lines is not None and time.perf_counter() - self.shown >= PROGRESS_EVERY:
+            self.shown = time.perf_counter()
+            self.lines(self.line())
 
     def finish(self, spec: RunSpec, results: dict[str, dict[str, Any]]) -> None:
         """Counts ``spec`` (now in ``results``) as done, and the study's total anew."""
         self.bar.update((run_steps(spec) - self.running.pop(spec.key, 0)) * spec.batch)
+        self.specs.pop(spec.key, None)
+        self.losses.pop(spec.key, None)
         self.done += 1
         self.done_images += _images(spec)
         todo = runs_left(self.cfg, results)
         self.left = len(todo)
-        self.bar.total = self.done_images + sum(_images(s) for s in todo)
+        self.total = self.bar.total = self.done_images + sum(_images(s) for s in todo)
         self._postfix()
+
+    def line(self) -> str:
+        """The progress as one line: the share of the images trained, the runs done, the
+        time left at the rate so far, and each run in flight with its epoch and loss."""
+        elapsed = time.perf_counter() - self.t0
+        images = self.done_images + sum(steps * self.batch[key] for key, steps in self.running.items())
+        share = images / self.total if self.total else 1.0
+        left = f", about {_duration(elapsed * (self.total - images) / images)} left" if images else ""
+        runs = []
+        for key, steps in self.running.items():
+            spec = self.specs[key]
+            epoch = steps * spec.epochs // max(1, run_steps(spec))
+            loss = f", loss {self.losses[key]:.3f}" if key in self.losses else ""
+            runs.append(f"B={spec.batch} {spec.optimizer} ({spec.phase}) epoch {epoch}/{spec.epochs}{loss}")
+        return (
+            f"[{self.done:>3} {elapsed:6.0f}s] study {share:.0%} of its images, "
+            f"runs {self.done}/{self.done + self.left} done{left}"
+            + ("; running " + "; ".join(runs) if runs else "")
+        )
 
     def write(self, print_fn: Callable[[str], None], line: str) -> None:
         """``print_fn(line)`` above the bar."""
@@ -284,6 +320,15 @@ class _StudyBar:
 
 def _images(spec: RunSpec) -> int:
     return run_steps(spec) * spec.batch
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as a reader takes them in: 45 s, 12 min, 3.4 h."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _drain(source: Any, handle: Callable[[Any], None]) -> None:
@@ -307,7 +352,7 @@ def _train_planned(
     print_fn(_header(cfg, todo, jobs, threads, log, len(results)))
 
     start, done = time.perf_counter(), 0
-    bar = _StudyBar(cfg, todo)
+    bar = _StudyBar(cfg, todo, lines=None if sys.stdout.isatty() else print_fn)
     spawn = multiprocessing.get_context("spawn")
     progress = spawn.Queue() if jobs > 1 else None
     pool = (

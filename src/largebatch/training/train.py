@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries, require
+from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries, require, rounded
 from largebatch.recipes.registry import Recipe, get_recipe
 from largebatch.torch import trust_ratios
 from largebatch.training.checkpoint import gather_residuals, gather_rng, read_checkpoint, write_checkpoint
@@ -266,7 +266,7 @@ def _print_header(run: Run, start_epoch: int) -> None:
         f"{recipe.name}: {recipe.model} on {recipe.data} ({run.data.n_train:,} images), batch "
         f"{batch:,} (ImageNet-equivalent {run.nominal:,}) "
         f"= {run.world} x {run.local_batch // run.micro} x {run.micro}, {recipe.optimizer} "
-        f"peak lr {run.settings['lr']:g}, {run.settings['precision']}, {span}, "
+        f"peak lr {rounded(run.settings['lr'])}, {run.settings['precision']}, {span}, "
         f"{_steps_text(recipe, run.ends)}; schedule {shape.schedule_text}{scaled}",
         flush=True,
     )
