@@ -4,11 +4,11 @@
     python examples/hf_trainer.py --optimizer lars --lr 1.0 --max-steps 40
 
 The model is built from a config (no download) and the data are made up: a sentence's
-label says which half of the vocabulary its tokens come from. ``trainer_optimizers`` reads the rate, weight decay,
-warmup and schedule from ``TrainingArguments`` and gives ``Trainer(optimizers=...)`` our
-optimizer, with biases and LayerNorms excluded from weight decay and the trust ratio, and
-its scheduler. LAMB is the one made for transformers (LARS is offered for comparison).
-Prints the last training loss.
+label says which half of the vocabulary its tokens come from. ``trainer_optimizers``
+reads the rate, weight decay, warmup and schedule from ``TrainingArguments`` and gives
+``Trainer(optimizers=...)`` our optimizer, with biases and LayerNorms excluded from
+weight decay and the trust ratio, and its scheduler. LAMB is the one made for
+transformers (LARS is offered for comparison). Prints the last training loss.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ weight decay, warmup and schedule from ``TrainingArguments`` and returns the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +44,14 @@ def schedule_from_args(args: TrainingArguments, total_steps: int | None = None) 
         raise ValueError("args.max_steps is not set: give total_steps (the run's optimizer steps)")
     kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     if kind not in SCHEDULER_TYPES:
-        raise ValueError(f"lr_scheduler_type {kind!r} has no counterpart here; supported: {', '.join(SCHEDULER_TYPES)}")
-    options = dict(args.lr_scheduler_kwargs or {})
+        supported = ", ".join(SCHEDULER_TYPES)
+        raise ValueError(f"lr_scheduler_type {kind!r} has no counterpart here; supported: {supported}")
+    given = args.lr_scheduler_kwargs or {}
+    options = dict(json.loads(given) if isinstance(given, str) else given)  # a str: JSON
     known = {"polynomial": {"power", "lr_end"}, "cosine": {"num_cycles"}}.get(kind, set())
     if set(options) - known or options.get("num_cycles", 0.5) != 0.5:
         raise ValueError(f"lr_scheduler_kwargs {options} not supported for {kind!r} (only {sorted(known)})")
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"end_lr": args.learning_rate} if kind.startswith("constant") else {}
     if kind in ("linear", "polynomial"):
         extra = {"power": float(options.get("power", 1.0)), "end_lr": 0.0}
         if kind == "polynomial":

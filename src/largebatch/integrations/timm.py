@@ -27,7 +27,7 @@ def split_groups(params: Iterable[Any]) -> list[Any]:
     ``weight_decay=0`` and ``trust_ratio=False``, as :func:`~largebatch.torch.param_groups`
     makes them. A group that names ``trust_ratio`` is kept as it is; empty groups are
     dropped. Plain Tensors count as one group."""
-    entries = [params] if isinstance(params, Tensor) else list(params)
+    entries: list[Any] = [params] if isinstance(params, Tensor) else list(params)
     if entries and not isinstance(entries[0], dict):
         entries = [{"params": entries}]
     out: list[dict[str, Any]] = []
@@ -94,7 +94,5 @@ def register(
     for name, factory, description, betas in todo:
         # timm's OptimInfo names a class; any callable taking (params, **kwargs) works.
         opt_class = cast(Any, factory)
-        registry.register(
-            OptimInfo(name, opt_class, description, has_momentum=not betas, has_betas=betas)
-        )
+        registry.register(OptimInfo(name, opt_class, description, has_momentum=not betas, has_betas=betas))
     return lars, lamb
