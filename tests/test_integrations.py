@@ -248,8 +248,19 @@ def lightning():
 
 # Lightning's own use of a torch API that newer torch deprecates.
 @pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
-def test_lightning_example_logs_named_trust_ratios(lightning, capsys):
+def test_lightning_example_logs_named_trust_ratios(lightning, capsys, monkeypatch):
+    from largebatch.integrations import lightning as hooks
+
+    steps = []
+    count = hooks.named_trust_ratios
+
+    def counted(opt, module):
+        steps.append(opt.num_steps)
+        return count(opt, module)
+
+    monkeypatch.setattr(hooks, "named_trust_ratios", counted)
     trainer = example("lightning_module").main(["--max-steps", "3", "--log-every", "2", "--batch-size", "64"])
+    assert steps == [0, 2]  # before the steps 0 and 2
     (opt,) = trainer.optimizers
     assert type(opt) is LARS and opt.num_steps == 3
     (config,) = trainer.lr_scheduler_configs
