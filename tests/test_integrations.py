@@ -78,11 +78,13 @@ def test_optimizer_and_scheduler_groups_and_schedule():
     assert isinstance(opt, LAMB) and opt.defaults["eps"] == 1e-8
     assert settings(opt) == settings(LAMB(param_groups(model, 0.01), weight_decay=0.01))
     lrs = []
-    for _ in range(3):
+    for applied in (True, False, True, True):  # a step skipped (AMP) leaves the rate
         lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
+        if applied:
+            model(torch.randn(2, 3, 8, 8)).sum().backward()
+            opt.step()
         sched.step()
-    assert lrs == [schedule(0), schedule(1), schedule(2)]
+    assert lrs == [schedule(0), schedule(1), schedule(1), schedule(2)]
     with pytest.raises(ValueError, match="Unknown optimizer 'sgd'"):
         make_optimizer(model, "sgd", lr=0.1)
 

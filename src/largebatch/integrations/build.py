@@ -50,9 +50,10 @@ def optimizer_and_scheduler(
     **kwargs: Any,
 ) -> tuple[LARS | LAMB, ScheduleLR]:
     """:func:`make_optimizer` and a :class:`ScheduleLR` that sets every group's rate to
-    ``schedule(step)``, one step per ``scheduler.step()``: Hugging Face's
-    ``Trainer(optimizers=...)`` takes the pair as it is, Lightning's
-    ``configure_optimizers`` with ``"interval": "step"``.
+    ``schedule(step)``, ``step`` being the optimizer's count of the steps it applied
+    (``follow_optimizer=True``: a step that AMP's GradScaler skips does not advance the
+    schedule). Hugging Face's ``Trainer(optimizers=...)`` takes the pair as it is,
+    Lightning's ``configure_optimizers`` with ``"interval": "step"``.
 
     Examples:
       >>> import torch
@@ -66,4 +67,4 @@ def optimizer_and_scheduler(
     opt = make_optimizer(
         model, optimizer, lr=schedule.peak_lr, weight_decay=weight_decay, exclude=exclude, **kwargs
     )
-    return opt, ScheduleLR(opt, schedule)
+    return opt, ScheduleLR(opt, schedule, follow_optimizer=True)
