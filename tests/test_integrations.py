@@ -184,7 +184,7 @@ def test_schedule_from_args_follows_hugging_face(transformers, tmp_path, kind, o
     from largebatch.integrations.huggingface import schedule_from_args
 
     args = transformers.TrainingArguments(
-        tmp_path, learning_rate=0.1, warmup_steps=0.2, max_steps=10, lr_scheduler_type=kind,
+        tmp_path, learning_rate=0.1, warmup_steps=2, max_steps=10, lr_scheduler_type=kind,
         lr_scheduler_kwargs=options, use_cpu=True, report_to="none",
     )  # fmt: skip
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
