@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 
 import pytest
 
 import largebatch
 
+# The framework hooks import their framework, which may not be installed.
+FRAMEWORKS = {
+    "largebatch.integrations.timm": "timm",
+    "largebatch.integrations.huggingface": "transformers",
+    "largebatch.integrations.lightning": "lightning",
+}
 MODULES = sorted(
     m.name
     for m in pkgutil.walk_packages(largebatch.__path__, "largebatch.")
-    if m.name != "largebatch.__main__"
+    if m.name != "largebatch.__main__" and importlib.util.find_spec(FRAMEWORKS.get(m.name, "largebatch"))
 )
 
 
