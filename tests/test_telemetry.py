@@ -1,0 +1,129 @@
+"""Trust-ratio telemetry: by parameter name, gathered on the device and read on the host
+once whatever the number of tensors, on every path; the JAX ratios under jit; and the
+training command's logs (metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import TORCH_PATHS
+from devices import HostSyncs
+
+from largebatch.torch import LAMB, LARS, named_trust_ratios, param_groups, trust_ratios
+
+
+def _model(n_tensors: int) -> torch.nn.Module:
+    """Linear layers (a weight and a bias each) holding ``n_tensors`` params, with grads."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(n_tensors // 2)])
+    model(torch.randn(5, 3)).square().sum().backward()
+    return model
+
+
+def _regrad(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+@pytest.mark.parametrize("n_tensors", [4, 40])
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_named_trust_ratios_read_the_host_once(cls, n_tensors):
+    """4 tensors or 40, LAMB's global clipping and a GradScaler's scale included: one read
+    of a device value on the host (an SGD's diagnostic ratios too)."""
+    model = _model(n_tensors)
+    extra = {"max_grad_norm": 1.0} if cls is LAMB else {}
+    opt = cls(param_groups(model, 1e-2), lr=0.1, **extra)
+    opt.step()  # state and step counts that the ratios read
+    with HostSyncs() as syncs:
+        named = opt.named_trust_ratios(model, grad_scale=8.0)
+    assert len(syncs.record) == 1, syncs.record
+    assert list(named) == [n for n, p in model.named_parameters() if p.ndim > 1]  # adapted only
+    with HostSyncs() as syncs:
+        listed = opt.trust_ratios(grad_scale=8.0)
+    assert len(syncs.record) == 1, syncs.record
+    assert listed == list(named.values())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HostSyncs() as syncs:
+        diagnostic = named_trust_ratios(sgd, model)
+    assert len(syncs.record) == 1, syncs.record
+    assert list(diagnostic.values()) == trust_ratios(sgd) and len(diagnostic) == n_tensors // 2
+
+
+def test_named_trust_ratios_are_the_ratios_each_param_takes():
+    """Each name maps to the ratio its own param's step applies (momentum 0: the step is
+    ``lr * ratio * (g + wd * w)``); the excluded group has none."""
+    model = _model(6)
+    lr, wd = 0.5, 1e-2
+    opt = LARS(param_groups(model, wd), lr=lr, momentum=0.0, trust_coefficient=0.02)
+    for scale in (1.0, 3.0):  # the layers' grads at different scales: different ratios
+        for k, layer in enumerate(model):
+            layer.weight.grad = scale * (k + 1) * torch.randn_like(layer.weight)
+    named = opt.named_trust_ratios(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    params = dict(model.named_parameters())
+    assert sorted(named) == ["0.weight", "1.weight", "2.weight"]
+    assert len(set(named.values())) == 3
+    for name, ratio in named.items():
+        w, p = before[name], params[name]
+        applied = float((w - p.detach()).norm() / (lr * (p.grad + wd * w).norm()))
+        assert ratio == pytest.approx(applied, rel=1e-5), name
+
+
+def test_lamb_named_trust_ratios_past_freeze_step_are_the_frozen_steps():
+    """A frozen v (past ``freeze_step``) is settled on the device: the ratio reported is the
+    one the frozen step applies (``w -= lr * ratio * u``, v as it was)."""
+    model = _model(4)
+    lr, wd, (b1, b2), eps = 0.1, 1e-2, (0.9, 0.999), 1e-6
+    opt = LAMB(model.named_parameters(), lr=lr, weight_decay=wd, freeze_step=1)
+    for step in range(1, 4):
+        _regrad(model, step)
+        with HostSyncs() as syncs:
+            named = opt.named_trust_ratios()  # names from the groups (torch.optim's param_names)
+        assert len(syncs.record) == 1, syncs.record
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    for name, p in model.named_parameters():
+        state, w = opt.state[p], before[name]
+        u = (state["exp_avg"] / (1 - b1**3)) / ((state["exp_avg_sq"] / (1 - b2)).sqrt() + eps) + wd * w
+        torch.testing.assert_close(w - p.detach(), lr * named[name] * u, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("path", ["foreach", "compiled", "fused"])
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+def test_named_trust_ratios_on_every_path(cls, path):
+    """Each path's state (the fused one counts steps on the device) gives the same ratios,
+    with one host read; the state comes from a foreach run (no compile, no kernels)."""
+    if path == "fused":
+        pytest.importorskip("triton")
+    model = _model(4)
+    extra = {"freeze_step": 1} if cls is LAMB else {}
+    ref = cls(model.named_parameters(), lr=0.1, weight_decay=1e-2, **extra, **TORCH_PATHS["foreach"])
+    for seed in (1, 2):
+        _regrad(model, seed)
+        ref.step()
+    _regrad(model, 3)
+    opt = cls(model.named_parameters(), lr=0.1, weight_decay=1e-2, **extra, **TORCH_PATHS[path])
+    opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0][path] is True
+    with HostSyncs() as syncs:
+        named = opt.named_trust_ratios()
+    assert len(syncs.record) == 1, syncs.record
+    assert named == ref.named_trust_ratios()
+    assert list(named) == [n for n, _ in model.named_parameters()]
+
+
+def test_named_params_take_the_path_and_names_of_plain_params():
+    """``LARS(model.named_parameters())`` resolves the path that the same tensors given
+    plainly resolve (a large CPU model: compiled), and a param without a name is named
+    in the error."""
+    big = torch.nn.Linear(1024, 1025)  # past COMPILE_MIN_NUMEL
+    named, plain = LARS(big.named_parameters(), lr=0.1), LARS(big.parameters(), lr=0.1)
+    assert named.param_groups[0]["compiled"] is plain.param_groups[0]["compiled"] is True
+    assert named.param_groups[0]["param_names"] == ["weight", "bias"]
+    model = _model(2)
+    opt = LARS(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(3, 3\)\) has no name"):
+        opt.named_trust_ratios()
+    assert list(opt.named_trust_ratios(dict(model.named_parameters()))) == ["0.weight", "0.bias"]
