@@ -127,3 +127,95 @@ def test_named_params_take_the_path_and_names_of_plain_params():
     with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(3, 3\)\) has no name"):
         opt.named_trust_ratios()
     assert list(opt.named_trust_ratios(dict(model.named_parameters()))) == ["0.weight", "0.bias"]
+
+
+# --------------------------------------------------------------------------- JAX
+
+_JAX_SHAPES = {"w": (4, 3), "v": (3, 3, 2), "b": (3,)}  # b: excluded (ndim 1)
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_jax_trust_ratios_under_jit_are_torchs(name):
+    """The ratio of each leaf, under jit (traced once for two steps), equals what torch's
+    optimizer reports for the same param at the same state; the excluded leaf reads 1.
+    LAMB without bias correction: optax takes ``1 - b^t`` in float32 (``1 - b2`` off by
+    1.3e-5), torch in float64."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    from largebatch.jax import exclusion_mask, lamb, lars
+    from largebatch.jax import trust_ratios as jax_trust_ratios
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: torch.randn(s, generator=gen) for k, s in _JAX_SHAPES.items()}
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(w.clone()) for k, w in weights.items()})
+    lr, wd = 0.5, 1e-2
+    if name == "lars":
+        opt = LARS(param_groups(model, wd), lr=lr, momentum=0.9, trust_coefficient=0.02, eps=1e-8)
+        jopt = lars(lr, momentum=0.9, weight_decay=wd, trust_coefficient=0.02, eps=1e-8, trust_ratio_mask=exclusion_mask)
+    else:
+        opt = LAMB(param_groups(model, wd), lr=lr, bias_correction=False)
+        jopt = lamb(lr, weight_decay=wd, bias_correction=False, trust_ratio_mask=exclusion_mask)
+    params = {k: jnp.asarray(w.numpy()) for k, w in weights.items()}
+    state = jopt.init(params)
+    traces = []
+
+    def ratios_of(grads, state, params):
+        traces.append(1)
+        return jax_trust_ratios(jopt, grads, state, params)
+
+    ratios_of = jax.jit(ratios_of)
+    for step in range(2):
+        for k, p in model.items():
+            p.grad = torch.randn(p.shape, generator=gen) * (step + 1)
+        grads = {k: jnp.asarray(p.grad.numpy()) for k, p in model.items()}
+        got = ratios_of(grads, state, params)
+        want = opt.named_trust_ratios(model)
+        assert sorted(want) == ["v", "w"] and float(got["b"]) == 1.0
+        for k in want:
+            assert float(got[k]) == pytest.approx(want[k], rel=2e-6), (step, k)
+        opt.step()
+        updates, state = jopt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_jax_trust_ratios_of_the_fused_path_and_of_masked_chains(name):
+    """The ratios are those the first update applies (against the same update with no
+    trust ratio: ``lr * ratio * d`` against ``lr * d``); the fused path hands over the same;
+    with both masks (the chain then holds two trust-ratio transformations, each on its own
+    leaves) too; an optimizer with no trust ratio is a ValueError."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    from largebatch.jax import exclusion_mask, lamb, lars
+    from largebatch.jax import trust_ratios as jax_trust_ratios
+
+    make = lars if name == "lars" else lamb
+    keys = jax.random.split(jax.random.PRNGKey(0), 2 * len(_JAX_SHAPES))
+    params = {k: jax.random.normal(keys[i], s) for i, (k, s) in enumerate(_JAX_SHAPES.items())}
+    grads = {k: jax.random.normal(keys[i + 3], s) for i, (k, s) in enumerate(_JAX_SHAPES.items())}
+    masks = dict(trust_ratio_mask=exclusion_mask)
+    chain = make(0.1, weight_decay=1e-2, **masks)
+    want = jax_trust_ratios(chain, grads, chain.init(params), params)
+    plain = make(0.1, weight_decay=1e-2, trust_ratio_mask=lambda p: jax.tree.map(lambda _: False, p),
+                 weight_decay_mask=exclusion_mask)  # fmt: skip
+    applied, _ = chain.update(grads, chain.init(params), params)
+    unscaled, _ = plain.update(grads, plain.init(params), params)
+    for k in ("w", "v"):
+        ratio = jnp.linalg.norm(applied[k]) / jnp.linalg.norm(unscaled[k])
+        assert float(want[k]) == pytest.approx(float(ratio), rel=1e-6), k
+    fused = make(0.1, weight_decay=1e-2, fused=True, **masks)
+    got = jax_trust_ratios(fused, grads, fused.init(params), params)
+    both = make(0.1, weight_decay=1e-2, weight_decay_mask=lambda p: {"w": True, "v": False, "b": False}, **masks)
+    split = jax_trust_ratios(both, grads, both.init(params), params)
+    for k in _JAX_SHAPES:
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6), k
+    assert float(want["b"]) == float(split["b"]) == 1.0 and float(split["w"]) == float(want["w"])
+    assert float(split["v"]) != float(want["v"])  # adapted without its decay
+    with pytest.raises(ValueError, match="no trust-ratio transformation"):
+        jax_trust_ratios(optax.sgd(0.1), grads, optax.sgd(0.1).init(params), params)
+    assert jnp.ndim(want["w"]) == 0
