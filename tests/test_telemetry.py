@@ -219,3 +219,84 @@ def test_jax_trust_ratios_of_the_fused_path_and_of_masked_chains(name):
     with pytest.raises(ValueError, match="no trust-ratio transformation"):
         jax_trust_ratios(optax.sgd(0.1), grads, optax.sgd(0.1).init(params), params)
     assert jnp.ndim(want["w"]) == 0
+
+
+# --------------------------------------------------------------------------- largebatch train
+
+
+class _FakeWandb:
+    """What ``--wandb`` calls of the ``wandb`` package, recorded (wandb is not a dependency)."""
+
+    def __init__(self) -> None:
+        import importlib.machinery
+
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.logged: list[tuple[dict, int]] = []
+        self.init_kwargs: dict = {}
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_train_samples_named_trust_ratios_every_n_steps_and_logs_them(tmp_path, monkeypatch):
+    """``--trust-ratio-every 1`` on a 2-step epoch: two samples by name in
+    trust_ratios.jsonl (the epoch row's min/median/max from the last), the same numbers
+    as TensorBoard events and W&B logs at the run's step, and metrics.jsonl as before."""
+    import json
+    import statistics
+
+    from largebatch.cli import main as cli
+
+    wandb = _FakeWandb()
+    monkeypatch.setitem(__import__("sys").modules, "wandb", wandb)
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        EventAccumulator = None
+    board = [] if EventAccumulator is None else ["--tensorboard", str(tmp_path / "tb")]
+    out = tmp_path / "run"
+    args = ["train", "--recipe", "fmnist-sgd-128", "--subset", "256", "--epochs", "1", "--out", str(out)]
+    assert cli([*args, "--trust-ratio-every", "1", "--wandb", "proj", *board]) == 0
+    samples = [json.loads(line) for line in (out / "trust_ratios.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["epoch"]) for s in samples] == [(1, 0.5), (2, 1.0)]
+    assert list(samples[0]["ratios"]) == ["0.weight", "3.weight", "7.weight", "11.weight", "14.weight"]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "trust_ratios" not in row
+    last = list(samples[-1]["ratios"].values())
+    assert row["trust_ratio_median"] == statistics.median(last) and row["trust_ratio_max"] == max(last)
+    logged = dict((step, values) for values, step in wandb.logged if "trust_ratio/median" in values)
+    assert logged[1]["trust_ratio_by_param/3.weight"] == samples[0]["ratios"]["3.weight"]
+    assert logged[2]["trust_ratio/min"] == row["trust_ratio_min"]
+    assert wandb.init_kwargs["project"] == "proj" and wandb.finished
+    assert [values for values, step in wandb.logged if step == 2 and "test_accuracy" in values]
+    if EventAccumulator is not None:
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        median = events.Scalars("trust_ratio/median")
+        assert [e.step for e in median] == [1, 2]
+        assert median[-1].value == pytest.approx(row["trust_ratio_median"], rel=1e-6)
+        (accuracy,) = events.Scalars("test_accuracy")
+        assert (accuracy.step, accuracy.value) == (2, pytest.approx(row["test_accuracy"], rel=1e-6))
+        assert "trust_ratio_by_param/0.weight" in events.Tags()["scalars"]
+
+
+def test_train_refuses_a_logger_that_is_not_installed(tmp_path, monkeypatch, capsys):
+    from largebatch.cli import main as cli
+
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # an import of it fails
+    args = ["train", "--recipe", "fmnist-sgd-128", "--subset", "256", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as err:
+        cli([*args, "--wandb", "proj"])
+    assert err.value.code == 2
+    assert "--wandb writes with wandb, not installed: pip install wandb" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli([*args, "--trust-ratio-every", "0"])
+    assert "invalid --trust-ratio-every 0 (must be >= 1)" in capsys.readouterr().err
