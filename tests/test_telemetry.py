@@ -153,7 +153,14 @@ def test_jax_trust_ratios_under_jit_are_torchs(name):
     lr, wd = 0.5, 1e-2
     if name == "lars":
         opt = LARS(param_groups(model, wd), lr=lr, momentum=0.9, trust_coefficient=0.02, eps=1e-8)
-        jopt = lars(lr, momentum=0.9, weight_decay=wd, trust_coefficient=0.02, eps=1e-8, trust_ratio_mask=exclusion_mask)
+        jopt = lars(
+            lr,
+            momentum=0.9,
+            weight_decay=wd,
+            trust_coefficient=0.02,
+            eps=1e-8,
+            trust_ratio_mask=exclusion_mask,
+        )
     else:
         opt = LAMB(param_groups(model, wd), lr=lr, bias_correction=False)
         jopt = lamb(lr, weight_decay=wd, bias_correction=False, trust_ratio_mask=exclusion_mask)
@@ -167,7 +174,7 @@ def test_jax_trust_ratios_under_jit_are_torchs(name):
 
     ratios_of = jax.jit(ratios_of)
     for step in range(2):
-        for k, p in model.items():
+        for p in model.values():
             p.grad = torch.randn(p.shape, generator=gen) * (step + 1)
         grads = {k: jnp.asarray(p.grad.numpy()) for k, p in model.items()}
         got = ratios_of(grads, state, params)
@@ -210,7 +217,9 @@ def test_jax_trust_ratios_of_the_fused_path_and_of_masked_chains(name):
         assert float(want[k]) == pytest.approx(float(ratio), rel=1e-6), k
     fused = make(0.1, weight_decay=1e-2, fused=True, **masks)
     got = jax_trust_ratios(fused, grads, fused.init(params), params)
-    both = make(0.1, weight_decay=1e-2, weight_decay_mask=lambda p: {"w": True, "v": False, "b": False}, **masks)
+    both = make(
+        0.1, weight_decay=1e-2, weight_decay_mask=lambda p: {"w": True, "v": False, "b": False}, **masks
+    )
     split = jax_trust_ratios(both, grads, both.init(params), params)
     for k in _JAX_SHAPES:
         assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6), k

@@ -54,7 +54,9 @@ class MetricsLog:
         if tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(tensorboard or str(out / "tensorboard"), purge_step=start_step or None)
+            self.writer = SummaryWriter(
+                tensorboard or str(out / "tensorboard"), purge_step=start_step or None
+            )
         if wandb is not None:
             import wandb as wandb_module
 
@@ -62,7 +64,9 @@ class MetricsLog:
 
     def scalars(self, values: dict[str, Any], step: int) -> None:
         """``values`` at optimizer step ``step`` (Nones and non-numbers left out)."""
-        numbers = {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {
+            k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.writer is not None:
             for key, value in numbers.items():
                 self.writer.add_scalar(key, value, step)

@@ -18,10 +18,10 @@ from largebatch.lars.torch import _fused, _paths, _sharded, _step
 from largebatch.lars.torch._common import (
     LOW_PRECISION,
     SUPPORTED_DTYPES,
+    ParamNames,
     check_paths,
     group_params,
     lr_number,
-    ParamNames,
     lr_value,
     param_list,
     param_names,

@@ -40,7 +40,9 @@ def named_trust_ratios(
 
 
 @torch.no_grad()
-def trust_ratio_tensor(optimizer: torch.optim.Optimizer, grad_scale: float = 1.0) -> tuple[list[Tensor], Tensor]:
+def trust_ratio_tensor(
+    optimizer: torch.optim.Optimizer, grad_scale: float = 1.0
+) -> tuple[list[Tensor], Tensor]:
     """The params :func:`trust_ratios` reports and their ratios as one tensor on the
     device (nothing read on the host)."""
     if isinstance(optimizer, (LARS, LAMB)):
