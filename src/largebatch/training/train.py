@@ -74,7 +74,7 @@ class _EpochTelemetry:
         self.epoch, self.first = epoch, run.ends[epoch]  # the steps done before this epoch
         steps = run.ends[epoch + 1] - run.ends[epoch]
         self.steps, self.last, self.batch = steps, steps - 1, run.batch
-        self.every = getattr(run.args, "trust_ratio_every", None) or TRUST_RATIO_EVERY
+        self.every = getattr(run.args, "trust_ratio_every", None) or _TRUST_RATIO_EVERY
         self.samples: list[dict[str, Any]] = []
         self.seen = 0
         self.bar = bar
@@ -125,15 +125,15 @@ class _EpochTelemetry:
         """The epoch's trust ratios: the min, median and max at its last step, and every
         sample by name (``trust_ratios.jsonl``; the plot's points)."""
         last = self.samples[-1]["ratios"] if self.samples else {}
-        return {**ratio_stats(last), SAMPLES: self.samples}
+        return {**ratio_stats(last), _SAMPLES: self.samples}
 
 
 # --------------------------------------------------------------------------- training
 
 
 _OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "trust_ratios.jsonl", "summary.json", "plot.png")
-TRUST_RATIO_EVERY = 50  # --trust-ratio-every's default: steps between samples
-SAMPLES = "trust_ratios"  # an epoch's samples in the history (trust_ratios.jsonl, not metrics.jsonl)
+_TRUST_RATIO_EVERY = 50  # --trust-ratio-every's default: steps between samples
+_SAMPLES = "trust_ratios"  # an epoch's samples in the history (trust_ratios.jsonl, not metrics.jsonl)
 
 
 def _steps_text(recipe: Recipe, ends: list[int]) -> str:
@@ -395,9 +395,9 @@ def _checkpoint(run: Run, epoch: int, history: list[dict[str, Any]]) -> None:
     )
     atomic_write(
         run.out / "metrics.jsonl",
-        "".join(json.dumps({k: v for k, v in h.items() if k != SAMPLES}) + "\n" for h in history),
+        "".join(json.dumps({k: v for k, v in h.items() if k != _SAMPLES}) + "\n" for h in history),
     )
-    samples = (json.dumps(s) + "\n" for h in history for s in h.get(SAMPLES, []))
+    samples = (json.dumps(s) + "\n" for h in history for s in h.get(_SAMPLES, []))
     atomic_write(run.out / "trust_ratios.jsonl", "".join(samples))
     if epoch + 1 < run.stop:  # the last plot comes after the summary
         run.plot(history)
