@@ -325,7 +325,10 @@ def _one_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, norm: Callable
 
     if h.freeze_step is None:
         return ratio_of(False, copy=False)
-    return torch.where(step > h.freeze_step, ratio_of(True, copy=True), ratio_of(False, copy=False))
+    frozen_ratio, ratio = ratio_of(True, copy=True), ratio_of(False, copy=False)
+    past = step > h.freeze_step  # beside the count: on the CPU off the fused path
+    past = past if past.device == ratio.device else past.to(ratio.device, non_blocking=True)
+    return torch.where(past, frozen_ratio, ratio)
 
 
 def _foreach_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None) -> None:
