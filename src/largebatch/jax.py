@@ -24,6 +24,7 @@ from largebatch.lars.jax import (
     scale_by_lamb_trust_ratio,
     scale_by_lars_trust_ratio,
     scale_by_uncorrected_adam,
+    trust_ratios,
 )
 from largebatch.mixed_precision.jax import (
     MAX_LOSS_SCALE,
@@ -61,6 +62,8 @@ __all__ = [
     "scale_by_lamb_trust_ratio",
     "scale_by_lars_trust_ratio",
     "scale_by_uncorrected_adam",
+    # telemetry: the trust ratio of each leaf, under jit
+    "trust_ratios",
     # schedules (largebatch.schedules.jax)
     "SCHEDULES",
     "OptaxSchedule",

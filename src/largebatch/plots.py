@@ -68,22 +68,46 @@ _PANELS = [
 
 def plot_history(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """``train``'s four panels against the epoch: test accuracy, train loss, lr, and the
-    min/median/max trust ratio (log scale); a value missing in a row is a gap."""
+    min/median/max trust ratio (log scale), at every sample the rows hold (``trust_ratios``:
+    every N steps, at fractional epochs) or else at each epoch's end; a value missing in a
+    row is a gap."""
     ep = [h["epoch"] for h in history]
     with figure(path, 2, 2, figsize=(10, 7)) as (fig, axes):
         for ax, (label, keys) in zip(axes.flat, _PANELS):
+            trust = label == "trust ratio"
+            x, rows = (_samples(history) if trust else None) or (ep, history)
             for key in keys:
-                values = [h.get(key) for h in history]
+                values = [h.get(key) for h in rows]
                 if any(v is not None for v in values):
                     ax.plot(
-                        ep,
+                        x,
                         [float("nan") if v is None else v for v in values],
-                        marker="o",
+                        marker="o" if len(x) <= 30 else None,
                         label=key.removeprefix("trust_ratio_"),
                     )
-            trust = label == "trust ratio"
             _style(ax, title=label, xlabel="epoch", ylog=10 if trust else None, legend={} if trust else None)
         fig.suptitle(title)
+
+
+def _samples(history: list[dict[str, Any]]) -> tuple[list[float], list[dict[str, Any]]] | None:
+    """The trust-ratio samples of the rows (their fractional epochs, and the min, median
+    and max of each, as rows), or None when the rows hold none."""
+    import statistics
+
+    samples = [s for h in history for s in h.get("trust_ratios") or [] if s["ratios"]]
+    if not samples:
+        return None
+    rows = []
+    for s in samples:
+        values = list(s["ratios"].values())
+        rows.append(
+            {
+                "trust_ratio_min": min(values),
+                "trust_ratio_median": statistics.median(values),
+                "trust_ratio_max": max(values),
+            }
+        )
+    return [s["epoch"] for s in samples], rows
 
 
 # --------------------------------------------------------------------------- study

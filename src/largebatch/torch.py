@@ -4,7 +4,16 @@
 """
 
 from largebatch.comm.torch import AdaCompState, adacomp_hook
-from largebatch.lars.torch import LAMB, LARS, default_exclude, lamb, lars, param_groups, trust_ratios
+from largebatch.lars.torch import (
+    LAMB,
+    LARS,
+    default_exclude,
+    lamb,
+    lars,
+    named_trust_ratios,
+    param_groups,
+    trust_ratios,
+)
 from largebatch.mixed_precision.torch import to_half
 from largebatch.schedules import Schedule, linear_scaling, make_schedule, sqrt_scaling
 from largebatch.schedules.torch import ScheduleLR
@@ -17,6 +26,7 @@ __all__ = [
     "param_groups",
     "default_exclude",
     "trust_ratios",
+    "named_trust_ratios",
     "Schedule",
     "make_schedule",
     "linear_scaling",

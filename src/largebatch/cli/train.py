@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from largebatch.outputs import require
 from largebatch.recipes.registry import COMPRESSIONS, DEFAULT_RECIPE, PRECISIONS, RECIPES
-from largebatch.training import fail, train
+from largebatch.training import check_loggers, fail, train
 
 __all__ = ["add_arguments", "main"]
 
@@ -86,11 +86,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="EPOCHS",
         help="epochs of plain all-reduce before AdaComp starts (default %(default)s)",
     )
+    add(
+        "--trust-ratio-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="sample the trust ratios by parameter name every N steps and at each epoch's "
+        "last step (OUT/trust_ratios.jsonl; default %(default)s)",
+    )
+    add(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="also log the metrics and trust ratios as TensorBoard events in DIR (default OUT/tensorboard)",
+    )
+    add("--wandb", default=None, metavar="PROJECT", help="also log them to a Weights & Biases run of PROJECT")
 
 
 def main(args: argparse.Namespace) -> int:
     """Check the flags, then train; the process group, if joined, is left at the end."""
-    for flag in ("batch_size", "micro_batch", "epochs", "subset", "stop_after"):
+    for flag in ("batch_size", "micro_batch", "epochs", "subset", "stop_after", "trust_ratio_every"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")
@@ -101,6 +118,7 @@ def main(args: argparse.Namespace) -> int:
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise fail(f"invalid --lr {args.lr} (must be a finite number > 0)")
     require("train", ("tqdm", "matplotlib"))
+    check_loggers(args.tensorboard, args.wandb)
     try:
         train(args)
     finally:

@@ -1,8 +1,9 @@
 """``largebatch train``'s run of a recipe: the epochs, their records, checkpoints and summary.
 
 :func:`train` checks the settings against the recipe and the processes, holds ``OUT``, and
-runs the epochs on a :class:`~largebatch.training.run.Run`: train, evaluate, record,
-checkpoint, and last the summary (docs/design.md §6 says what each file holds).
+runs the epochs on a :class:`~largebatch.training.run.Run`: train (sampling the trust
+ratios every ``--trust-ratio-every`` steps), evaluate, record, checkpoint, and last the
+summary (docs/design.md §6 says what each file holds).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries, require, rounded
 from largebatch.recipes.registry import Recipe, get_recipe
-from largebatch.torch import trust_ratios
+from largebatch.torch import named_trust_ratios
 from largebatch.training.checkpoint import gather_residuals, gather_rng, read_checkpoint, write_checkpoint
 from largebatch.training.data import batches, epoch_sampler, eval_chunks
 from largebatch.training.distributed import (
@@ -34,6 +35,7 @@ from largebatch.training.distributed import (
     params_sha256,
     sync_buffers,
 )
+from largebatch.training.logs import MetricsLog, ratio_stats
 from largebatch.training.loop import evaluate, train_epoch
 from largebatch.training.run import Run, build_run, distribute, fail, restore
 
@@ -63,16 +65,20 @@ def _run_bar(run: Run, start_epoch: int) -> Any:
 class _EpochTelemetry:
     """The training loop's callbacks for one epoch: the run's progress bar (its steps, and
     about once a second the epoch's mean training loss so far and its images/s), and the
-    trust ratios at the epoch's last step, read before the optimizer applies the step."""
+    trust ratios by parameter name every ``every`` steps of the run and at the epoch's
+    last step, read before the optimizer applies the step (every rank: under FSDP the
+    norms are collectives), logged to ``log`` as they are taken."""
 
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, scaler: Any, steps: int, batch: int, bar: Any, desc: str
-    ) -> None:
-        self.optimizer, self.scaler, self.last, self.batch = optimizer, scaler, steps - 1, batch
-        self.ratios: list[float] = []
+    def __init__(self, run: Run, epoch: int, bar: Any, log: MetricsLog) -> None:
+        self.optimizer, self.scaler, self.model, self.log = run.optimizer, run.scaler, run.model, log
+        self.epoch, self.first = epoch, run.ends[epoch]  # the steps done before this epoch
+        steps = run.ends[epoch + 1] - run.ends[epoch]
+        self.steps, self.last, self.batch = steps, steps - 1, run.batch
+        self.every = getattr(run.args, "trust_ratio_every", None) or _TRUST_RATIO_EVERY
+        self.samples: list[dict[str, Any]] = []
         self.seen = 0
         self.bar = bar
-        bar.set_description(desc, refresh=False)
+        bar.set_description(f"epoch {epoch + 1}/{run.epochs}", refresh=False)
         self.loss_sum: torch.Tensor | None = None  # summed on the device: no sync per step
         self.losses = 0
         self.t0 = self.shown = time.perf_counter()
@@ -91,8 +97,14 @@ class _EpochTelemetry:
         return watched
 
     def before_step(self, step: int) -> None:
-        if step == self.last:
-            self.ratios = trust_ratios(self.optimizer, self.scaler.get_scale() if self.scaler else 1.0)
+        number = self.first + step + 1  # the run's step about to be applied, from 1
+        if number % self.every and step != self.last:
+            return
+        scale = self.scaler.get_scale() if self.scaler else 1.0
+        ratios = named_trust_ratios(self.optimizer, self.model, scale)
+        self.samples.append({"step": number, "epoch": self.epoch + (step + 1) / self.steps, "ratios": ratios})
+        stats = {k.replace("trust_ratio_", "trust_ratio/"): v for k, v in ratio_stats(ratios).items()}
+        self.log.scalars({**stats, **{f"trust_ratio_by_param/{k}": v for k, v in ratios.items()}}, number)
 
     def after_step(self, step: int) -> None:
         self.seen += self.batch
@@ -109,19 +121,19 @@ class _EpochTelemetry:
         """The epoch's seconds."""
         return time.perf_counter() - self.t0
 
-    def row(self) -> dict[str, float | None]:
-        ratios = self.ratios
-        return {
-            "trust_ratio_min": min(ratios) if ratios else None,
-            "trust_ratio_median": statistics.median(ratios) if ratios else None,
-            "trust_ratio_max": max(ratios) if ratios else None,
-        }
+    def row(self) -> dict[str, Any]:
+        """The epoch's trust ratios: the min, median and max at its last step, and every
+        sample by name (``trust_ratios.jsonl``; the plot's points)."""
+        last = self.samples[-1]["ratios"] if self.samples else {}
+        return {**ratio_stats(last), _SAMPLES: self.samples}
 
 
 # --------------------------------------------------------------------------- training
 
 
-_OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "summary.json", "plot.png")
+_OUTPUTS = ("checkpoint.pt", "metrics.jsonl", "trust_ratios.jsonl", "summary.json", "plot.png")
+_TRUST_RATIO_EVERY = 50  # --trust-ratio-every's default: steps between samples
+_SAMPLES = "trust_ratios"  # an epoch's samples in the history (trust_ratios.jsonl, not metrics.jsonl)
 
 
 def _steps_text(recipe: Recipe, ends: list[int]) -> str:
@@ -235,16 +247,31 @@ def _fit(
     start_epoch, history = restore(run, state) if state is not None else (0, [])
     distribute(run, state)
     _print_header(run, start_epoch)
+    log = MetricsLog(
+        run.rank,
+        out,
+        settings,
+        tensorboard=getattr(args, "tensorboard", None),
+        wandb=getattr(args, "wandb", None),
+        start_step=run.ends[start_epoch],
+    )
     bar = _run_bar(run, start_epoch)
     try:
         for epoch in range(start_epoch, run.stop):
-            loss_sum, telemetry, seconds = _train(run, epoch, bar)
+            loss_sum, telemetry, seconds = _train(run, epoch, bar, log)
             accuracy = _evaluate(run)
             history.append(_record(run, epoch, loss_sum, accuracy, telemetry, seconds))
+            log.scalars({k: v for k, v in history[-1].items() if k in _LOGGED}, run.ends[epoch + 1])
+            log.flush()
             _checkpoint(run, epoch, history)
     finally:
         bar.close()
+        log.close()
     return _summarize(run, history)
+
+
+# An epoch's metrics that the live logs take (the trust ratios are logged as sampled).
+_LOGGED = ("train_loss", "test_accuracy", "lr", "images_per_second", "seconds")
 
 
 def _print_header(run: Run, start_epoch: int) -> None:
@@ -272,16 +299,13 @@ def _print_header(run: Run, start_epoch: int) -> None:
     )
 
 
-def _train(run: Run, epoch: int, bar: Any) -> tuple[torch.Tensor, _EpochTelemetry, float]:
+def _train(run: Run, epoch: int, bar: Any, log: MetricsLog) -> tuple[torch.Tensor, _EpochTelemetry, float]:
     """Trains epoch ``epoch`` (from 0), advancing the run's ``bar``: its loss summed over
     its steps (averaged over the processes), its telemetry and its seconds."""
-    steps = run.ends[epoch + 1] - run.ends[epoch]
     sampler = epoch_sampler(
         run.recipe, run.data.n_train, run.batch, run.rank, run.world, run.args.seed, epoch
     )
-    telemetry = _EpochTelemetry(
-        run.optimizer, run.scaler, steps, run.batch, bar, f"epoch {epoch + 1}/{run.epochs}"
-    )
+    telemetry = _EpochTelemetry(run, epoch, bar, log)
     loss_sum = train_epoch(
         run.ddp,
         batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
@@ -369,7 +393,12 @@ def _checkpoint(run: Run, epoch: int, history: list[dict[str, Any]]) -> None:
             "settings": run.settings,
         },
     )
-    atomic_write(run.out / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+    atomic_write(
+        run.out / "metrics.jsonl",
+        "".join(json.dumps({k: v for k, v in h.items() if k != _SAMPLES}) + "\n" for h in history),
+    )
+    samples = (json.dumps(s) + "\n" for h in history for s in h.get(_SAMPLES, []))
+    atomic_write(run.out / "trust_ratios.jsonl", "".join(samples))
     if epoch + 1 < run.stop:  # the last plot comes after the summary
         run.plot(history)
 

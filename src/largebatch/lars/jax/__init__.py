@@ -2,9 +2,9 @@
 as in ``torch/``: ``_lars`` (``lars()`` and ``scale_by_lars_trust_ratio``), ``_lamb``
 (``lamb()`` and the transformations it chains), and what both share: ``common`` (checks of
 traced values, the rate, ``keep_dtypes``), ``masks`` (``exclusion_mask``, how masks
-combine), ``norms`` (overflow-safe L2 norms); the fused path (``fused=True``): ``fused``
-(its steps), ``packed`` (the layout, ``PackedParams``), ``rows`` (the Pallas kernels).
-Import from here, or from ``largebatch.jax``."""
+combine), ``norms`` (overflow-safe L2 norms), ``telemetry`` (``trust_ratios``); the fused
+path (``fused=True``): ``fused`` (its steps), ``packed`` (the layout, ``PackedParams``),
+``rows`` (the Pallas kernels). Import from here, or from ``largebatch.jax``."""
 
 from largebatch.lars.jax._lamb import (
     divide_by_global_norm,
@@ -16,6 +16,7 @@ from largebatch.lars.jax._lars import LarsTrustRatioState, lars, scale_by_lars_t
 from largebatch.lars.jax.fused import FusedLambState, FusedLarsState
 from largebatch.lars.jax.masks import exclusion_mask
 from largebatch.lars.jax.packed import PackedParams
+from largebatch.lars.jax.telemetry import trust_ratios
 
 __all__ = [
     "FusedLambState",
@@ -29,4 +30,5 @@ __all__ = [
     "scale_by_lamb_trust_ratio",
     "scale_by_lars_trust_ratio",
     "scale_by_uncorrected_adam",
+    "trust_ratios",
 ]

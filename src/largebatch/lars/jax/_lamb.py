@@ -15,6 +15,7 @@ import optax
 
 from largebatch import checks
 from largebatch.checks import AxisName
+from largebatch.lars.jax import telemetry
 from largebatch.lars.jax.common import (
     NO_PARAMS,
     ScalarOrSchedule,
@@ -63,15 +64,17 @@ def scale_by_lamb_trust_ratio(
         us, ws, treedef = computed_leaves(updates, params)
         norms = leaf_norms(ws + us, axis_name)
 
-        def leaf(u: jax.Array, u32: jax.Array, w_norm: jax.Array, u_norm: jax.Array) -> jax.Array:
+        def ratio_of(w_norm: jax.Array, u_norm: jax.Array) -> jax.Array:
             ratio = safe_ratio(w_norm, u_norm, w_norm, u_norm)
             if weight_decay is not None:
                 ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, jnp.ones_like(ratio))
-            return (ratio * u32).astype(u.dtype)
+            return ratio
 
         n = len(us)
-        new = map(leaf, treedef.flatten_up_to(updates), us, norms[:n], norms[n:])
-        return jax.tree.unflatten(treedef, list(new)), state
+        ratios = list(map(ratio_of, norms[:n], norms[n:]))
+        telemetry.record(treedef, ratios)
+        new = [(r * u32).astype(u.dtype) for u, u32, r in zip(treedef.flatten_up_to(updates), us, ratios)]
+        return jax.tree.unflatten(treedef, new), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 

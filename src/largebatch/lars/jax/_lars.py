@@ -12,6 +12,7 @@ import optax
 
 from largebatch import checks
 from largebatch.checks import AxisName
+from largebatch.lars.jax import telemetry
 from largebatch.lars.jax.common import (
     NO_PARAMS,
     ScalarOrSchedule,
@@ -109,7 +110,8 @@ def scale_by_lars_trust_ratio(
 
         def leaf(
             g: jax.Array, g32: jax.Array, d: jax.Array, w_norm: jax.Array, g_norm: jax.Array
-        ) -> jax.Array:
+        ) -> tuple[jax.Array, jax.Array]:
+            """The leaf's update and the ratio it takes."""
             if decayed_norm:  # g_norm is ||g + wd * w|| (optax)
                 ratio = safe_ratio(tc * w_norm, g_norm + eps, w_norm, g_norm)
             else:
@@ -118,12 +120,13 @@ def scale_by_lars_trust_ratio(
                 ratio = jnp.minimum(ratio / jnp.asarray(lr, ratio.dtype), 1.0)
             if zero_norm_skip:
                 skip = jnp.logical_or(w_norm == 0.0, g_norm == 0.0)
-                return jnp.where(skip, g32, ratio * d).astype(g.dtype)
-            return (ratio * d).astype(g.dtype)
+                return jnp.where(skip, g32, ratio * d).astype(g.dtype), jnp.where(skip, 1.0, ratio)
+            return (ratio * d).astype(g.dtype), ratio
 
         n = len(gs)
-        new = map(leaf, treedef.flatten_up_to(updates), gs, ds, norms[:n], norms[n:])
-        updates = jax.tree.unflatten(treedef, list(new))
+        new = list(map(leaf, treedef.flatten_up_to(updates), gs, ds, norms[:n], norms[n:]))
+        telemetry.record(treedef, [ratio for _, ratio in new])
+        updates = jax.tree.unflatten(treedef, [update for update, _ in new])
         return updates, LarsTrustRatioState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from largebatch.checks import AxisName
+from largebatch.lars.jax import telemetry
 from largebatch.lars.jax.common import NO_PARAMS, ScalarOrSchedule, rate_at
 from largebatch.lars.jax.masks import Mask, full_mask
 from largebatch.lars.jax.norms import safe_ratio
@@ -160,6 +161,7 @@ def fused_lars(
         per = 3 if decayed_norm else 2
         new_momentum: list[jax.Array] = []
         new_updates: list[jax.Array] = []
+        ratios: list[jax.Array] = []
         for k, (group, (w, g, wd), v) in enumerate(zip(layout.groups, packed, state.momentum)):
             ct = group.compute_dtype
             w_norm, g_norm = norms[per * k], norms[per * k + 1]
@@ -177,6 +179,7 @@ def fused_lars(
                 skip = adapted & ((w_norm == 0.0) | (g_norm == 0.0))
                 ratio, wd = jnp.where(skip, 1.0, ratio), jnp.where(skip, 0.0, wd)
             ratio = jnp.where(adapted, ratio, 1.0)
+            ratios.append(ratio)
             inner, outer = (rate * ratio, -1.0) if lr_in_momentum else (ratio, -rate)
             mom = jnp.asarray(momentum, ct)
 
@@ -195,6 +198,7 @@ def fused_lars(
             new_momentum.append(v_new)
             new_updates.append(update)
         count = optax.safe_increment(state.count)
+        telemetry.record_groups(updates, layout.groups, ratios)
         return inputs.finish(new_updates), FusedLarsState(count, tuple(new_momentum))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -293,6 +297,7 @@ def fused_lamb(
             stats += [leaf_stats(group, raw[0], raw[1]), leaf_stats(group, raw[2], raw[3])]
         norms = norms_from_stats(stats, axis_name)
         new_updates: list[jax.Array] = []
+        ratios: list[jax.Array] = []
         for k, (group, (w, _), (m, v), wd) in enumerate(zip(layout.groups, packed, moments, wds)):
             ct = group.compute_dtype
             w_norm, u_norm = norms[2 * k], norms[2 * k + 1]
@@ -300,6 +305,7 @@ def fused_lamb(
             if not adapt_without_decay:
                 ratio = jnp.where(jnp.asarray(weight_decay) != 0, ratio, 1.0)
             ratio = jnp.where(jnp.asarray(_of(group, adapt)), ratio, 1.0)
+            ratios.append(ratio)
             coef = -jnp.asarray(lr, ct) * ratio
 
             def apply(
@@ -319,6 +325,7 @@ def fused_lamb(
             (update,) = row_call(apply, [w, m, v], pieces, [w.dtype], 0, ct)
             new_updates.append(update)
         new_state = FusedLambState(count, tuple(m for m, _ in moments), tuple(v for _, v in moments))
+        telemetry.record_groups(updates, layout.groups, ratios)
         return inputs.finish(new_updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,7 +6,7 @@ from largebatch.lars.torch._compiled import COMPILE_MIN_TENSOR
 from largebatch.lars.torch._lamb import LAMB, lamb
 from largebatch.lars.torch._lars import LARS, lars
 from largebatch.lars.torch._paths import COMPILE_MIN_NUMEL
-from largebatch.lars.torch._ratios import trust_ratios
+from largebatch.lars.torch._ratios import named_trust_ratios, trust_ratio_tensor, trust_ratios
 
 __all__ = [
     "LARS",
@@ -16,6 +16,8 @@ __all__ = [
     "param_groups",
     "default_exclude",
     "trust_ratios",
+    "named_trust_ratios",
+    "trust_ratio_tensor",
     "COMPILE_MIN_NUMEL",
     "COMPILE_MIN_TENSOR",
 ]

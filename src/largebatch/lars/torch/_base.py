@@ -18,12 +18,15 @@ from largebatch.lars.torch import _fused, _paths, _sharded, _step
 from largebatch.lars.torch._common import (
     LOW_PRECISION,
     SUPPORTED_DTYPES,
+    ParamNames,
     check_paths,
     group_params,
     lr_number,
     lr_value,
     param_list,
+    param_names,
     skipped,
+    tensor_of,
     tensors_of,
 )
 from largebatch.lars.torch._group import Bodies, GroupStep
@@ -128,7 +131,7 @@ class LayerwiseOptimizer(Optimizer):
         )
         if param_group["fused"]:
             _fused.check(hyper, len(self.param_groups))
-        for p in param_group["params"]:
+        for p in map(tensor_of, param_group["params"]):
             if isinstance(p, Tensor) and p.dtype not in SUPPORTED_DTYPES:
                 raise ValueError(
                     f"{type(self).__name__} supports float64/32/16 and bfloat16 params, "
@@ -429,15 +432,45 @@ class LayerwiseOptimizer(Optimizer):
             )
         return loss
 
-    @torch.no_grad()
     def trust_ratios(self, grad_scale: float | Tensor | None = None) -> list[float]:
         """The trust ratio the next step would apply to each adapted tensor with a grad,
         in group order, nothing changed: each tensor's update runs on copies of its weight
         and state, through the same single-tensor code as a step (``grad_scale``: what the
-        grads carry, e.g. the GradScaler scale)."""
-        scale = None if grad_scale is None else torch.as_tensor(grad_scale, dtype=torch.float32)
-        divisor = self._grad_scale([p.grad for p in self._params_with_grads() if p.grad is not None], scale)
-        out: list[float] = []
+        grads carry, e.g. the GradScaler scale). The ratios are gathered on the device and
+        read on the host once, whatever their number; :meth:`named_trust_ratios` names them."""
+        _, ratios = self.trust_ratio_tensor(grad_scale)
+        return ratios.tolist() if ratios.numel() else []
+
+    def named_trust_ratios(
+        self, names: ParamNames = None, grad_scale: float | Tensor | None = None
+    ) -> dict[str, float]:
+        """:meth:`trust_ratios` by parameter name, in group order (one host read).
+
+        ``names``: a module (``model``, its ``named_parameters()``) or a mapping of names
+        to params; None takes the names the param groups carry, as ``torch.optim`` keeps
+        them when given ``model.named_parameters()`` or groups with ``"param_names"``. A
+        ValueError says which param has no name."""
+        params, ratios = self.trust_ratio_tensor(grad_scale)
+        name_of = param_names(self.param_groups, names)
+        keys = [name_of(p) for p in params]
+        return dict(zip(keys, ratios.tolist() if ratios.numel() else []))
+
+    @torch.no_grad()
+    def trust_ratio_tensor(self, grad_scale: float | Tensor | None = None) -> tuple[list[Tensor], Tensor]:
+        """The adapted params with a grad, in group order, and the trust ratios the next
+        step would apply to them as one tensor on their device (nothing read on the host;
+        what :meth:`trust_ratios` reads)."""
+        device = self._device()
+        if grad_scale is None:
+            scale = None
+        elif isinstance(grad_scale, Tensor):
+            scale = grad_scale.float()
+        else:  # made on the device, where the grads and their clipping norm are
+            scale = torch.full((), float(grad_scale), dtype=torch.float32, device=device)
+        grads = [p.grad for p in self._params_with_grads() if p.grad is not None]
+        divisor = self._grad_scale(grads, scale, on_device=True)
+        params: list[Tensor] = []
+        ratios: list[Tensor] = []
         for i, group in enumerate(self.param_groups):
             hyper = self._group_hyperparams(i, group)
             if not hyper.adapts:
@@ -461,9 +494,11 @@ class LayerwiseOptimizer(Optimizer):
                     hyper=hyper,
                     maximize=group["maximize"],
                 )
-                ratio = self.bodies.one_tensor(trial, divisor, functools.partial(_sharded.whole_norm, p))
-                out.append(float(ratio))
-        return out
+                norm = functools.partial(_sharded.whole_norm, p, on_device=True)
+                ratio = self.bodies.one_tensor(trial, divisor, norm)
+                params.append(p)
+                ratios.append(ratio if ratio.device == device else ratio.to(device))
+        return params, torch.stack(ratios) if ratios else torch.zeros(0, device=device)
 
     def _device(self) -> torch.device:
         """Where this optimizer's params live (the first one's device)."""
@@ -472,8 +507,11 @@ class LayerwiseOptimizer(Optimizer):
     def _params_with_grads(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.grad is not None]
 
-    def _grad_scale(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
-        """What divides every grad on the unfused paths (LAMB adds its clipping divisor)."""
+    def _grad_scale(
+        self, grads: list[Tensor], grad_scale: Tensor | None, on_device: bool = False
+    ) -> Tensor | None:
+        """What divides every grad on the unfused paths (LAMB adds its clipping divisor;
+        ``on_device``: its norms read nothing on the host)."""
         return grad_scale
 
     def _fused_reductions(self, reducer: _sharded.Reducer | None) -> dict[str, Any]:

@@ -3,7 +3,7 @@ and the small tensor helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,11 +70,51 @@ def param_list(params: Any) -> list:
     return [{**e, "params": group_params(e["params"])} if isinstance(e, dict) else e for e in entries]
 
 
+def tensor_of(entry: Any) -> Any:
+    """A params entry's tensor: the entry itself, or the second item of a ``(name,
+    tensor)`` pair (``model.named_parameters()``, which torch.optim takes too)."""
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
+
+
 def tensors_of(params: list[Any]) -> list[Tensor]:
-    """Every Tensor of a constructor's ``params`` (Tensors or group dicts)."""
+    """Every Tensor of a constructor's ``params`` (Tensors, ``(name, tensor)`` pairs or
+    group dicts)."""
     entries = (entry["params"] if isinstance(entry, dict) else [entry] for entry in params)
-    flat = (p for entry in entries for p in ([entry] if isinstance(entry, Tensor) else entry))
-    return [t for t in flat if isinstance(t, Tensor)]
+    flat = (p for entry in entries for p in ([entry] if isinstance(entry, (Tensor, tuple)) else entry))
+    return [t for t in map(tensor_of, flat) if isinstance(t, Tensor)]
+
+
+# Where :meth:`named_trust_ratios` finds names: a module, a mapping of names to params, or
+# None (the names the param groups carry).
+ParamNames = torch.nn.Module | Mapping[str, Tensor] | None
+
+
+def param_names(groups: list[dict[str, Any]], names: ParamNames = None) -> Callable[[Tensor], str]:
+    """A function from each param of ``groups`` to its name: from ``names`` (a module's
+    ``named_parameters()``, or a mapping of names to params), or when None from the
+    ``"param_names"`` torch.optim keeps in a group given named params. A ValueError names
+    the param (group, index, shape) that has none."""
+    if names is None:
+        by_id = {
+            id(p): n for g in groups if "param_names" in g for n, p in zip(g["param_names"], g["params"])
+        }
+        source = 'the param groups (no "param_names": pass model.named_parameters(), or names=model)'
+    else:
+        pairs = names.named_parameters() if isinstance(names, torch.nn.Module) else names.items()
+        by_id = {id(p): n for n, p in pairs}
+        source = f"the {type(names).__name__} given as names"
+    where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g["params"])}
+
+    def name_of(param: Tensor) -> str:
+        name = by_id.get(id(param))
+        if name is None:
+            i, j = where.get(id(param), ("?", "?"))
+            raise ValueError(
+                f"param {j} of param group {i} (shape {tuple(param.shape)}) has no name in {source}"
+            )
+        return name
+
+    return name_of
 
 
 # --------------------------------------------------------------------------- checks
@@ -106,23 +146,29 @@ def lr_value(lr: float | Tensor) -> float | Tensor:
 # --------------------------------------------------------------------------- norms
 
 
-def stacked_norms(tensors: Sequence[Tensor]) -> Tensor:
+def stacked_norms(tensors: Sequence[Tensor], *, on_device: bool = False) -> Tensor:
     """Per-tensor L2 norms as one vector (fp64 for fp64 tensors, else fp32) that cannot
     overflow for finite inputs: a sum of squares past the fp32 range (||x|| > ~1.8e19) is
-    recomputed with fp64 accumulation. The common case costs one fp32 pass."""
+    recomputed with fp64 accumulation. The common case costs one fp32 pass and one host
+    read (whether any norm overflowed); ``on_device=True`` reads nothing on the host and
+    takes the fp64 norms of every tensor, kept where the fp32 ones overflowed (the same
+    values, for telemetry)."""
     if not tensors:
         return torch.zeros(0)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     norms = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=dtype))
+    if dtype == torch.float32 and on_device:
+        wide = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).to(dtype)
+        return torch.where(torch.isfinite(norms), norms, wide)
     if dtype == torch.float32 and not bool(torch.isfinite(norms).all()):
         for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist():
             norms[i] = torch.linalg.vector_norm(tensors[i], 2, dtype=torch.float64)
     return norms
 
 
-def norm(tensor: Tensor) -> Tensor:
+def norm(tensor: Tensor, *, on_device: bool = False) -> Tensor:
     """:func:`stacked_norms` of one tensor, as a 0-dim tensor."""
-    return stacked_norms([tensor])[0]
+    return stacked_norms([tensor], on_device=on_device)[0]
 
 
 def safe_ratio(numerator: Tensor, denominator: Tensor, w_norm: Tensor, other_norm: Tensor) -> Tensor:

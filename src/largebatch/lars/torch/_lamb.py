@@ -85,14 +85,23 @@ def frozen(step: Tensor, freeze_step: int | None) -> bool:
 
 
 def bias_corrections(
-    step: Tensor, betas: tuple[float, float], bias_correction: bool, freeze_step: int | None = None
-) -> tuple[float, float]:
+    step: Tensor,
+    betas: tuple[float, float],
+    bias_correction: bool,
+    freeze_step: int | None = None,
+    on_device: bool = False,
+) -> tuple[Any, Any]:
     """``(1 - b1^t, 1 - b2^t')`` at the step count ``t``, ``t' = min(t, freeze_step)``
-    (ones without bias correction)."""
+    (ones without bias correction): floats, the count read on the host; with
+    ``on_device``, 0-dim fp64 tensors beside the count, nothing read."""
     if not bias_correction:
         return 1.0, 1.0
-    t = float(step)
-    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** (min(t, freeze_step) if freeze_step else t)
+    t: Any = step.double() if on_device else float(step)
+    if freeze_step:
+        t_v = t.clamp(max=freeze_step) if on_device else min(t, freeze_step)
+    else:
+        t_v = t
+    return 1.0 - betas[0] ** t, 1.0 - betas[1] ** t_v
 
 
 def lamb_direction(
@@ -286,25 +295,40 @@ def _single_tensor_lamb(
 
 
 def _one_tensor_lamb(group: GroupStep, grad_scale: Tensor | None, norm: Callable[[Tensor], Tensor]) -> Tensor:
+    # Nothing read on the host: the bias corrections are tensors beside the count, and a
+    # frozen v (past freeze_step) is settled by a second run on copies.
     h = group.hyper
     assert isinstance(h, LambHyperparams)
-    bc1, bc2, freeze = _counted(h, group.steps[0])
-    ratio, _ = _lamb_one(
-        p=group.params[0],
-        grad=group.grads[0],
-        m=group.state["exp_avg"][0],
-        v=group.state["exp_avg_sq"][0],
-        master=group.masters[0],
-        grad_scale=grad_scale,
-        **_numbers(group),
-        bc1=bc1,
-        bc2=bc2,
-        **_flags(group),
-        freeze=freeze,
-        norm=norm,
-        plain_norm=norm,
-    )
-    return torch.as_tensor(ratio)
+    step = group.steps[0].add_(1)
+    bc1, bc2 = bias_corrections(step, h.betas, h.bias_correction, h.freeze_step, on_device=True)
+
+    def ratio_of(freeze: bool, copy: bool) -> Tensor:
+        p, m, v = group.params[0], group.state["exp_avg"][0], group.state["exp_avg_sq"][0]
+        if copy:
+            p, m, v = p.clone(), m.clone(), v.clone()
+        ratio, _ = _lamb_one(
+            p=p,
+            grad=group.grads[0],
+            m=m,
+            v=v,
+            master=group.masters[0],
+            grad_scale=grad_scale,
+            **_numbers(group),
+            bc1=bc1,
+            bc2=bc2,
+            **_flags(group),
+            freeze=freeze,
+            norm=norm,
+            plain_norm=norm,
+        )
+        return ratio if isinstance(ratio, Tensor) else torch.ones((), device=p.device)
+
+    if h.freeze_step is None:
+        return ratio_of(False, copy=False)
+    frozen_ratio, ratio = ratio_of(True, copy=True), ratio_of(False, copy=False)
+    past = step > h.freeze_step  # beside the count: on the CPU off the fused path
+    past = past if past.device == ratio.device else past.to(ratio.device, non_blocking=True)
+    return torch.where(past, frozen_ratio, ratio)
 
 
 def _foreach_lamb(group: GroupStep, grad_scale: Tensor | None, reduce: _sharded.Reducer | None) -> None:
@@ -485,8 +509,11 @@ class LAMB(LayerwiseOptimizer):
             capturable=capturable,
         )
 
-    def _clip_divisor(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
-        """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``."""
+    def _clip_divisor(
+        self, grads: list[Tensor], grad_scale: Tensor | None, on_device: bool = False
+    ) -> Tensor | None:
+        """The global clipping divisor ``max(1, ||unscaled grads|| / max_grad_norm)``
+        (``on_device``: its norms read nothing on the host)."""
         if self.max_grad_norm is None or not (grads or self.partitioned):
             return None
         (grads,), reducer = _sharded.local((grads,))
@@ -496,12 +523,13 @@ class LAMB(LayerwiseOptimizer):
                     "partitioned=True is for whole params (ZeroRedundancyOptimizer); "
                     "sharded (DTensor) params need no option"
                 )
-            total = _sharded.partitioned_norm(grads, self._device())
+            total = _sharded.partitioned_norm(grads, self._device(), on_device=on_device)
+        elif reducer is None:
+            total = torch.linalg.vector_norm(stacked_norms(grads, on_device=on_device))
         else:
-            norms = stacked_norms(grads) if reducer is None else reducer.norms(grads)
-            total = torch.linalg.vector_norm(norms)
+            total = torch.linalg.vector_norm(reducer.norms(grads, on_device=on_device))
         if grad_scale is not None:
-            total = total / grad_scale.to(total.device)
+            total = total / (grad_scale if grad_scale.device == total.device else grad_scale.to(total.device))
         return torch.clamp(total / self.max_grad_norm, min=1.0)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -513,8 +541,10 @@ class LAMB(LayerwiseOptimizer):
             return {"reduce_global": _sharded.sum_over((None,))}  # None: the default group
         return super()._fused_reductions(reducer)
 
-    def _grad_scale(self, grads: list[Tensor], grad_scale: Tensor | None) -> Tensor | None:
-        divisor = self._clip_divisor(grads, grad_scale)
+    def _grad_scale(
+        self, grads: list[Tensor], grad_scale: Tensor | None, on_device: bool = False
+    ) -> Tensor | None:
+        divisor = self._clip_divisor(grads, grad_scale, on_device)
         if grad_scale is not None:
             divisor = grad_scale if divisor is None else divisor * grad_scale
         return divisor

@@ -297,7 +297,7 @@ def _one_tensor_lars(group: GroupStep, grad_scale: Tensor | None, norm: Callable
         norm=norm,
     )
     group.steps[0].add_(1)
-    return torch.ones(()) if ratio is None else ratio
+    return torch.ones((), device=group.params[0].device) if ratio is None else ratio
 
 
 # The unfused paths, for _step.run (the fused one is the kernels).

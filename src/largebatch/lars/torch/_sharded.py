@@ -96,12 +96,13 @@ class Reducer:
                 squares.index_copy_(0, index, chosen)
         return squares
 
-    def norms(self, local: Sequence[Tensor]) -> Tensor:
+    def norms(self, local: Sequence[Tensor], *, on_device: bool = False) -> Tensor:
         """The norms of the whole tensors whose local blocks are ``local`` (in order):
-        the local norms (safe from overflow), squared in fp64, summed over the shards."""
+        the local norms (safe from overflow; ``on_device``: as :func:`stacked_norms`),
+        squared in fp64, summed over the shards."""
         if not local:
             return torch.zeros(0)
-        part = stacked_norms(local)
+        part = stacked_norms(local, on_device=on_device)
         return self.sum_(part.double().square()).sqrt().to(part.dtype)
 
     def norm_of(self, i: int) -> Callable[[Tensor], Tensor]:
@@ -178,21 +179,23 @@ def check_default_group(what: str) -> None:
         )
 
 
-def partitioned_norm(local: list[Tensor], device: torch.device) -> Tensor:
+def partitioned_norm(local: list[Tensor], device: torch.device, *, on_device: bool = False) -> Tensor:
     """The norm of all grads of a model whose params are partitioned between the ranks of
-    the default group (each rank holds ``local``): the squares summed over every rank."""
+    the default group (each rank holds ``local``): the squares summed over every rank
+    (``on_device``: the local norms as :func:`stacked_norms` takes them)."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if local:
-        squares += stacked_norms(local).double().square().sum().to(device)
+        squares += stacked_norms(local, on_device=on_device).double().square().sum().to(device)
     dist.all_reduce(squares)
     return squares.sqrt().float()
 
 
-def whole_norm(param: Tensor, local_block: Tensor) -> Tensor:
-    """The norm of the whole tensor laid out as ``param`` whose local block is given."""
+def whole_norm(param: Tensor, local_block: Tensor, *, on_device: bool = False) -> Tensor:
+    """The norm of the whole tensor laid out as ``param`` whose local block is given
+    (``on_device``: no host read, as :func:`stacked_norms`)."""
     if not isinstance(param, DTensor):
-        return norm(local_block)
-    return Reducer([shard_key(param)]).norms([local_block])[0]
+        return norm(local_block, on_device=on_device)
+    return Reducer([shard_key(param)]).norms([local_block], on_device=on_device)[0]
 
 
 def laid_out_as(param: Tensor, state: dict[str, Any]) -> dict[str, Any]:
