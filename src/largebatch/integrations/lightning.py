@@ -16,7 +16,7 @@ except ImportError:  # the standalone package, before "lightning" held it
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from largebatch.integrations.build import optimizer_and_scheduler
-from largebatch.integrations.ratios import named_trust_ratios
+from largebatch.lars.torch import named_trust_ratios
 from largebatch.schedules import Schedule
 
 __all__ = ["TrustRatioCallback", "configure_optimizers"]
