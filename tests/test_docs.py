@@ -119,6 +119,7 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
         ("api/schedules", ["Schedule", "make_schedule", "linear_scaling", "sqrt_scaling"]),
         ("api/spec", []),
         ("api/comm", []),
+        ("api/integrations", []),
     ],
 )
 def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> None:
@@ -154,6 +155,14 @@ def test_api_pages_render_the_names(site: Path, page: str, names: list[str]) -> 
         # the cost formulas, which scaling imports, are shown once: under costs
         for name in ("choose_form", "Network", "ring"):
             assert f'id="largebatch.comm.scaling.{name}"' not in html, name
+    if page == "api/integrations":
+        for name in (
+            "make_optimizer",
+            "timm.register",
+            "huggingface.trainer_optimizers",
+            "lightning.TrustRatioCallback",
+        ):
+            assert f'id="largebatch.integrations.{name}"' in html, f"{page}: {name} is not rendered"
     if page == "api/spec":
         assert 'id="largebatch.lars.spec"' in html
         assert 'id="largebatch.lars.reference"' in html
