@@ -91,7 +91,7 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return s, (a - (s - bv)) + (b - bv)
 
 
-def _add_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def add_pair(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Double-word addition of two normalized pairs of nonnegative numbers."""
     s, e = _two_sum(a[0], b[0])
     e = e + (a[1] + b[1])
@@ -105,7 +105,7 @@ def _sum_pair(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``n * eps**2`` of the exact sum whatever order XLA reduces in, and ``hi`` is the
     exactly rounded sum (but for sums within that of a rounding tie)."""
     zero = jnp.zeros((), x.dtype)
-    return lax.reduce((x, jnp.zeros_like(x)), (zero, zero), _add_pair, (0,))
+    return lax.reduce((x, jnp.zeros_like(x)), (zero, zero), add_pair, (0,))
 
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,7 +135,7 @@ def divide(hi: jax.Array, lo: jax.Array, c: jax.Array) -> jax.Array:
     return q + (((hi - p) - err) + lo) / c
 
 
-def _mean(hi: jax.Array, lo: jax.Array, count: jax.Array) -> jax.Array:
+def pair_mean(hi: jax.Array, lo: jax.Array, count: jax.Array) -> jax.Array:
     """``(hi + lo) / count`` (0 for ``count == 0``): in float32 the exactly rounded
     quotient (:func:`divide`); in float64 ``hi / count``, the reference's ``fsum /
     count`` (a scalar division: not rewritten)."""
@@ -188,7 +188,7 @@ def compress_rows(
         vals = picked
         sent = jnp.where(keep, gp, 0)
     else:
-        scale = _mean(*_sum_pair(jnp.abs(picked).reshape(-1)), count)
+        scale = pair_mean(*_sum_pair(jnp.abs(picked).reshape(-1)), count)
         vals = jnp.sign(picked).astype(jnp.int8)
         sent = jnp.where(keep, jnp.sign(gp) * scale, 0)
     return CompressedRows((gp - sent)[:numel], indices, vals, scale, count, selected)

@@ -38,16 +38,16 @@ def check_span(span: int, values: str) -> None:
         )
 
 
-def _pack(indices: jax.Array, signs: jax.Array) -> jax.Array:
-    """One int32 per entry: ``index * 2 + (sign < 0)``."""
+def pack_codes(indices: jax.Array, signs: jax.Array) -> jax.Array:
+    """One int32 per entry: ``index * 2 + (sign < 0)`` (``signs``: anything of the sent
+    values' signs, the values themselves included)."""
     return indices * 2 + (signs < 0).astype(jnp.int32)
 
 
-def _unpack(codes: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Indices and values of packed ternary messages ``[n, capacity]`` with their scales
-    ``[n]``."""
+def unpack_codes(codes: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Indices and values of packed ternary messages ``[n, capacity]``, each entry's
+    scale given by ``scale`` (broadcast against ``codes``)."""
     negative = (codes & 1) == 1
-    scale = scales[:, None]
     return codes >> 1, jnp.where(negative, -scale, scale)
 
 
@@ -65,11 +65,11 @@ def axis_size(axis_name: AxisName) -> int:
     return lax.psum(1, axis_name)  # pragma: no cover (older jax: a static int)
 
 
-def _ordered_mean(indices: jax.Array, vals: jax.Array, length: int) -> jax.Array:
+def ordered_mean(indices: jax.Array, vals: jax.Array, length: int) -> jax.Array:
     """The messages ``[n, capacity]`` (indices, decoded values) summed in device order into
     a dense vector of ``length`` and divided by ``n`` (correctly rounded, as torch divides):
     device 0's decoded vector, then one scatter-add per device (its indices are distinct),
-    as ``reference``'s ordered sum."""
+    as ``reference``'s ordered sum. An index of ``length`` or more is dropped."""
     n = indices.shape[0]
     total = jnp.zeros(length, vals.dtype).at[indices[0]].set(vals[0], mode="drop")
 
@@ -85,8 +85,8 @@ def _exchanged(parts: CompressedRows, values: str, route: Any) -> tuple[jax.Arra
     indices and decoded values ``[n, capacity]``, in device order."""
     if values == "exact":
         return route(parts.indices), route(parts.values)
-    codes = _pack(parts.indices, parts.values)
-    return _unpack(route(codes), route(parts.scale))
+    codes = pack_codes(parts.indices, parts.values)
+    return unpack_codes(route(codes), route(parts.scale)[:, None])
 
 
 def allgather_mean(
@@ -133,7 +133,7 @@ def allgather_mean(
         new_residual, message.indices, message.values, message.scale, message.count, message.selected
     )
     indices, vals = _exchanged(parts, values, lambda x: all_gather(x, axis_name))
-    mean = _ordered_mean(indices, vals, numel)
+    mean = ordered_mean(indices, vals, numel)
     return mean.reshape(shape).astype(jnp.result_type(grad)), new_residual, message
 
 
@@ -205,7 +205,7 @@ def two_phase_mean(
         return lax.all_to_all(x, axis_name, 0, 0, tiled=True)
 
     indices, vals = _exchanged(parts, values, to_owner)
-    chunk_mean = _ordered_mean(indices, vals, span)
+    chunk_mean = ordered_mean(indices, vals, span)
     again = compress_rows(cr, chunk_mean, bin_len, 1, span, cap, select, values)
     again = again._replace(indices=again.indices[0], values=again.values[0])
     indices, vals = _exchanged(again, values, lambda x: all_gather(x, axis_name))

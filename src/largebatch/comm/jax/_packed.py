@@ -17,7 +17,8 @@ import numpy as np
 from jax import lax
 
 from largebatch.checks import AxisName
-from largebatch.comm.jax._compress import _add_pair, _mean, divide
+from largebatch.comm.jax._compress import add_pair, pair_mean
+from largebatch.comm.jax._exchange import ordered_mean, pack_codes, unpack_codes
 from largebatch.lars.jax.rows import block_call
 
 BLOCK = 4096  # elements a kernel program takes: rows of one bin, ``BLOCK // width`` of them
@@ -260,8 +261,8 @@ def _pair_sums(x: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
     def gather(v: jax.Array, index: np.ndarray) -> jax.Array:
         return jnp.where(jnp.asarray(index) >= 0, v[jnp.asarray(np.maximum(index, 0))], zero)
 
-    hi, lo = lax.reduce((gather(x, first), jnp.zeros(first.shape, x.dtype)), (zero, zero), _add_pair, (1,))
-    return lax.reduce((gather(hi, second), gather(lo, second)), (zero, zero), _add_pair, (1,))
+    hi, lo = lax.reduce((gather(x, first), jnp.zeros(first.shape, x.dtype)), (zero, zero), add_pair, (1,))
+    return lax.reduce((gather(hi, second), gather(lo, second)), (zero, zero), add_pair, (1,))
 
 
 def compress(
@@ -299,7 +300,7 @@ def compress(
         if values == "exact":
             codes = codes.at[where].set(index.reshape(-1), mode="drop")
         else:
-            codes = codes.at[where].set((index * 2 + (big < 0)).reshape(-1), mode="drop")
+            codes = codes.at[where].set(pack_codes(index, big).reshape(-1), mode="drop")
         exact = exact.at[where].set(big.reshape(-1), mode="drop")
         # Per part: its selected elements, and the leaf it counts for.
         starts = np.flatnonzero(np.diff(group.table[0], prepend=-1))
@@ -317,7 +318,7 @@ def compress(
     if values == "exact":
         scales = jnp.zeros((k,), dtype)
     else:
-        scales = _mean(*_pair_sums(jnp.abs(exact), layout), counts)
+        scales = pair_mean(*_pair_sums(jnp.abs(exact), layout), counts)
     residuals_out: list[Any] = [None] * k
     for group, r, g, allow, leaf in passes:
         scale = jnp.where(leaf >= 0, scales[jnp.maximum(leaf, 0)], jnp.zeros((), dtype))
@@ -341,22 +342,7 @@ def _decoded(
         return route(packed.indices), route(packed.values)
     codes = route(packed.indices)
     scales = route_scales(packed.scales)  # [n, leaves]
-    s = scales[:, jnp.asarray(layout.slot_table[0][: codes.shape[1]])]
-    return codes >> 1, jnp.where((codes & 1) == 1, -s, s)
-
-
-def _ordered_mean(where: jax.Array, vals: jax.Array, length: int) -> jax.Array:
-    """The messages' values summed at ``where`` in device order (device 0's set, then
-    one scatter-add a device: a device's places are distinct) and divided by ``n``: the
-    per-leaf path's sum, element by element."""
-    n = where.shape[0]
-    total = jnp.zeros(length, vals.dtype).at[where[0]].set(vals[0], mode="drop")
-
-    def add(k: jax.Array, acc: jax.Array) -> jax.Array:
-        return acc.at[where[k]].add(vals[k], mode="drop")
-
-    total = lax.fori_loop(1, n, add, total)
-    return divide(total, jnp.zeros_like(total), jnp.asarray(n, total.dtype))
+    return unpack_codes(codes, scales[:, jnp.asarray(layout.slot_table[0][: codes.shape[1]])])
 
 
 def _places(index: jax.Array, offsets: np.ndarray, spans: np.ndarray, length: int) -> jax.Array:
@@ -380,7 +366,7 @@ def allgather_mean(
     leaf, _, span = layout.slot_table
     offsets = np.cumsum([0] + [x.numel for x in layout.leaves])
     total = int(offsets[-1])
-    mean = _ordered_mean(_places(index, offsets[leaf], span, total), vals, total)
+    mean = ordered_mean(_places(index, offsets[leaf], span, total), vals, total)
     means = [mean[offsets[k] : offsets[k + 1]] for k in range(len(layout.leaves))]
     return means, packed.residuals, packed.selected
 
@@ -411,7 +397,7 @@ def two_phase_mean(
     spans = np.array([x.span for x in first.leaves])
     chunk_offsets = np.cumsum([0, *spans])
     length = int(chunk_offsets[-1])
-    chunk_mean = _ordered_mean(_places(index, chunk_offsets[leaf], span, length), vals, length)
+    chunk_mean = ordered_mean(_places(index, chunk_offsets[leaf], span, length), vals, length)
     chunks = [chunk_mean[chunk_offsets[k] : chunk_offsets[k + 1]] for k in range(len(spans))]
     again = compress(second, chunk_residuals, chunks, select, values)
     index, vals = _decoded(second, again, gather, gather)

@@ -21,6 +21,7 @@ from largebatch.comm.jax._compress import (
     compressible,
     compute_dtype,
     default_capacity,
+    message_capacity,
 )
 from largebatch.comm.jax._exchange import all_gather, allgather_mean, axis_size, check_span, two_phase_mean
 from largebatch.comm.jax._packed import Layout, Leaf, fusable
@@ -238,7 +239,7 @@ def adacomp(
         if two_phase:
             n = axis_size(axis_name)
             spans = [chunk_length(m, b, n) for m, b in zip(numels, bins)]
-            caps = [min(capacity(s, b), s) for s, b in zip(spans, bins)]
+            caps = [message_capacity(capacity(s, b), s, b) for s, b in zip(spans, bins)]
             for s in spans:
                 check_span(s, values)
             first = Layout(tuple(Leaf(m, b, n, s, c) for m, b, s, c in zip(numels, bins, spans, caps)), True)
@@ -253,7 +254,10 @@ def adacomp(
                 check_span(m, values)
             spans = [-(-m // b) * b for m, b in zip(numels, bins)]
             layout = Layout(
-                tuple(Leaf(m, b, 1, s, min(capacity(m, b), m)) for m, b, s in zip(numels, bins, spans))
+                tuple(
+                    Leaf(m, b, 1, s, message_capacity(capacity(m, b), m, b))
+                    for m, b, s in zip(numels, bins, spans)
+                )
             )
             means, new_r, selected = packed_allgather(layout, flat_r, flat_g, gather, select, values)
             new_chunks = list(chunks)
