@@ -33,8 +33,11 @@ data:
 	  fi; \
 	fi
 
+# The suite runs in TEST_JOBS processes (pytest-xdist), each test module kept on one
+# process (--dist loadscope) so that a module's shared fixtures are built once.
+TEST_JOBS ?= 2
 test: $(STAMP) data
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadscope tests
 
 # The inner loop: each test function once (its first case off the Triton interpreter and
 # torch.compile, where it has one), without those marked slow

@@ -67,3 +67,25 @@ def test_corrupted_file_fails_its_checksum(tmp_path):
     load_fashion_mnist("train", root=tmp_path)  # the untouched split still loads
     with pytest.raises(ValueError, match="Checksum mismatch"):
         load_fashion_mnist("test", root=tmp_path)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_reader_matches_torchvision(tmp_path, split):
+    """torchvision's FashionMNIST, over the same files decompressed where it looks for them,
+    reads the same images and labels: the reader here exists only so that the package reads
+    the compressed files in place with their checksums, and without torchvision (the JAX
+    install), docs/design.md section 6."""
+    import gzip
+
+    torchvision = pytest.importorskip("torchvision")
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in FASHION_MNIST_FILES:
+        (raw / name.removesuffix(".gz")).write_bytes(
+            gzip.decompress((fashion_mnist_dir() / name).read_bytes())
+        )
+    theirs = torchvision.datasets.FashionMNIST(str(tmp_path), train=split == "train", download=False)
+    images, labels = load_fashion_mnist(split)
+    np.testing.assert_array_equal(images, theirs.data.numpy())
+    np.testing.assert_array_equal(labels, theirs.targets.numpy())
+    assert labels.dtype == theirs.targets.numpy().dtype

@@ -83,6 +83,36 @@ def test_site_builds_strict(build: tuple[subprocess.CompletedProcess, Path]) -> 
 
 
 @pytest.mark.slow  # reads the site the build fixture makes in a subprocess
+def test_math_is_mathml_without_the_network(site: Path) -> None:
+    """The pages' equations are MathML in the HTML (tools/mkdocs_math.py), drawn by the
+    browser itself: no page loads a script from elsewhere, no TeX is left to render."""
+    page = (site / "torch" / "index.html").read_text(encoding="utf-8")
+    assert page.count('<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">') == 2
+    assert 'class="arithmatex"' not in page and "\\lVert" not in page
+    for html_file in site.rglob("*.html"):
+        text = html_file.read_text(encoding="utf-8")
+        assert '<script src="http' not in text and "cdn.jsdelivr" not in text, html_file
+
+
+def test_math_hook_converts_arithmatex_output() -> None:
+    """Both of arithmatex's generic forms become MathML, the escaped TeX read as TeX."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from mkdocs_math import math_to_mathml
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    page = (
+        '<p>a <span class="arithmatex">\\(x &lt; y\\)</span> b</p>\n'
+        '<div class="arithmatex">\\[\n\\frac{a}{b}\n\\]</div>'
+    )
+    out = math_to_mathml(page)
+    assert out.startswith("<p>a <math") and 'display="inline"' in out
+    assert "<mo>&#x0003C;</mo>" in out  # the escaped "<" read as TeX's less-than
+    assert '<math xmlns="http://www.w3.org/1998/Math/MathML" display="block"><mrow><mfrac>' in out
+    assert "arithmatex" not in out and "\\frac" not in out
+
+
+@pytest.mark.slow  # reads the site the build fixture makes in a subprocess
 @pytest.mark.parametrize(
     ("page", "names"),
     [

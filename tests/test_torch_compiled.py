@@ -154,6 +154,9 @@ def test_a_second_process_with_other_hyperparameters_gets_its_own_numbers(tmp_pa
         assert run.returncode == 0, run.stderr[-3000:]
         errors = json.loads(run.stdout.splitlines()[-1])
         assert max(errors) < 1e-5, (kwargs, errors)
+        # Compiling for the CPU says nothing about CUDA (torch's cpp_extension logs "No
+        # CUDA runtime is found" where a CUDA toolkit lies beside no GPU, as here).
+        assert "No CUDA runtime" not in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.slow  # ten compilations

@@ -787,6 +787,24 @@ def test_capturable_refuses_the_other_paths_by_name(cls, impl):
             cls(make_params(), lr=0.1, capturable=True)
 
 
+@pytest.mark.parametrize("cls", [LARS, LAMB])
+@pytest.mark.parametrize("impl", ["single_tensor", "foreach"])
+def test_capturing_a_step_off_the_fused_path_says_why_before_any_change(cls, impl, monkeypatch):
+    """torch's optimizers refuse a CUDA graph capture of a step that is not capturable with
+    a RuntimeError; so do ours, naming the path, before anything is written (the capture
+    is simulated: the CPU has no CUDA stream)."""
+    params = make_params()
+    opt = cls(params, lr=0.1, **IMPLS[impl])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=f"CUDA graph capture of step.* {cls.__name__} on the {impl} path"):
+        opt.step()
+    assert not opt.state and all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 @cases
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_the_keywords_round_trip_and_older_state_dicts_load(case, impl):

@@ -9,9 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from largebatch.lars.torch import LAMB, LARS, param_groups
-from largebatch.schedules import Schedule
-from largebatch.schedules.torch import ScheduleLR
+from largebatch.torch import LAMB, LARS, Schedule, ScheduleLR, param_groups
 
 __all__ = ["OPTIMIZERS", "make_optimizer", "optimizer_and_scheduler"]
 

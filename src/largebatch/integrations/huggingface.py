@@ -13,9 +13,7 @@ from torch import Tensor
 from transformers import TrainingArguments
 
 from largebatch.integrations.build import optimizer_and_scheduler
-from largebatch.lars.torch import LAMB, LARS
-from largebatch.schedules import Schedule, make_schedule
-from largebatch.schedules.torch import ScheduleLR
+from largebatch.torch import LAMB, LARS, Schedule, ScheduleLR, make_schedule
 
 __all__ = ["SCHEDULER_TYPES", "schedule_from_args", "trainer_optimizers"]
 

@@ -16,8 +16,7 @@ except ImportError:  # the standalone package, before "lightning" held it
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from largebatch.integrations.build import optimizer_and_scheduler
-from largebatch.lars.torch import named_trust_ratios
-from largebatch.schedules import Schedule
+from largebatch.torch import Schedule, named_trust_ratios
 
 __all__ = ["TrustRatioCallback", "configure_optimizers"]
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 from timm.optim import OptimInfo, OptimizerRegistry, _optim_factory
 from torch import Tensor
 
-from largebatch.lars.torch import LAMB, LARS
+from largebatch.torch import LAMB, LARS
 
 __all__ = ["LARS_NAME", "LAMB_NAME", "register", "split_groups", "timm_lars", "timm_lamb"]
 

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn, TypedDict
+from typing import TYPE_CHECKING, Any, NoReturn, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -160,9 +160,13 @@ def _full(value: Any) -> Any:
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every sharded tensor gathered whole (a collective: every
-    rank calls it): the state dict of the unsharded model."""
-    return {k: _full(v) for k, v in model.state_dict().items()}
+    """The state dict of the unsharded model, every sharded tensor gathered whole (a
+    collective: every rank calls it): torch.distributed.checkpoint's
+    ``get_model_state_dict`` with ``full_state_dict=True``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

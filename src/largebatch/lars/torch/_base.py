@@ -378,6 +378,18 @@ class LayerwiseOptimizer(Optimizer):
         fused = "fused" in paths
         if fused and set(paths) != {"fused"}:
             raise ValueError("fused must be the same in every param group")
+        if (
+            not fused
+            and not torch.compiler.is_compiling()
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            raise RuntimeError(
+                f"Attempting CUDA graph capture of step() for an instance of "
+                f"{type(self).__name__} on the {paths[0]} path, which reads device values on "
+                "the host (a graph cannot capture that): only the fused path is capturable "
+                "(fused=True, or the default for CUDA params with triton)"
+            )
         # Every group's hyperparameters, checked where they changed, before any state is made.
         hypers = [self._group_hyperparams(i, group) for i, group in enumerate(self.param_groups)]
         reuse = (

@@ -4,6 +4,7 @@ kernel and one fused elementwise kernel), the small ones through one foreach pas
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,23 @@ def compiled_path(single_tensor: Callable[..., None], foreach: Body) -> Body:
     return run
 
 
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." record. Inductor's CPU
+    code generation imports ``torch.utils.cpp_extension``, which logs it on any machine
+    with a CUDA toolkit and no GPU; it concerns CUDA extension builds, which the CPU step
+    never makes. Every other record of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def quiet_cuda_runtime_notice() -> None:
+    """Adds :class:`_NoCudaRuntimeNotice` to ``torch.utils.cpp_extension``'s logger (once)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCudaRuntimeNotice) for f in logger.filters):
+        logger.addFilter(_NoCudaRuntimeNotice())
+
+
 @functools.cache
 def compiled_body(body: Callable[..., Any], flags: tuple[tuple[str, bool], ...] = ()) -> Callable[..., Any]:
     """``body`` through ``torch.compile`` with dynamic sizes: one compiled kernel pair
@@ -55,6 +73,7 @@ def compiled_body(body: Callable[..., Any], flags: tuple[tuple[str, bool], ...] 
     )
     copy.__kwdefaults__ = body.__kwdefaults__
     copy.__qualname__, copy.__module__ = body.__qualname__, body.__module__
+    quiet_cuda_runtime_notice()
     return torch.compile(copy, dynamic=True, fullgraph=True)
 
 
