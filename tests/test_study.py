@@ -1129,14 +1129,10 @@ def test_the_first_line_says_what_runs_and_is_out_before_any_training(tmp_path, 
     ), line
 
 
-@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "terminal"])
-def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatch, tty):
+def _one_quick_run(tmp_path) -> None:
+    """One LARS run of one epoch on 1,200 images (3 steps), in this process."""
     import torch
 
-    out, err = _Stream(), _Stream(tty)
-    monkeypatch.setattr(sys, "stdout", out)
-    monkeypatch.setattr(sys, "stderr", err)
-    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
     cfg = StudyConfig(
         quick=True,
         batches=(384,),
@@ -1152,6 +1148,15 @@ def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatc
         study.run_study(cfg)
     finally:
         study.WORKER.clear()
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["pipe", "terminal"])
+def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatch, tty):
+    out, err = _Stream(), _Stream(tty)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
+    _one_quick_run(tmp_path)
     if tty:  # 3 steps of 384 images, with the time left; the run line above it
         assert "\rstudy:" in err.getvalue() and "1.15k/1.15k [" in err.getvalue()
         assert "runs 1/1, loss " in err.getvalue()
@@ -1166,28 +1171,12 @@ def test_off_a_terminal_progress_lines_say_what_the_bar_would(tmp_path, monkeypa
     """``make demo > log``: with stdout no terminal, progress lines come between the
     first line and the first finished run (here one a message: PROGRESS_EVERY 0); on a
     terminal the bar says it and stdout gets none."""
-    import torch
-
     out, err = _Stream(tty), _Stream()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(study.run, "plot", lambda summary, path: False)
     monkeypatch.setattr(study.run, "PROGRESS_EVERY", 0.0)
-    cfg = StudyConfig(
-        quick=True,
-        batches=(384,),
-        optimizers=("lars",),
-        seeds=1,
-        epochs=1,
-        subset=1200,
-        jobs=1,
-        threads=torch.get_num_threads(),
-        out=str(tmp_path),
-    )
-    try:
-        study.run_study(cfg)
-    finally:
-        study.WORKER.clear()
+    _one_quick_run(tmp_path)
     lines = out.getvalue().splitlines()
     progress = [line for line in lines if "] study " in line]
     if tty:
