@@ -64,6 +64,29 @@ NON_FINITE = [
 ]  # fmt: skip
 
 
+def run_optax(opt: Any, params: Any, grads: Any, *, jit: bool) -> tuple[Any, Any]:
+    """Feed ``grads`` in turn to the optax transformation ``opt`` (its update jitted with
+    ``jit``) from ``params``; returns the final params and state."""
+    import jax
+    import optax
+
+    state = opt.init(params)
+    update = jax.jit(opt.update) if jit else opt.update
+    for g in grads:
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    """Two JAX trees with the same leaves, bit for bit."""
+    import jax
+    import numpy as np
+
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def assert_float64_norms(norms: Any, size: int, mix: tuple[str, ...], jit: bool) -> None:
     """``norms`` (a list of JAX arrays -> their norms), compiled or not, on a float32 and
     a complex64 leaf of ``size`` elements drawn from the classes ``mix``: each norm as

@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 from cases import run_spec_tree  # noqa: E402
+from helpers import assert_trees_equal, run_optax  # noqa: E402
 
 from largebatch.jax import exclusion_mask, lamb, lars  # noqa: E402
 
@@ -113,12 +114,7 @@ def problem(n_grads, dtype=jnp.float32, seed=0):
 
 def run(opt, params, grads, jit=False):
     """Feed ``grads`` in turn; returns the final params and state."""
-    state = opt.init(params)
-    update = jax.jit(opt.update) if jit else opt.update
-    for g in grads:
-        updates, state = update(g, state, params)
-        params = optax.apply_updates(params, updates)
-    return params, state
+    return run_optax(opt, params, grads, jit=jit)
 
 
 def assert_close(a, b, rtol=1e-5):
@@ -381,5 +377,4 @@ def test_update_accepts_extra_args_as_optax_aliases_do(name):
     grads = jax.tree.map(jnp.ones_like, params)
     with_extra, _ = opt.update(grads, state, params, value=jnp.array(1.0), unused="x")
     plain, _ = opt.update(grads, state, params)
-    for a, b in zip(jax.tree.leaves(with_extra), jax.tree.leaves(plain)):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(with_extra, plain)
