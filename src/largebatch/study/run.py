@@ -42,7 +42,9 @@ __all__ = [
     "compare_studies",
     "load_results",
     "recorded_config",
+    "pool_size",
     "run_one",
+    "run_planned",
     "run_study",
 ]
 
@@ -343,31 +345,89 @@ def _drain(source: Any, handle: Callable[[Any], None]) -> None:
 def _train_planned(
     cfg: StudyConfig, results: dict[str, dict[str, Any]], log: Path, print_fn: Callable[[str], None]
 ) -> None:
-    """Train every planned run on the pool (``jobs`` at a time, in the plan's order),
-    re-planning as runs finish; each finished run goes into ``results`` and is appended
-    to ``log``. The first line says what is to run; a bar shows the progress."""
-    jobs = cfg.jobs or (1 if cfg.device == "cuda" else _cpus())
-    threads = cfg.threads or max(1, _cpus() // jobs)
+    """Train every planned run on the pool (:func:`run_planned`), each finished run into
+    ``results`` and ``log``. The first line says what is to run; a bar shows the progress."""
+    jobs, threads = pool_size(cfg.jobs, cfg.threads, cfg.device)
     todo = runs_left(cfg, results)
     print_fn(_header(cfg, todo, jobs, threads, log, len(results)))
-
     start, done = time.perf_counter(), 0
     bar = _StudyBar(cfg, todo, lines=None if sys.stdout.isatty() else print_fn)
+
+    def finished(spec: RunSpec, row: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        bar.finish(spec, results)
+        bar.write(
+            print_fn,
+            (
+                f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
+                f"{'val' if spec.phase == 'tune' else 'test'} "
+                f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
+                f"({row['seconds']:.0f}s)"
+            ),
+        )
+
+    try:
+        run_planned(
+            functools.partial(plan, cfg),
+            run_one,
+            results,
+            log,
+            jobs=jobs,
+            threads=threads,
+            data=cfg.data,
+            device=cfg.device,
+            started=bar.start,
+            progress=bar.progress,
+            finished=finished,
+        )
+    finally:
+        bar.close()
+
+
+def pool_size(jobs: int | None, threads: int | None, device: str) -> tuple[int, int]:
+    """``(jobs, threads per job)``: by default one job on a GPU, one per core on the CPU,
+    and the cores shared among the jobs."""
+    jobs = jobs or (1 if device == "cuda" else _cpus())
+    return jobs, threads or max(1, _cpus() // jobs)
+
+
+def run_planned(
+    planner: Callable[[dict[str, dict[str, Any]]], list[Any]],
+    runner: Callable[[Any], dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+    log: Path,
+    *,
+    jobs: int,
+    threads: int,
+    data: str | None,
+    device: str,
+    started: Callable[[Any], None] | None = None,
+    progress: Callable[[tuple[str, int, float | None]], None] | None = None,
+    finished: Callable[[Any, dict[str, Any]], None] | None = None,
+) -> None:
+    """Run ``runner(spec)`` for every spec ``planner(results)`` gives, ``jobs`` at a time
+    on a pool of worker processes (in this process for one job), planning again as runs
+    finish: each finished run goes into ``results`` (by its spec's ``key``) and is appended
+    to ``log`` before the next starts. ``started(spec)``, ``progress(message)`` (a run's
+    reports, :class:`~largebatch.study.worker._Progress`) and ``finished(spec, row)`` follow
+    the runs. SIGTERM or Ctrl-C ends the workers at once, mid-run."""
     spawn = multiprocessing.get_context("spawn")
-    progress = spawn.Queue() if jobs > 1 else None
+    reports = spawn.Queue() if jobs > 1 else None
     pool = (
         concurrent.futures.ProcessPoolExecutor(
             jobs,
             mp_context=spawn,
             initializer=init_worker,
-            initargs=(threads, cfg.data, cfg.device, os.getpid(), progress),
+            initargs=(threads, data, device, os.getpid(), reports),
         )
         if jobs > 1
         else None
     )
     if pool is None:
-        init_worker(threads, cfg.data, cfg.device)
-        WORKER["progress"] = bar.progress
+        init_worker(threads, data, device)
+        if progress is not None:
+            WORKER["progress"] = progress
     submit = pool.submit if pool is not None else _run_inline
     previous = (
         signal.signal(signal.SIGTERM, _raise_stopped)
@@ -376,43 +436,33 @@ def _train_planned(
     )
     finished_cleanly = False
     try:
-        in_flight: dict[concurrent.futures.Future, RunSpec] = {}
+        in_flight: dict[concurrent.futures.Future, Any] = {}
         while True:
-            # At most one run per job in flight, taken in the plan's order (pair by pair):
-            # the pairs finish one after another, so a study stopped part-way has whole
-            # rows, and each run is planned with every result finished before it.
+            # At most one run per job in flight, taken in the plan's order: each run is
+            # planned with every result finished before it.
             busy = {s.key for s in in_flight.values()}
-            for spec in plan(cfg, results):
+            for spec in planner(results):
                 if len(in_flight) >= jobs:
                     break
                 if spec.key not in busy:
-                    bar.start(spec)
-                    in_flight[submit(run_one, spec)] = spec
+                    if started is not None:
+                        started(spec)
+                    in_flight[submit(runner, spec)] = spec
             if not in_flight:
                 break
-            finished: set[concurrent.futures.Future] = set()
-            while not finished:
-                finished, _ = concurrent.futures.wait(in_flight, timeout=0.5, return_when="FIRST_COMPLETED")
-                _drain(progress, bar.progress)
-            for future in finished:
+            done: set[concurrent.futures.Future] = set()
+            while not done:
+                done, _ = concurrent.futures.wait(in_flight, timeout=0.5, return_when="FIRST_COMPLETED")
+                _drain(reports, progress or (lambda _: None))
+            for future in done:
                 spec = in_flight.pop(future)
                 row = future.result()
                 results[spec.key] = row
                 append_run(log, row)
-                done += 1
-                bar.finish(spec, results)
-                bar.write(
-                    print_fn,
-                    (
-                        f"[{done:>3} {time.perf_counter() - start:6.0f}s] {spec.describe():<58} "
-                        f"{'val' if spec.phase == 'tune' else 'test'} "
-                        f"{row['accuracy']:7.2%}{'  diverged' if row['diverged'] else ''}  "
-                        f"({row['seconds']:.0f}s)"
-                    ),
-                )
+                if finished is not None:
+                    finished(spec, row)
         finished_cleanly = True
     finally:
-        bar.close()
         WORKER.pop("progress", None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -421,11 +471,11 @@ def _train_planned(
                 pool.shutdown(cancel_futures=True)
             else:  # SIGTERM, Ctrl-C or a failed run: the workers go now, not after their runs
                 _stop_workers(pool)
-        if progress is not None:
-            progress.close()
+        if reports is not None:
+            reports.close()
 
 
-def _run_inline(fn: Callable[[RunSpec], dict[str, Any]], spec: RunSpec) -> concurrent.futures.Future:
+def _run_inline(fn: Callable[[Any], dict[str, Any]], spec: Any) -> concurrent.futures.Future:
     """``fn(spec)`` in this process, as an already finished future (the one-job path)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result(fn(spec))
