@@ -57,3 +57,44 @@ def test_a_seed_fixes_the_draws():
 def test_negative_padding_is_refused():
     with pytest.raises(ValueError, match=re.escape("Invalid padding: -1 (must be an integer >= 0)")):
         random_crop_flip(_batch(torch.float32, False), torch.Generator(), -1)
+
+
+# ``largebatch train --augment``: 256 images, batch 128, 2 steps.
+SHORT = ["train", "--recipe", "fmnist-sgd-128", "--subset", "256", "--epochs", "1"]
+
+
+def _trained(out, *flags: str) -> dict[str, torch.Tensor]:
+    from largebatch.cli import main as cli
+
+    assert cli([*SHORT, *flags, "--out", str(out)]) == 0
+    return torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_train_augment_changes_the_run_and_repeats_with_the_seed(tmp_path, capsys):
+    plain = _trained(tmp_path / "plain")
+    a = _trained(tmp_path / "a", "--augment")
+    b = _trained(tmp_path / "b", "--augment")
+    assert any(not torch.equal(plain[k], a[k]) for k in plain)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = _trained(tmp_path / "other", "--augment", "--seed", "1")
+    assert any(not torch.equal(a[k], other[k]) for k in a)
+
+
+def test_train_refuses_augment_on_imagefolder_data(tmp_path, capsys):
+    from helpers import user_error
+
+    line = user_error(
+        [
+            "train",
+            "--recipe",
+            "resnet50-goyal-8k",
+            "--augment",
+            "--data",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+    )
+    assert "--augment crops and flips Fashion-MNIST batches" in line and "RandomResizedCrop" in line

@@ -134,3 +134,43 @@ def test_build_model_with_a_ghost_batch(name):
     assert not torch.allclose(model.train()(x), plain.train()(x))
     ghost_batch_norm(model, 8)
     torch.testing.assert_close(model(x), plain(x))
+
+
+# ``largebatch train --ghost-batch``: 256 images, batch 128, 2 steps.
+SHORT = ["train", "--recipe", "fmnist-sgd-128", "--subset", "256", "--epochs", "1"]
+
+
+def _trained(out, *flags: str) -> dict[str, torch.Tensor]:
+    from largebatch.cli import main as cli
+
+    assert cli([*SHORT, *flags, "--out", str(out)]) == 0
+    return torch.load(out / "checkpoint.pt", weights_only=False)["model"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_train_ghost_batch_flag(tmp_path, capsys):
+    plain = _trained(tmp_path / "plain")
+    ghost = _trained(tmp_path / "ghost", "--ghost-batch", "32")
+    whole = _trained(tmp_path / "whole", "--ghost-batch", "128")  # one chunk: plain batch norm
+    assert list(ghost) == list(plain)  # a plain model loads the checkpoint
+    assert any(not torch.equal(plain[k], ghost[k]) for k in plain)
+    assert all(torch.equal(plain[k], whole[k]) for k in plain)
+    settings = torch.load(tmp_path / "ghost" / "checkpoint.pt", weights_only=False)["settings"]
+    assert settings["ghost_batch"] == 32
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ghost-batch", "0"], "invalid --ghost-batch 0 (must be >= 1)"),
+        (["--ghost-batch", "48"], "--ghost-batch 48 must divide the per-process micro-batch 128"),
+        (
+            ["--micro-batch", "64", "--ghost-batch", "128"],
+            "--ghost-batch 128 must divide the per-process micro-batch 64",
+        ),
+    ],
+)
+def test_train_refuses_a_ghost_batch_that_does_not_divide_the_micro_batch(tmp_path, capsys, flags, message):
+    from helpers import user_error
+
+    assert message in user_error([*SHORT, *flags, "--out", str(tmp_path)], capsys)
