@@ -2,22 +2,29 @@
 the study's, chosen by measurement, docs/study.md), :func:`fmnist_alexnet_bn` and
 :func:`small_resnet` for Fashion-MNIST, and the ImageNet models :func:`resnet50` and
 :func:`alexnet_bn` (torchvision's, imported when built). ``recipes.build`` builds them by name.
+:func:`ghost_batch_norm` turns any model's batch norms into ghost batch norms
+(:class:`GhostBatchNorm1d`, :class:`GhostBatchNorm2d`).
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from largebatch import checks
 
 __all__ = [
     "BasicBlock",
+    "GhostBatchNorm1d",
+    "GhostBatchNorm2d",
     "alexnet_bn",
     "fmnist_alexnet_bn",
     "fmnist_cnn",
+    "ghost_batch_norm",
     "resnet50",
     "small_cnn",
     "small_resnet",
@@ -186,3 +193,169 @@ def alexnet_bn(num_classes: int = 1000) -> nn.Sequential:
         else:
             classifier.append(m)
     return nn.Sequential(*features, base.avgpool, nn.Flatten(), *classifier)
+
+
+class _GhostBatchNorm(_BatchNorm):
+    """Batch norm over chunks of ``ghost_batch`` samples: the forward of
+    :class:`GhostBatchNorm1d` and :class:`GhostBatchNorm2d`."""
+
+    ghost_batch: int
+
+    def __init__(self, num_features: int, ghost_batch: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_features, *args, **kwargs)
+        self.ghost_batch = checks.integer("ghost_batch", ghost_batch, 1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, ghost_batch={self.ghost_batch}"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        n, g = input.shape[0], self.ghost_batch
+        if not self.training or n <= g:
+            return super().forward(input)
+        self._check_input_dim(input)
+        if n % g:
+            raise ValueError(f"batch {n} is not a multiple of ghost_batch {g}")
+        k, c = n // g, self.num_features
+        # nn.BatchNorm's momentum rule: with momentum None, a cumulative average.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        # The k chunks side by side as k C channels of one batch of g: one batch_norm call
+        # gives each chunk its own statistics, and updates k copies of the running buffers.
+        running = None
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+            running = (
+                self.running_mean,
+                self.running_var,
+                self.running_mean.repeat(k),
+                self.running_var.repeat(k),
+            )
+        last = _channels_last(input)
+        out = F.batch_norm(
+            _to_chunks(input, k, last),
+            None if running is None else running[2],
+            None if running is None else running[3],
+            None if self.weight is None else self.weight.repeat(k),
+            None if self.bias is None else self.bias.repeat(k),
+            True,
+            factor,
+            self.eps,
+        )
+        if running is not None:
+            # Each chunk's update of its own copy, the copies averaged: one update with the
+            # chunks' mean statistics, as workers averaging their running buffers would get.
+            running_mean, running_var, means, variances = running
+            with torch.no_grad():
+                running_mean.copy_(means.view(k, c).mean(0))
+                running_var.copy_(variances.view(k, c).mean(0))
+        return _from_chunks(out, k, last)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether a 4-d ``x`` is laid out channels-last (and not also contiguous)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _to_chunks(x: torch.Tensor, k: int, last: bool) -> torch.Tensor:
+    """``x`` (k g, C, ...) as (g, k C, ...): channel j C + c holds chunk j's channel c; a
+    copy, channels-last when ``last``."""
+    n, c, *rest = x.shape
+    g = n // k
+    if last:  # (N, H, W, C) in memory: chunks moved next to the channels
+        h, w = rest
+        y = x.permute(0, 2, 3, 1).reshape(k, g, h, w, c).permute(1, 2, 3, 0, 4).reshape(g, h, w, k * c)
+        return y.permute(0, 3, 1, 2)
+    return x.reshape(k, g, c, *rest).transpose(0, 1).reshape(g, k * c, *rest)
+
+
+def _from_chunks(y: torch.Tensor, k: int, last: bool) -> torch.Tensor:
+    """The inverse of :func:`_to_chunks`: (g, k C, ...) back to (k g, C, ...)."""
+    g, kc, *rest = y.shape
+    c = kc // k
+    if last:
+        h, w = rest
+        x = y.permute(0, 2, 3, 1).reshape(g, h, w, k, c).permute(3, 0, 1, 2, 4).reshape(k * g, h, w, c)
+        return x.permute(0, 3, 1, 2)
+    return y.reshape(g, k, c, *rest).transpose(0, 1).reshape(k * g, c, *rest)
+
+
+class GhostBatchNorm1d(_GhostBatchNorm, nn.BatchNorm1d):
+    """:class:`torch.nn.BatchNorm1d` with ghost batches (Hoffer, Hubara, Soudry 2017,
+    "Train longer, generalize better", section 4): in training, a batch of N >
+    ``ghost_batch`` samples is normalized in N / ``ghost_batch`` chunks of consecutive
+    samples, each with its own mean and biased variance, the affine scale and shift shared;
+    N must be a multiple of ``ghost_batch`` (a ValueError names both). This is what each
+    worker's batch norm computes in data-parallel training on ``ghost_batch`` samples a
+    worker. The running statistics take one update with the mean over the chunks of
+    their statistics (the unbiased variance, as torch's), which equals each chunk updating
+    its own copy of the buffers and the copies averaged, as ``largebatch train`` averages
+    its processes' buffers. ``num_batches_tracked`` counts forwards, ``momentum=None``
+    is the cumulative average; a batch of at most ``ghost_batch`` samples and evaluation
+    are plain batch norm. The parameters and buffers are batch norm's: state dicts load
+    either way."""
+
+    def __init__(
+        self,
+        num_features: int,
+        ghost_batch: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(num_features, ghost_batch, eps, momentum, affine, track_running_stats, device, dtype)
+
+
+class GhostBatchNorm2d(_GhostBatchNorm, nn.BatchNorm2d):
+    """:class:`torch.nn.BatchNorm2d` with ghost batches, as :class:`GhostBatchNorm1d`; the
+    output keeps the input's memory format (channels-last or contiguous)."""
+
+    def __init__(
+        self,
+        num_features: int,
+        ghost_batch: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(num_features, ghost_batch, eps, momentum, affine, track_running_stats, device, dtype)
+
+
+_GHOSTS: dict[type[nn.Module], type[_GhostBatchNorm]] = {
+    nn.BatchNorm1d: GhostBatchNorm1d,
+    nn.BatchNorm2d: GhostBatchNorm2d,
+}
+
+
+def ghost_batch_norm(model: nn.Module, size: int) -> nn.Module:
+    """``model`` with every :class:`torch.nn.BatchNorm1d` and :class:`torch.nn.BatchNorm2d`
+    replaced, in place, by a :class:`GhostBatchNorm1d` or :class:`GhostBatchNorm2d` of
+    ``ghost_batch=size`` holding the same parameter and buffer tensors (an optimizer built
+    on the model still holds its parameters; the state dict's keys and values are
+    unchanged, so checkpoints load either way). Ghost batch norms already there take the
+    new size. Returns ``model``, or, when ``model`` is itself a batch norm, its ghost."""
+    size = checks.integer("ghost_batch", size, 1)
+    if isinstance(model, _GhostBatchNorm):
+        model.ghost_batch = size
+        return model
+    ghost_class = _GHOSTS.get(type(model))
+    if ghost_class is not None:
+        bn = cast("_BatchNorm", model)
+        ghost = ghost_class(bn.num_features, size, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        for name, param in bn.named_parameters(recurse=False):
+            setattr(ghost, name, param)
+        for name, buffer in bn.named_buffers(recurse=False):
+            setattr(ghost, name, buffer)
+        return ghost.train(bn.training)
+    for name, child in model.named_children():
+        new = ghost_batch_norm(child, size)
+        if new is not child:
+            setattr(model, name, new)
+    return model

@@ -37,6 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-process micro-batch; smaller than the per-process batch: gradient accumulation",
     )
     add(
+        "--ghost-batch",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ghost batch norm: batch norm over chunks of G samples of each process's "
+        "micro-batch, which G must divide (Hoffer et al. 2017)",
+    )
+    add(
+        "--augment",
+        action="store_true",
+        help="crop each training image at a random offset of it zero-padded by 2 and flip it "
+        "left-right with probability 1/2 (Fashion-MNIST recipes; drawn from --seed)",
+    )
+    add(
         "--epochs",
         type=int,
         default=None,
@@ -107,7 +121,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Check the flags, then train; the process group, if joined, is left at the end."""
-    for flag in ("batch_size", "micro_batch", "epochs", "subset", "stop_after", "trust_ratio_every"):
+    for flag in (
+        "batch_size",
+        "micro_batch",
+        "ghost_batch",
+        "epochs",
+        "subset",
+        "stop_after",
+        "trust_ratio_every",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise fail(f"invalid --{flag.replace('_', '-')} {value} (must be >= 1)")

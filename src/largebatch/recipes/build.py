@@ -48,13 +48,16 @@ _MODELS = {
 }
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
+def build_model(name: str, num_classes: int, *, ghost_batch: int | None = None) -> nn.Module:
     """``resnet50`` (torchvision, zero-init residual BN), ``alexnet_bn``, ``fmnist_cnn``,
     ``fmnist_alexnet_bn``, ``small_cnn`` or ``small_resnet``
-    (:mod:`largebatch.models`), initialised from torch's global RNG."""
+    (:mod:`largebatch.models`), initialised from torch's global RNG. With ``ghost_batch``,
+    its batch norms normalize chunks of that many samples
+    (:func:`~largebatch.models.ghost_batch_norm`); the initial params are the same."""
     if name not in _MODELS:
         raise ValueError(f"Unknown model {name!r}; known: {', '.join(_MODELS)}")
-    return _MODELS[name](num_classes)
+    model = _MODELS[name](num_classes)
+    return model if ghost_batch is None else models.ghost_batch_norm(model, ghost_batch)
 
 
 def build_optimizer(

@@ -28,9 +28,11 @@ _SETTINGS = {
     "fsdp": "--fsdp",
     "compression": "--compression",
     "compression_warmup": "--compression-warmup",
+    "ghost_batch": "--ghost-batch",
+    "augment": "--augment",
 }
 # What a checkpoint made before a setting existed ran with.
-_SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None}
+_SETTINGS_BEFORE = {"compression": "none", "compression_warmup": None, "ghost_batch": None, "augment": False}
 
 
 def _fail(message: str) -> CommandError:

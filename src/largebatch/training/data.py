@@ -1,5 +1,6 @@
 """The data of ``largebatch train``: Fashion-MNIST tensors, or ImageFolder trees for the
-ImageNet recipes; each process's batches of an epoch and its shard of the test set.
+ImageNet recipes; each process's batches of an epoch (cropped and flipped by
+:func:`random_crop_flip` with ``--augment``) and its shard of the test set.
 
 A data error is a one-line ``largebatch train: ...`` (:class:`CommandError`), raised
 while loading, or when a batch holds an image that cannot be read.
@@ -13,12 +14,23 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 
+from largebatch import checks
 from largebatch.outputs import CommandError
 from largebatch.recipes.registry import Recipe
 from largebatch.training.loop import Batches, tensor_chunks
 
-__all__ = ["StreamSampler", "TrainData", "batches", "epoch_sampler", "eval_chunks", "load_data"]
+__all__ = [
+    "StreamSampler",
+    "TrainData",
+    "augment_generator",
+    "batches",
+    "epoch_sampler",
+    "eval_chunks",
+    "load_data",
+    "random_crop_flip",
+]
 
 
 def _fail(message: str) -> CommandError:
@@ -184,12 +196,62 @@ def epoch_sampler(
 
 
 def batches(
-    data: Any, sampler: Any, batch: int, workers: int, device: torch.device, dtype: torch.dtype
+    data: Any,
+    sampler: Any,
+    batch: int,
+    workers: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    augment: torch.Generator | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This process's batches of one epoch in the sampler's order (partial batch dropped),
-    on ``device``: images as ``dtype``, channels-last."""
+    on ``device``: images as ``dtype``, channels-last; with an ``augment`` generator, each
+    batch cropped and flipped by :func:`random_crop_flip` (padding 2) on ``device``."""
     for x, y in _cpu_batches(data, sampler, batch, workers):
-        yield x.to(device, dtype, memory_format=torch.channels_last), y.to(device)
+        x = x.to(device, dtype, memory_format=torch.channels_last)
+        yield (x if augment is None else random_crop_flip(x, augment)), y.to(device)
+
+
+def augment_generator(seed: int, epoch: int, rank: int = 0, world: int = 1) -> torch.Generator:
+    """The generator of ``--augment``'s draws in epoch ``epoch`` (from 0) on process ``rank``
+    of ``world``: seeded with ``(seed * 1_000_003 + epoch) * world + rank``, so each epoch
+    and process has its own stream, and a resumed run draws the crops it would have drawn."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * world + rank)
+
+
+def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 2) -> torch.Tensor:
+    """Each image of the batch ``x`` (N, C, H, W) cropped back to H x W at a random offset of
+    itself zero-padded by ``padding`` on every side, and flipped left-right with probability
+    1/2: the standard small-image augmentation, on a whole batch on its own device.
+
+    The draws come from ``generator`` (a CPU generator) in this order, which fixes what a
+    seed gives: the N row offsets ``dy``, then the N column offsets ``dx`` (each uniform in
+    0 to ``2 padding``: ``torch.randint(0, 2 padding + 1, (N,))``), then the N flips
+    (``torch.randint(0, 2, (N,))``, 1 flips). Image i is the padded image's rows ``dy[i]``
+    to ``dy[i] + H`` and columns ``dx[i]`` to ``dx[i] + W``, then flipped. ``padding=0``
+    flips only. One pad and one gather, no loop over the images; the output keeps ``x``'s
+    dtype, device and memory format (channels-last or contiguous)."""
+    padding = checks.integer("padding", padding, 0)
+    n, _, h, w = x.shape
+    dy = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
+    dx = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
+    flip = torch.randint(0, 2, (n,), generator=generator).bool()
+    cols = dx[:, None] + torch.arange(w)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    rows = (dy[:, None] + torch.arange(h)).to(x.device)
+    cols, images = cols.to(x.device), torch.arange(n, device=x.device)
+    padded = F.pad(x, (padding,) * 4) if padding else x
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        # Gathered as (N, H, W, C), which is channels-last (N, C, H, W) in memory.
+        nhwc = padded.permute(0, 2, 3, 1)[images[:, None, None], rows[:, :, None], cols[:, None, :]]
+        return nhwc.permute(0, 3, 1, 2)
+    channels = torch.arange(x.shape[1], device=x.device)
+    return padded[
+        images[:, None, None, None],
+        channels[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
 
 
 def _cpu_batches(data: Any, sampler: Any, batch: int, workers: int) -> Iterator[Any]:

@@ -96,7 +96,9 @@ def build_run(
     ends = [recipe.epoch_end(e, data.n_train, batch) for e in range(epochs + 1)]
     torch.manual_seed(args.seed)
     dtype = DTYPES[precision]
-    model, whole = _build_model(recipe, data.num_classes, device, precision, fsdp, state)
+    model, whole = _build_model(
+        recipe, data.num_classes, device, precision, fsdp, state, settings["ghost_batch"]
+    )
     try:
         optimizer = build_optimizer(recipe, model, lr, precision, world)
     except ValueError as err:
@@ -146,9 +148,11 @@ def _build_model(
     precision: str,
     fsdp: bool,
     state: dict[str, Any] | None,
+    ghost_batch: int | None = None,
 ) -> tuple[nn.Module, nn.Module | None]:
-    """The recipe's model on ``device``, and under FSDP its whole copy (None otherwise)."""
-    model = build_model(recipe.model, num_classes)
+    """The recipe's model on ``device`` (its batch norms ghost batch norms of ``ghost_batch``
+    when given), and under FSDP its whole copy (None otherwise)."""
+    model = build_model(recipe.model, num_classes, ghost_batch=ghost_batch)
     # FSDP2 shards contiguous params only: channels-last weights are not.
     model = (
         model.to(device)

@@ -26,7 +26,7 @@ from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporari
 from largebatch.recipes.registry import Recipe, get_recipe
 from largebatch.torch import named_trust_ratios
 from largebatch.training.checkpoint import gather_residuals, gather_rng, read_checkpoint, write_checkpoint
-from largebatch.training.data import batches, epoch_sampler, eval_chunks
+from largebatch.training.data import augment_generator, batches, epoch_sampler, eval_chunks
 from largebatch.training.distributed import (
     buffers_sha256,
     check_device,
@@ -174,6 +174,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             f"micro-batch {micro} must divide the per-process batch {local_batch} "
             f"(batch {batch} / world size {world})"
         )
+    ghost_batch = getattr(args, "ghost_batch", None)
+    if ghost_batch is not None and micro % ghost_batch:
+        raise fail(
+            f"--ghost-batch {ghost_batch} must divide the per-process micro-batch {micro} "
+            f"(batch {batch} / world size {world}, in micro-batches of {micro})"
+        )
+    augment = getattr(args, "augment", False)
+    if augment and recipe.data != "fashion-mnist":
+        raise fail(
+            f"--augment crops and flips Fashion-MNIST batches; recipe {recipe.name!r} reads "
+            "ImageFolder data, which has its own RandomResizedCrop and RandomHorizontalFlip"
+        )
     if args.fsdp and world < 2:
         raise fail(
             "--fsdp shards the model over processes: run it under torchrun with 2 or "
@@ -209,6 +221,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "fsdp": args.fsdp,
         "compression": compression,
         "compression_warmup": args.compression_warmup if compression != "none" else None,
+        "ghost_batch": ghost_batch,
+        "augment": augment,
     }
     with contextlib.ExitStack() as held:
         if rank == 0:  # only rank 0 writes: it holds the folder for the whole run
@@ -306,9 +320,12 @@ def _train(run: Run, epoch: int, bar: Any, log: MetricsLog) -> tuple[torch.Tenso
         run.recipe, run.data.n_train, run.batch, run.rank, run.world, run.args.seed, epoch
     )
     telemetry = _EpochTelemetry(run, epoch, bar, log)
+    augment = (
+        augment_generator(run.args.seed, epoch, run.rank, run.world) if run.settings["augment"] else None
+    )
     loss_sum = train_epoch(
         run.ddp,
-        batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype),
+        batches(run.data.train, sampler, run.local_batch, run.args.workers, run.device, run.dtype, augment),
         run.optimizer,
         run.scheduler,
         telemetry.watch(run.loss_fn),
