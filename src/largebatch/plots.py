@@ -11,7 +11,7 @@ from typing import Any
 
 from largebatch.outputs import figure, plot_or_warn
 
-__all__ = ["Plotter", "plot_history", "plot_study"]
+__all__ = ["Plotter", "plot_history", "plot_steps", "plot_study"]
 
 
 class Plotter:
@@ -159,3 +159,52 @@ def plot_study(summary: dict[str, Any], path: Path, baseline: tuple[int, str]) -
             ylabel="test accuracy (%), seed 0",
             legend={"fontsize": 7, "ncol": 2},
         )
+
+
+# --------------------------------------------------------------------------- steps study
+
+
+def plot_steps(summary: dict[str, Any], path: Path) -> None:
+    """The steps-to-target study's two panels, log-log against the batch, one line per
+    optimizer: the median over seeds of the steps to the target (bars: the seeds' range;
+    a point no seed reached is left out), with each optimizer's fit of S(B) and the line of
+    perfect scaling through the smallest batch's best; and the images to the target
+    (steps times batch), where perfect scaling is flat."""
+    import math
+
+    points = summary["points"]
+    with figure(path, 1, 2, figsize=(12, 4.5)) as (_, (left, right)):
+        low = math.inf
+        for optimizer in dict.fromkeys(p["optimizer"] for p in points):
+            mine = [
+                p
+                for p in points
+                if p["optimizer"] == optimizer and math.isfinite(p.get("steps_median", math.inf))
+            ]
+            if not mine:
+                continue
+            b = [p["batch"] for p in mine]
+            med = [p["steps_median"] for p in mine]
+            lo = [m - min(p["seed_steps"]) for m, p in zip(med, mine)]
+            hi = [max(x for x in p["seed_steps"] if math.isfinite(x)) - m for m, p in zip(med, mine)]
+            line = left.errorbar(b, med, yerr=[lo, hi], marker="o", capsize=3, label=optimizer)
+            right.plot(
+                b, [m * x for m, x in zip(med, b)], marker="o", label=optimizer, color=line[0].get_color()
+            )
+            low = min(low, med[0] * b[0])
+            fit = summary["critical_batch"].get(optimizer)
+            if fit is not None:
+                grid = [b[0] * (b[-1] / b[0]) ** (i / 50) for i in range(51)]
+                curve = [fit["s_min"] * (1 + fit["b_noise"] / x) for x in grid]
+                left.plot(grid, curve, color=line[0].get_color(), alpha=0.4)
+                right.plot(grid, [c * x for c, x in zip(curve, grid)], color=line[0].get_color(), alpha=0.4)
+        if math.isfinite(low):
+            batches = sorted({p["batch"] for p in points})
+            left.plot(
+                batches, [low / x for x in batches], color="gray", linestyle="--", label="perfect scaling"
+            )
+            right.axhline(low, color="gray", linestyle="--", label="perfect scaling")
+        goal = summary["target"]
+        title = f"validation target {goal:.3f}" if goal is not None else "steps to target"
+        _style(left, title=title, xlabel="batch", ylabel="steps to target", xlog=2, ylog=10, legend={})
+        _style(right, title="images to target", xlabel="batch", ylabel="images", xlog=2, ylog=10, legend={})

@@ -28,6 +28,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "largebatch.cli.study",
         "the batch-size sweep on Fashion-MNIST, every optimizer tuned alike (--quick: make demo)",
     ),
+    "steps": (
+        "largebatch.cli.steps",
+        "steps to a validation target against batch size, each optimizer searched alike; "
+        "critical batches and paired intervals",
+    ),
     "scaling": (
         "largebatch.cli.scaling",
         "step time and scaling efficiency of dense and compressed all-reduce, modelled",

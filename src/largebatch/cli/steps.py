@@ -1,0 +1,179 @@
+"""``largebatch steps``: the flags of the steps-to-target study, the
+:class:`~largebatch.study.steps.StepsConfig` they ask for, and the run
+(:func:`largebatch.study.steps.run_steps_study`) or ``--report``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+
+from largebatch.outputs import CommandError, require
+from largebatch.study.run import Stopped
+from largebatch.study.steps import (
+    BATCHES,
+    OPTIMIZERS,
+    StepsConfig,
+    check_config,
+    recorded_config,
+    run_steps_study,
+)
+from largebatch.study.steps.plan import MODELS
+from largebatch.study.steps.run import check_resume
+
+__all__ = ["add_arguments", "config", "main"]
+
+# The flags that say what the study runs; the others say where and how.
+_SETTINGS = (
+    "model",
+    "batches",
+    "optimizers",
+    "trials",
+    "extend",
+    "search_seed",
+    "budget_epochs",
+    "budget_batch",
+    "eval_images",
+    "margin",
+    "seeds",
+    "max_seeds",
+    "final_epochs",
+    "threshold",
+    "ghost_batch",
+    "augment",
+    "subset",
+)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``largebatch steps`` flags."""
+    add = parser.add_argument
+    d = StepsConfig()
+    add(
+        "--report",
+        dest="report_only",
+        action="store_true",
+        help="write the tables and plot of the runs in OUT/runs.jsonl with the settings "
+        "recorded in OUT/settings.json; train nothing",
+    )
+    add("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    add("--model", default=None, choices=MODELS, help=f"the model (default {d.model})")
+    add(
+        "--batches",
+        type=_ints,
+        default=None,
+        metavar="B,B",
+        help=f"batch sizes, increasing (default {','.join(map(str, BATCHES))})",
+    )
+    add(
+        "--optimizers",
+        type=lambda t: tuple(t.split(",")),
+        default=None,
+        metavar="NAME,NAME",
+        help=f"of {','.join(OPTIMIZERS)} (default all)",
+    )
+    add("--trials", type=int, default=None, help=f"Sobol trials per point and extension (default {d.trials})")
+    add(
+        "--extend",
+        type=int,
+        default=None,
+        help=f"times a point's lr range may move past an edge that holds its pick (default {d.extend})",
+    )
+    add("--search-seed", type=int, default=None, help="the Sobol sequence's scrambling seed (default 0)")
+    add(
+        "--budget-epochs",
+        type=float,
+        default=None,
+        help="a search trial's epochs at batch B: this x (1 + B / --budget-batch) "
+        f"(default {d.budget_epochs:g})",
+    )
+    add("--budget-batch", type=int, default=None, help=f"see --budget-epochs (default {d.budget_batch})")
+    add(
+        "--eval-images",
+        type=int,
+        default=None,
+        help=f"score the validation split every this many images (default {d.eval_images:,})",
+    )
+    add(
+        "--margin",
+        type=float,
+        default=None,
+        help=f"the target: the smallest batch's best validation accuracy less this (default {d.margin:g})",
+    )
+    add("--seeds", type=int, default=None, help=f"seeds of each pick (default {d.seeds})")
+    add(
+        "--max-seeds",
+        type=int,
+        default=None,
+        help=f"seeds where a paired interval crosses its threshold (default {d.max_seeds})",
+    )
+    add(
+        "--final-epochs",
+        type=int,
+        default=None,
+        help=f"the final runs' fixed epochs (default {d.final_epochs})",
+    )
+    add(
+        "--threshold",
+        type=float,
+        default=None,
+        help=f"'within' for final accuracy against the smallest batch (default {d.threshold:g})",
+    )
+    add("--ghost-batch", type=int, default=None, help=f"batch norm's images (default {d.ghost_batch})")
+    add("--augment", type=int, default=None, help=f"the crop's padding, 0 for none (default {d.augment})")
+    add("--subset", type=int, default=None, help="the first N images only (tests)")
+    add("--data", default=None, metavar="DIR", help="the Fashion-MNIST .gz files (default: found)")
+    add("--jobs", type=int, default=None, help="runs at once (default: one per core; 1 on cuda)")
+    add("--threads", type=int, default=None, help="torch threads per run (default: the cores / jobs)")
+    add("--device", default="cpu", choices=("cpu", "cuda"), help="where the runs train")
+
+
+def config(args: argparse.Namespace) -> StepsConfig:
+    """The configuration the flags ask for; with ``--report``, the recorded settings with
+    the flags given on top. A ValueError for a folder without a study."""
+    environment = {"data": args.data, "jobs": args.jobs, "threads": args.threads, "device": args.device}
+    given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
+    if args.report_only:
+        recorded = recorded_config(args.out, **environment, report_only=True)
+        return dataclasses.replace(recorded, **given)
+    return StepsConfig(out=args.out, **environment, **given)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the study from parsed arguments."""
+    try:
+        cfg = config(args)
+        check_config(cfg)
+        if not cfg.report_only:
+            check_resume(cfg)
+    except ValueError as err:
+        raise CommandError("steps", str(err)) from None
+    require("steps", ("torch", "matplotlib"))
+    if not cfg.report_only:
+        from largebatch.fashion_mnist import fashion_mnist_dir
+        from largebatch.training import check_device
+
+        check_device(cfg.device, "steps")
+        if cfg.data is not None and not Path(cfg.data).is_dir():
+            raise CommandError("steps", f"data directory not found: {cfg.data}")
+        try:
+            fashion_mnist_dir(cfg.data)
+        except FileNotFoundError as err:
+            raise CommandError("steps", str(err)) from None
+    try:
+        run_steps_study(cfg)
+    except Stopped:
+        print(
+            f"largebatch steps: stopped by SIGTERM; the finished runs are in "
+            f"{Path(cfg.out) / 'runs.jsonl'}, and the same command continues from them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 128 + signal.SIGTERM
+    return 0

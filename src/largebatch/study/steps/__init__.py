@@ -1,0 +1,47 @@
+"""The steps-to-target study (``largebatch steps``; docs/study.md): how many steps each
+optimizer needs to reach a validation target at each batch size, each point tuned by a
+quasi-random search, the critical batch of each optimizer, and final accuracy at a fixed
+epoch budget with paired intervals.
+
+Modules: ``plan`` (what to run; pure), ``trial`` (one run), ``fits`` (the statistics),
+``report`` (the tables and the plot), ``run`` (the study and its folder). The flags are
+``largebatch.cli.steps``.
+"""
+
+from largebatch.study.steps.fits import CriticalBatch, Interval, critical_batch, fit_steps, paired_interval
+from largebatch.study.steps.plan import (
+    BATCHES,
+    OPTIMIZERS,
+    SPACES,
+    Dimension,
+    StepsConfig,
+    TrialSpec,
+    check_config,
+    plan,
+    target,
+)
+from largebatch.study.steps.report import markdown, summarize
+from largebatch.study.steps.run import estimate, load_trials, recorded_config, run_steps_study
+
+__all__ = [
+    "BATCHES",
+    "OPTIMIZERS",
+    "SPACES",
+    "CriticalBatch",
+    "Dimension",
+    "Interval",
+    "StepsConfig",
+    "TrialSpec",
+    "check_config",
+    "critical_batch",
+    "estimate",
+    "fit_steps",
+    "load_trials",
+    "markdown",
+    "paired_interval",
+    "plan",
+    "recorded_config",
+    "run_steps_study",
+    "summarize",
+    "target",
+]

@@ -1,0 +1,227 @@
+"""The report of the steps-to-target study, from its finished runs alone:
+:func:`summarize` (every number, as JSON values), :func:`markdown` (the tables) and
+:func:`plot` (steps to target against batch, log-log). ``largebatch steps --report``
+rewrites all three from ``runs.jsonl``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from largebatch.study.steps.fits import critical_batch, paired_interval
+from largebatch.study.steps.plan import (
+    SPACES,
+    StepsConfig,
+    TrialSpec,
+    budget_steps,
+    comparisons,
+    final_accuracies,
+    lr_dimension,
+    pick,
+    point_trials,
+    seed_runs,
+    target,
+    train_images,
+)
+
+__all__ = ["markdown", "plot", "summarize"]
+
+# ImageNet's 1.28M training images over the tuning split's 50,000: a batch's share of an
+# epoch, as a label only (the study claims nothing about ImageNet).
+IMAGENET_FACTOR = 1_281_167 / 50_000
+
+
+def _positions(spec: TrialSpec, lowest: int, highest: int) -> dict[str, float]:
+    """Where each of the pick's values lies in the space searched, 0 to 1 (the lr's: in
+    the union of the ranges its point searched, shifts ``lowest`` to ``highest``)."""
+    low = lr_dimension(spec.optimizer, spec.batch, lowest)
+    high = lr_dimension(spec.optimizer, spec.batch, highest)
+    out = {"lr": math.log(spec.lr / low.low) / math.log(high.high / low.low)}
+    out.update({d.name: d.position(getattr(spec, d.name)) for d in SPACES[spec.optimizer]})
+    return out
+
+
+def _point(
+    cfg: StepsConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
+) -> dict[str, Any]:
+    goal = target(cfg, results)
+    specs, done = point_trials(cfg, results, batch, optimizer)
+    finished = [s for s in specs if s.key in results]
+    row: dict[str, Any] = {
+        "batch": batch,
+        "optimizer": optimizer,
+        "imagenet_batch": round(batch * IMAGENET_FACTOR),
+        "trials": len(finished),
+        "search_done": done,
+        "budget_steps": budget_steps(cfg, batch),
+    }
+    if goal is not None:
+        row["reached"] = sum(_reaches(results[s.key], goal) for s in finished)
+    chosen = pick(specs, results, None if batch == cfg.batches[0] else goal) if done else None
+    if chosen is not None:
+        shifts = [s.shift for s in specs]
+        row["pick"] = {"index": chosen.index, **chosen.hyperparameters()}
+        row["lr_range"] = [
+            lr_dimension(optimizer, batch, min(shifts)).low,
+            lr_dimension(optimizer, batch, max(shifts)).high,
+        ]
+        row["positions"] = {k: round(v, 3) for k, v in _positions(chosen, min(shifts), max(shifts)).items()}
+    seeds = seed_runs(cfg, results, batch, optimizer)
+    if seeds and all(s.key in results for s in seeds):
+        steps = [results[s.key]["steps_to_target"] for s in seeds]
+        row["seed_steps"] = [math.inf if n is None else n for n in steps]
+        row["steps_median"] = _median(row["seed_steps"])
+    acc = final_accuracies(cfg, results, batch, optimizer)
+    if acc:
+        row["final_accuracy"] = acc
+        row["final_mean"] = sum(acc) / len(acc)
+    return row
+
+
+def _reaches(row: dict[str, Any], goal: float) -> bool:
+    return any(c["accuracy"] >= goal for c in row["curve"])
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every number of the report, from the finished runs: each point's search, pick and
+    steps to target; each optimizer's critical batch; the final accuracies and the paired
+    comparisons."""
+    points = [_point(cfg, results, b, o) for b, o in cfg.points()]
+    by_point = {(p["batch"], p["optimizer"]): p for p in points}
+    fits = {}
+    for optimizer in cfg.optimizers:
+        mine = [p for p in points if p["optimizer"] == optimizer and "seed_steps" in p]
+        if len([p for p in mine if math.isfinite(p["steps_median"])]) >= 3:
+            fit = critical_batch([p["batch"] for p in mine], [p["seed_steps"] for p in mine])
+            fits[optimizer] = fit._asdict()
+    compared = []
+    for point, reference, threshold in comparisons(cfg):
+        a = by_point[point].get("final_accuracy", [])
+        b = by_point[reference].get("final_accuracy", [])
+        n = min(len(a), len(b))
+        if n >= 2:
+            interval = paired_interval(a[:n], b[:n])
+            compared.append(
+                {
+                    "point": list(point),
+                    "reference": list(reference),
+                    "threshold": threshold,
+                    **interval._asdict(),
+                    "crosses": interval.crosses(threshold),
+                }
+            )
+    return {
+        "settings": cfg.settings(),
+        "target": target(cfg, results),
+        "runs": len(results),
+        "final_images": train_images(cfg.subset, "final"),
+        "points": points,
+        "critical_batch": fits,
+        "comparisons": compared,
+    }
+
+
+def _steps_cell(p: dict[str, Any]) -> str:
+    if "seed_steps" not in p:
+        return "…" if not p.get("search_done") else "not reached"
+    steps = p["seed_steps"]
+    finite = [s for s in steps if math.isfinite(s)]
+    if not math.isfinite(p["steps_median"]):
+        return f"> {p['budget_steps']} ({len(finite)}/{len(steps)})"
+    return f"{p['steps_median']:g} [{min(finite):g}-{max(steps):g}]" + (
+        f" ({len(finite)}/{len(steps)})" if len(finite) < len(steps) else ""
+    )
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The report's tables: steps to target, critical batches, final accuracy and the
+    paired comparisons, the picks."""
+    s = summary["settings"]
+    optimizers = s["optimizers"]
+    by_point = {(p["batch"], p["optimizer"]): p for p in summary["points"]}
+    goal = summary["target"]
+    lines = [
+        f"# Steps to a validation target against batch size: {s['model']}",
+        "",
+        f"{summary['runs']} runs. Target: validation accuracy "
+        + (f"{goal:.3f}" if goal is not None else "(set when the smallest batch's search ends)")
+        + f"; {s['trials']} Sobol trials a point; ghost batch norm over {s['ghost_batch']} images; "
+        f"random crop (padding {s['augment']}) and flip.",
+        "",
+        "## Steps to target (median over seeds [min-max])",
+        "",
+        "| batch | ImageNet label | " + " | ".join(optimizers) + " |",
+        "|---:|---:|" + "---:|" * len(optimizers),
+    ]
+    for b in s["batches"]:
+        cells = [_steps_cell(by_point[b, o]) for o in optimizers]
+        lines.append(
+            f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
+        )
+    lines += ["", "## Critical batch (fit of S(B) = S_min (1 + B_noise / B), 95% bootstrap interval)", ""]
+    if summary["critical_batch"]:
+        lines += ["| optimizer | S_min | B_crit | 95% interval |", "|---|---:|---:|---:|"]
+        for o, f in summary["critical_batch"].items():
+            interval = f"{f['b_noise_low']:,.0f}-{f['b_noise_high']:,.0f}"
+            lines.append(f"| {o} | {f['s_min']:.0f} | {f['b_noise']:,.0f} | {interval} |")
+    else:
+        lines.append("(needs three batches with their seeds' steps)")
+    lines += [
+        "",
+        f"## Final test accuracy, {s['final_epochs']} epochs (mean over seeds)",
+        "",
+        "| batch | " + " | ".join(optimizers) + " |",
+        "|---:|" + "---:|" * len(optimizers),
+    ]
+    for b in s["batches"]:
+        cells = []
+        for o in optimizers:
+            p = by_point[b, o]
+            cells.append(
+                f"{100 * p['final_mean']:.2f} (n={len(p['final_accuracy'])})" if "final_mean" in p else "…"
+            )
+        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    if summary["comparisons"]:
+        lines += [
+            "",
+            "## Paired differences of final accuracy (points, 95% t interval; seeds shared)",
+            "",
+            "| batch, optimizer | against | difference | 95% interval | n | threshold | settled |",
+            "|---|---|---:|---:|---:|---:|---|",
+        ]
+        for c in summary["comparisons"]:
+            (b, o), (rb, ro) = c["point"], c["reference"]
+            lines.append(
+                f"| {b:,} {o} | {rb:,} {ro} | {100 * c['mean']:+.2f} | {100 * c['low']:+.2f} to "
+                f"{100 * c['high']:+.2f} | {c['n']} | {100 * c['threshold']:+.1f} | "
+                f"{'no' if c['crosses'] else 'yes'} |"
+            )
+    lines += ["", "## The picks (position of each value in its range, 0 to 1)", ""]
+    lines += ["| batch | optimizer | trials | reached | pick | positions |", "|---:|---|---:|---:|---|---|"]
+    for p in summary["points"]:
+        if "pick" in p:
+            hp = ", ".join(f"{k} {v:.3g}" for k, v in p["pick"].items() if k != "index")
+            pos = ", ".join(f"{v:.2f}" for v in p["positions"].values())
+            lines.append(
+                f"| {p['batch']:,} | {p['optimizer']} | {p['trials']} | {p.get('reached', '-')} | "
+                f"#{p['pick']['index']}: {hp} | {pos} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Draw the steps to target against batch (:func:`largebatch.plots.plot_steps`) once
+    some point has its seeds' steps; a failure is a one-line warning."""
+    from largebatch.plots import Plotter, plot_steps
+
+    if not any("seed_steps" in p for p in summary["points"]):
+        return False
+    return Plotter("steps", path, plot_steps)(summary)

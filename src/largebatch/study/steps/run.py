@@ -1,0 +1,196 @@
+"""The steps-to-target study's run (:func:`run_steps_study`): its settings in
+``OUT/settings.json`` (a resume refuses others), its cost before it starts, the planned
+runs on a pool of worker processes, each finished run appended to ``OUT/runs.jsonl``, then
+the report (``steps.md``, ``steps.json``, ``steps.png``). Imports no framework: the
+workers do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
+from largebatch.study.run import pool_size, run_planned
+from largebatch.study.steps.plan import (
+    StepsConfig,
+    TrialSpec,
+    budget_steps,
+    check_config,
+    plan,
+    train_images,
+)
+from largebatch.study.steps.report import markdown, plot, summarize
+from largebatch.study.steps.trial import run_trial
+
+__all__ = ["SETTINGS", "check_resume", "estimate", "load_trials", "recorded_config", "run_steps_study"]
+
+SETTINGS = "settings.json"
+# Images a second one CPU thread trains, with the study's scoring and augmentation, before
+# a study has finished runs to measure it from (2-core x86 machine, torch 2.14, 2026-11).
+IMAGES_PER_THREAD_SECOND = {"fmnist_cnn": 8_000.0, "fmnist_alexnet_bn": 6_000.0, "small_resnet": 5_000.0}
+
+
+def load_trials(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
+    """The finished runs in ``path`` by :attr:`TrialSpec.key`. A line that holds no complete
+    run (cut short when the study was killed mid-write) is skipped, with a warning naming
+    the file and line (``warn``); its run is planned again."""
+    results: dict[str, dict[str, Any]] = {}
+    if not path.is_file():
+        return results
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            spec = TrialSpec(**row["spec"])
+        except (ValueError, TypeError, KeyError) as err:
+            if warn:
+                reason = " ".join(f"{type(err).__name__}: {err}".split())
+                print(
+                    f"largebatch steps: warning: {path}, line {number}: not a complete run record "
+                    f"({reason}); skipped, its run is planned again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            continue
+        results[spec.key] = row
+    return results
+
+
+def recorded_config(out: str, **environment: Any) -> StepsConfig:
+    """The settings of the study in ``out`` (its ``settings.json``) with ``environment``
+    (``out``, ``jobs``, ...). A ValueError says what is missing or wrong."""
+    path = Path(out) / SETTINGS
+    try:
+        settings = json.loads(path.read_text())
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+        cfg = StepsConfig(**values, out=out, **environment)
+        check_config(cfg)
+    except FileNotFoundError:
+        raise ValueError(f"{out} holds no steps study: no {SETTINGS}") from None
+    except (OSError, ValueError, TypeError) as err:
+        reason = " ".join(str(err).split())
+        raise ValueError(f"cannot read the study's settings from {path}: {reason}") from None
+    return cfg
+
+
+def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[float, float]:
+    """``(images, CPU-hours)`` of the runs still to run, at most: every search trial of
+    every point (without extensions) to its budget, the seeds to the budget and the final
+    runs, less the runs finished, at the speed of the finished runs (images per thread
+    second) or, before the first, :data:`IMAGES_PER_THREAD_SECOND`."""
+    images = 0.0
+    for batch, optimizer in cfg.points():
+        per_run = budget_steps(cfg, batch) * batch
+        searched = sum(1 for r in results.values() if _at(r, "search", batch, optimizer))
+        seeded = sum(1 for r in results.values() if _at(r, "steps", batch, optimizer))
+        finals = sum(1 for r in results.values() if _at(r, "final", batch, optimizer))
+        images += max(0, cfg.trials - searched) * per_run + max(0, cfg.seeds - seeded) * per_run
+        images += (
+            max(0, cfg.seeds - finals)
+            * cfg.final_epochs
+            * (train_images(cfg.subset, "final") // batch)
+            * batch
+        )
+    done = [r for r in results.values() if r.get("threads") and r["seconds"] > 0]
+    if done:
+        speed = sum(r["steps"] * r["spec"]["batch"] for r in done) / sum(
+            r["seconds"] * r["threads"] for r in done
+        )
+    else:
+        speed = IMAGES_PER_THREAD_SECOND[cfg.model]
+    return images, images / speed / 3600
+
+
+def _at(row: dict[str, Any], kind: str, batch: int, optimizer: str) -> bool:
+    spec = row["spec"]
+    return (spec["kind"], spec["batch"], spec["optimizer"]) == (kind, batch, optimizer)
+
+
+_say = functools.partial(print, flush=True)
+
+
+def run_steps_study(cfg: StepsConfig, print_fn: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run every planned run (reusing those in ``OUT/runs.jsonl``), then write the report.
+    A folder whose ``settings.json`` holds other settings is refused (ValueError naming
+    the first that differs), before anything runs."""
+    check_config(cfg)
+    with lock_folder(cfg.out, "steps") as out:
+        remove_stale_temporaries(out, ("steps.json", "steps.md", "steps.png", SETTINGS))
+        log = out / "runs.jsonl"
+        results = load_trials(log)
+        if not cfg.report_only:
+            check_resume(cfg)
+            atomic_write(out / SETTINGS, json.dumps(cfg.settings(), indent=2) + "\n")
+            _train(cfg, results, log, print_fn)
+        summary = summarize(cfg, results)
+        atomic_write(out / "steps.json", json.dumps(summary, indent=2) + "\n")
+        text = markdown(summary)
+        atomic_write(out / "steps.md", text)
+        wrote = [out / "steps.md", out / "steps.json"]
+        if plot(summary, out / "steps.png"):
+            wrote.append(out / "steps.png")
+        print_fn(text)
+        print_fn(f"wrote {', '.join(map(str, wrote))}")
+        return summary
+
+
+def check_resume(cfg: StepsConfig) -> None:
+    """A ValueError, naming the first setting that differs, when ``OUT/settings.json``
+    records a study with other settings: its runs are not this study's."""
+    out = Path(cfg.out)
+    path = out / SETTINGS
+    if not path.is_file():
+        return
+    recorded = json.loads(path.read_text())
+    for name, value in cfg.settings().items():
+        if recorded.get(name) != value:
+            raise ValueError(
+                f"{out} holds a study run with {name} {recorded.get(name)!r}, not {value!r}: "
+                "use another --out, or the same settings to resume it"
+            )
+
+
+def _train(
+    cfg: StepsConfig, results: dict[str, dict[str, Any]], log: Path, print_fn: Callable[[str], None]
+) -> None:
+    jobs, threads = pool_size(cfg.jobs, cfg.threads, cfg.device)
+    images, hours = estimate(cfg, results)
+    print_fn(
+        f"largebatch steps: {cfg.model}, batches {', '.join(map(str, cfg.batches))}, "
+        f"{', '.join(cfg.optimizers)}; {len(results)} runs done in {log}; at most "
+        f"{images / 1e6:,.1f}M images to go, {hours:,.1f} CPU-hours "
+        f"({hours / (jobs * threads):,.1f} h on {jobs} job(s) x {threads} thread(s) on {cfg.device}; "
+        "the early stops take a fraction of it)"
+    )
+    start, done = time.perf_counter(), 0
+
+    def finished(spec: TrialSpec, row: dict[str, Any]) -> None:
+        nonlocal done
+        done += 1
+        reached = row["steps_to_target"]
+        print_fn(
+            f"[{done:>4} {time.perf_counter() - start:7.0f}s] {spec.describe()}  "
+            f"{'test' if spec.kind == 'final' else 'val'} {row['accuracy']:.4f} "
+            f"{row['stopped']} at {row['steps']}"
+            + (f", target at {reached}" if reached is not None else "")
+            + f" ({row['seconds']:.0f}s)"
+        )
+
+    run_planned(
+        functools.partial(plan, cfg),
+        run_trial,
+        results,
+        log,
+        jobs=jobs,
+        threads=threads,
+        data=cfg.data,
+        device=cfg.device,
+        finished=finished,
+    )
