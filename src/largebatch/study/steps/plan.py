@@ -101,8 +101,8 @@ class Dimension:
             return self.low + u * (self.high - self.low)
         if self.scale == "log":
             return math.exp(math.log(self.low) + u * (math.log(self.high) - math.log(self.low)))
-        a, b = math.log(1 - self.high), math.log(1 - self.low)
-        return 1 - math.exp(a + u * (b - a))
+        near, far = math.log(1 - self.low), math.log(1 - self.high)
+        return 1 - math.exp(near + u * (far - near))
 
     def position(self, value: float) -> float:
         """Where ``value`` lies in the range, from 0 (``low``) to 1 (``high``)."""
@@ -288,6 +288,13 @@ class TrialSpec:
     def point(self) -> tuple[int, str]:
         return self.batch, self.optimizer
 
+    def value(self, name: str) -> float:
+        """The run's ``name`` (a ValueError when its optimizer has none)."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"a {self.optimizer} run has no {name}")
+        return float(value)
+
     def hyperparameters(self) -> dict[str, float]:
         """The searched values, by name (:data:`HYPERPARAMETERS`; those the optimizer has)."""
         values = {name: getattr(self, name) for name in HYPERPARAMETERS}
@@ -315,6 +322,7 @@ def _search_spec(
     the lr's range moved ``shift`` :data:`LR_SPAN` (:func:`lr_dimension`)."""
     values = {"lr": lr_dimension(optimizer, batch, shift).value(u[0])}
     values.update({d.name: d.value(x) for d, x in zip(SPACES[optimizer], u[1:])})
+    fields: dict[str, Any] = {k: _round(v) for k, v in values.items()}
     return TrialSpec(
         "search",
         cfg.model,
@@ -328,7 +336,7 @@ def _search_spec(
         augment=cfg.augment,
         subset=cfg.subset,
         shift=shift,
-        **{k: _round(v) for k, v in values.items()},
+        **fields,
     )
 
 
@@ -493,18 +501,18 @@ def contested(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> set[tuple
 
 def plan(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> list[TrialSpec]:
     """Every run that can start now, given the finished ``results``, in the order to run
-    them (the smallest batch first, then the searches, seeds and final runs batch by
-    batch): pure, so a stopped study plans the same runs again."""
+    them: the searches (the smallest batch's first: the target waits for them), then the
+    seeds, then the final runs, each batch by batch. Pure: a stopped study plans the same
+    runs again."""
     more = contested(cfg, results)
-    needed: dict[str, TrialSpec] = {}
+    searches, seeds, finals = [], [], []
     for batch, optimizer in cfg.points():
-        specs, _ = point_trials(cfg, results, batch, optimizer)
-        seeds = cfg.max_seeds if (batch, optimizer) in more else cfg.seeds
-        for spec in (
-            *specs,
-            *seed_runs(cfg, results, batch, optimizer),
-            *final_runs(cfg, results, batch, optimizer, seeds),
-        ):
-            if spec.key not in results:
-                needed.setdefault(spec.key, spec)
+        searches += point_trials(cfg, results, batch, optimizer)[0]
+        seeds += seed_runs(cfg, results, batch, optimizer)
+        n = cfg.max_seeds if (batch, optimizer) in more else cfg.seeds
+        finals += final_runs(cfg, results, batch, optimizer, n)
+    needed: dict[str, TrialSpec] = {}
+    for spec in (*searches, *seeds, *finals):
+        if spec.key not in results:
+            needed.setdefault(spec.key, spec)
     return list(needed.values())

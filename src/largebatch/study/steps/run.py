@@ -69,7 +69,7 @@ def recorded_config(out: str, **environment: Any) -> StepsConfig:
     path = Path(out) / SETTINGS
     try:
         settings = json.loads(path.read_text())
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
         cfg = StepsConfig(**values, out=out, **environment)
         check_config(cfg)
     except FileNotFoundError:

@@ -41,8 +41,8 @@ class StepStatistics:
     def __init__(self, model: Any) -> None:
         from torch import nn
 
-        self.norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        self.norms = [m for m in self.norms if m.track_running_stats]
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.norms: list[Any] = [m for m in norms if m.track_running_stats]
         self.start: dict[int, tuple[Any, Any, Any]] = {}
         self.sums: dict[int, list[Any]] = {}
         for m in self.norms:
@@ -96,16 +96,19 @@ def trial_optimizer(spec: TrialSpec, model: Any) -> Any:
     from largebatch.torch import LAMB, LARS, param_groups
 
     groups = param_groups(model, spec.weight_decay)
+    value = spec.value
     if spec.optimizer == "lars":
-        return LARS(groups, lr=spec.lr, momentum=spec.momentum, trust_coefficient=spec.trust_coefficient)
+        return LARS(
+            groups, lr=spec.lr, momentum=value("momentum"), trust_coefficient=value("trust_coefficient")
+        )
     if spec.optimizer == "lamb":
-        return LAMB(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2))
+        return LAMB(groups, lr=spec.lr, betas=(value("beta1"), value("beta2")))
     for group in groups:
         group.pop("trust_ratio", None)
     if spec.optimizer == "nesterov":
-        return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, nesterov=True)
+        return torch.optim.SGD(groups, lr=spec.lr, momentum=value("momentum"), nesterov=True)
     if spec.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2))
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=(value("beta1"), value("beta2")))
     raise ValueError(f"Unknown optimizer {spec.optimizer!r}")
 
 

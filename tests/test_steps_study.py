@@ -1,0 +1,411 @@
+"""``largebatch steps``: the search plan and its target, the statistics, one run, and a tiny
+study end to end (resumed, reported, refused with other settings)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import user_error
+from scipy import stats
+
+from largebatch.recipes.build import build_model
+from largebatch.study.steps import (
+    SPACES,
+    StepsConfig,
+    TrialSpec,
+    critical_batch,
+    fit_steps,
+    load_trials,
+    paired_interval,
+    plan,
+    run_steps_study,
+    target,
+)
+from largebatch.study.steps import plan as steps_plan
+from largebatch.study.steps.plan import lr_dimension, point_trials, sobol_points
+from largebatch.study.steps.trial import StepStatistics, run_trial, trial_optimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SMALL = StepsConfig(
+    batches=(64, 256), optimizers=("nesterov", "lamb"), trials=4, extend=1, seeds=2, max_seeds=3
+)
+
+
+def _row(spec: TrialSpec, accuracies: list[float], every: int = 10) -> dict:
+    """A finished run whose validation accuracy is ``accuracies[i]`` at step ``every * (i + 1)``,
+    stopped as run_trial stops (at its target, its limit or its budget)."""
+    curve = []
+    for i, a in enumerate(accuracies):
+        curve.append({"step": every * (i + 1), "accuracy": a, "loss": 0.5})
+        if spec.target is not None and a >= spec.target:
+            break
+        if spec.limit is not None and every * (i + 1) >= spec.limit:
+            break
+    reached = next(
+        (c["step"] for c in curve if spec.target is not None and c["accuracy"] >= spec.target), None
+    )
+    return {
+        "spec": dataclasses.asdict(spec),
+        "accuracy": curve[-1]["accuracy"],
+        "steps_to_target": reached,
+        "stopped": "target" if reached else "budget",
+        "steps": curve[-1]["step"],
+        "curve": curve,
+        "seconds": 1.0,
+        "threads": 1,
+    }
+
+
+def _finish(results: dict, specs, accuracies) -> None:
+    for spec in specs:
+        results[spec.key] = _row(spec, accuracies(spec))
+
+
+def _smallest_done(cfg: StepsConfig = SMALL, best: dict[str, float] | None = None) -> dict:
+    """Results with the smallest batch's searches finished: the trial whose lr is the
+    median of its point's reaches ``best[optimizer]``, the others less."""
+    best = best or {"nesterov": 0.90, "lamb": 0.88}
+    results: dict = {}
+    for optimizer in cfg.optimizers:
+        specs, _ = point_trials(cfg, results, cfg.batches[0], optimizer)
+        middle = sorted(s.lr for s in specs)[len(specs) // 2]
+        for spec in specs:
+            results[spec.key] = _row(spec, [0.5, best[optimizer] - 0.05 * (spec.lr != middle)])
+    return results
+
+
+# --------------------------------------------------------------------------- the space
+
+
+@pytest.mark.parametrize("optimizer", sorted(SPACES))
+def test_each_dimension_maps_the_unit_interval_onto_its_range_and_back(optimizer):
+    for d in (lr_dimension(optimizer, 1024), *SPACES[optimizer]):
+        assert d.value(0.0) == pytest.approx(d.low) and d.value(1.0) == pytest.approx(d.high)
+        for u in (0.1, 0.5, 0.9):
+            assert d.low < d.value(u) < d.high
+            assert d.position(d.value(u)) == pytest.approx(u)
+    momentum = next(d for d in SPACES[optimizer] if d.name in ("momentum", "beta1"))
+    # 1 - momentum is log-uniform: the midpoint's distance from 1 is the geometric mean's
+    assert 1 - momentum.value(0.5) == pytest.approx(math.sqrt((1 - momentum.low) * (1 - momentum.high)))
+
+
+def test_the_lr_range_follows_the_square_root_rule_and_its_shifts():
+    a, b = lr_dimension("lamb", 256), lr_dimension("lamb", 1024)
+    assert b.low == pytest.approx(2 * a.low) and b.high == pytest.approx(2 * a.high)
+    up = lr_dimension("lamb", 256, shift=1)
+    assert up.low == pytest.approx(a.low * 10) and up.high == pytest.approx(a.high * 10)
+
+
+def test_the_sobol_points_are_the_same_each_time_and_fill_the_unit_cube():
+    points = sobol_points(6, 16, 0)
+    assert points == sobol_points.__wrapped__(6, 16, 0)
+    assert all(0 <= x < 1 for p in points for x in p) and len(set(points)) == 16
+    # one point in each sixteenth of every axis: a Sobol sequence's 1-d projections
+    for axis in range(6):
+        assert sorted(int(16 * p[axis]) for p in points) == list(range(16))
+    assert sobol_points(6, 16, 1) != points
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def test_the_smallest_batch_searches_first_to_its_budget_and_nothing_else_starts():
+    todo = plan(SMALL, {})
+    assert len(todo) == 8 and {s.point for s in todo} == {(64, "nesterov"), (64, "lamb")}
+    assert all(s.kind == "search" and s.target is None and s.limit is None and s.seed == 0 for s in todo)
+    assert [s.index for s in todo if s.optimizer == "lamb"] == [0, 1, 2, 3]
+    assert target(SMALL, {}) is None
+
+
+def test_the_target_is_the_weakest_optimizers_best_less_the_margin():
+    results = _smallest_done()
+    assert target(SMALL, results) == pytest.approx(0.87)  # lamb's 0.88 less 0.01
+    assert target(dataclasses.replace(SMALL, margin=0.005), results) == pytest.approx(0.875)
+
+
+def test_a_larger_batch_runs_its_trials_in_order_each_limited_by_the_fewest_steps_before_it():
+    results = _smallest_done()
+    goal = target(SMALL, results)
+    first = [s for s in plan(SMALL, results) if s.batch == 256]
+    assert [(s.optimizer, s.index) for s in first] == [("nesterov", 0), ("lamb", 0)]
+    assert all(s.target == goal and s.limit is None for s in first)
+    _finish(results, first, lambda s: [0.5, 0.6, 0.95])  # both reach it at step 30
+    second = [s for s in plan(SMALL, results) if s.batch == 256]
+    assert [(s.index, s.limit) for s in second] == [(1, 30), (1, 30)]
+    _finish(results, second, lambda s: [0.95])  # reached at step 10: the next is held to 10
+    assert {s.limit for s in plan(SMALL, results) if s.batch == 256} == {10}
+
+
+def _search_256(results, choose):
+    """Finish the B=256 searches: the trial whose lr is ``choose(lrs of the first block)``
+    reaches the target at the first score, every other at the fourth."""
+    for _ in range(2 * SMALL.trials + 1):
+        todo = [s for s in plan(SMALL, results) if s.batch == 256 and s.kind == "search"]
+        if not todo:
+            return
+        for spec in todo:
+            points = sobol_points(1 + len(SPACES[spec.optimizer]), SMALL.trials, SMALL.search_seed)
+            lrs = [round(lr_dimension(spec.optimizer, 256).value(u[0]), 12) for u in points]
+            winner = choose(lrs)
+            fast = spec.shift == 0 and math.isclose(spec.lr, winner, rel_tol=1e-3)
+            results[spec.key] = _row(spec, [0.95] if fast else [0.5, 0.6, 0.7, 0.95])
+
+
+def test_a_pick_on_the_edge_of_the_lrs_tried_extends_the_search_past_it():
+    results = _smallest_done()
+    _search_256(results, max)  # the highest lr wins
+    specs, done = point_trials(SMALL, results, 256, "lamb")
+    assert done and len(specs) == 8
+    assert [s.shift for s in specs] == [0] * 4 + [1] * 4
+    assert [s.index for s in specs[4:]] == [4, 5, 6, 7]
+    assert min(s.lr for s in specs[4:]) > lr_dimension("lamb", 256).low * 10
+
+
+def test_a_pick_inside_the_lrs_tried_ends_the_search():
+    results = _smallest_done()
+    _search_256(results, lambda lrs: sorted(lrs)[1])
+    specs, done = point_trials(SMALL, results, 256, "nesterov")
+    assert done and len(specs) == 4
+
+
+def test_seeds_and_final_runs_follow_the_pick():
+    results = _smallest_done()
+    goal = target(SMALL, results)
+    todo = plan(SMALL, results)
+    seeds = [s for s in todo if s.kind == "steps" and s.point == (64, "nesterov")]
+    finals = [s for s in todo if s.kind == "final" and s.point == (64, "nesterov")]
+    specs, _ = point_trials(SMALL, results, 64, "nesterov")
+    chosen = sorted(specs, key=lambda s: s.lr)[len(specs) // 2]
+    assert [s.seed for s in seeds] == [1, 2] and [s.seed for s in finals] == [0, 1]
+    assert all(s.lr == chosen.lr and s.target == goal and s.limit is None for s in seeds)
+    assert all(
+        s.steps == SMALL.final_epochs * (60_000 // 64) and s.eval_every == 60_000 // 64 for s in finals
+    )
+    assert all(s.target is None and s.power == chosen.power for s in finals)
+
+
+def _finals(results, cfg, accuracy):
+    for _ in range(cfg.max_seeds + 1):
+        todo = [s for s in plan(cfg, results) if s.kind == "final"]
+        if not todo:
+            return
+        _finish(results, todo, lambda s: [accuracy(s)])
+
+
+def test_a_comparison_whose_interval_crosses_its_threshold_takes_more_seeds():
+    cfg = dataclasses.replace(SMALL, batches=(64,), optimizers=("nesterov", "lars"))
+    best = {"nesterov": 0.90, "lars": 0.88}
+    results = _smallest_done(cfg, best)
+    clear = {"nesterov": [0.90, 0.91, 0.92], "lars": [0.80, 0.81, 0.82]}
+    _finals(results, cfg, lambda s: clear[s.optimizer][s.seed])
+    finals = [r["spec"] for r in results.values() if r["spec"]["kind"] == "final"]
+    assert sorted(s["seed"] for s in finals if s["optimizer"] == "lars") == [0, 1]  # settled at 2 seeds
+    results = _smallest_done(cfg, best)
+    noisy = {"nesterov": [0.90, 0.80, 0.85], "lars": [0.85, 0.85, 0.85]}
+    _finals(results, cfg, lambda s: noisy[s.optimizer][s.seed])
+    finals = [r["spec"] for r in results.values() if r["spec"]["kind"] == "final"]
+    assert sorted(s["seed"] for s in finals if s["optimizer"] == "lars") == [0, 1, 2]  # max_seeds
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_the_fit_recovers_the_model_it_was_drawn_from():
+    batches = [64, 256, 1024, 4096, 16384]
+    s_min, b_noise = fit_steps(batches, [50 * (1 + 2000 / b) for b in batches])
+    assert s_min == pytest.approx(50, rel=1e-4) and b_noise == pytest.approx(2000, rel=1e-4)
+
+
+def test_the_bootstrap_interval_holds_the_truth_and_is_reproducible():
+    rng = np.random.default_rng(1)
+    batches = [64, 256, 1024, 4096, 16384]
+    seeds = [[50 * (1 + 2000 / b) * math.exp(rng.normal(0, 0.1)) for _ in range(5)] for b in batches]
+    fit = critical_batch(batches, seeds, resamples=300)
+    assert fit.b_noise_low < 2000 < fit.b_noise_high and fit.s_min_low < 50 < fit.s_min_high
+    assert fit == critical_batch(batches, seeds, resamples=300)
+    # a point no seed reached is left out of the fit, not taken as a number
+    with_inf = [*seeds[:-1], [math.inf] * 5]
+    assert critical_batch(batches, with_inf, resamples=50).b_noise == pytest.approx(
+        critical_batch(batches[:-1], seeds[:-1], resamples=50).b_noise
+    )
+
+
+def test_the_paired_interval_is_scipys_paired_t_interval():
+    a, b = [0.91, 0.92, 0.905, 0.915, 0.93], [0.90, 0.915, 0.9, 0.91, 0.915]
+    ours = paired_interval(a, b)
+    theirs = stats.ttest_rel(a, b).confidence_interval(0.95)
+    assert (ours.low, ours.high) == pytest.approx((theirs.low, theirs.high))
+    assert ours.mean == pytest.approx(np.mean(np.subtract(a, b))) and ours.n == 5
+    assert ours.crosses(0.01) and not ours.crosses(0.0)
+    with pytest.raises(ValueError, match="1 pair"):
+        paired_interval([0.9], [0.8])
+    with pytest.raises(ValueError, match="3 values against 2"):
+        paired_interval([0.9] * 3, [0.8] * 2)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def test_micro_batches_give_the_step_and_the_running_statistics_of_one_forward():
+    torch.manual_seed(0)
+    whole = build_model("fmnist_cnn", 10, ghost_batch=16)
+    parts, plain = copy.deepcopy(whole), copy.deepcopy(whole)
+    statistics = StepStatistics(parts)
+    x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+    for _ in range(2):
+        F.cross_entropy(whole(x), y).backward()
+        for model in (parts, plain):
+            for xm, ym in zip(x.split(32), y.split(32)):
+                (F.cross_entropy(model(xm), ym) / 4).backward()
+        statistics.step()
+        for a, b in zip(whole.parameters(), parts.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+        for a, b in zip(whole.buffers(), parts.buffers()):
+            torch.testing.assert_close(a, b)
+    # without it, each micro-batch is an update of its own
+    assert not all(torch.equal(a, b) for a, b in zip(whole.buffers(), plain.buffers()))
+
+
+def _spec(**kw) -> TrialSpec:
+    base = dict(
+        kind="search",
+        model="fmnist_cnn",
+        batch=64,
+        optimizer="nesterov",
+        index=0,
+        seed=0,
+        lr=0.05,
+        warmup=0.1,
+        weight_decay=5e-4,
+        power=1.0,
+        steps=12,
+        eval_every=4,
+        momentum=0.9,
+        subset=1200,
+    )
+    return TrialSpec(**{**base, **kw})
+
+
+def test_a_run_is_the_same_twice_and_stops_where_it_should():
+    spec = _spec()
+    a, b = run_trial(spec), run_trial(spec)
+    assert a["curve"] == b["curve"] and a["train_loss"] == b["train_loss"]
+    assert [c["step"] for c in a["curve"]] == [4, 8, 12] and a["stopped"] == "budget"
+    assert run_trial(dataclasses.replace(spec, seed=1))["curve"] != a["curve"]
+    early = run_trial(dataclasses.replace(spec, target=0.0))
+    assert (early["stopped"], early["steps"], early["steps_to_target"]) == ("target", 4, 4)
+    limited = run_trial(dataclasses.replace(spec, limit=6))
+    assert (limited["stopped"], limited["steps"], limited["steps_to_target"]) == ("limit", 6, None)
+    assert [c["step"] for c in limited["curve"]] == [4, 6]
+    assert limited["curve"][0] == a["curve"][0]  # the same run up to the limit
+    assert run_trial(dataclasses.replace(spec, lr=1e12))["stopped"] == "diverged"
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "values", "cls", "expect"),
+    [
+        ("nesterov", {"momentum": 0.8}, "SGD", {"momentum": 0.8, "nesterov": True}),
+        ("adamw", {"beta1": 0.8, "beta2": 0.95}, "AdamW", {"betas": (0.8, 0.95)}),
+        ("lars", {"momentum": 0.8, "trust_coefficient": 0.002}, "LARS", {"trust_coefficient": 0.002}),
+        ("lamb", {"beta1": 0.8, "beta2": 0.95}, "LAMB", {"betas": (0.8, 0.95)}),
+    ],
+)
+def test_the_optimizer_takes_the_runs_values_and_spares_biases_and_norms_the_decay(
+    optimizer, values, cls, expect
+):
+    spec = _spec(**{"optimizer": optimizer, "momentum": None, "weight_decay": 0.01, **values})
+    model = build_model("fmnist_cnn", 10)
+    opt = trial_optimizer(spec, model)
+    assert type(opt).__name__ == cls
+    decayed, spared = opt.param_groups
+    assert decayed["weight_decay"] == 0.01 and spared["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in decayed["params"]) and all(p.ndim <= 1 for p in spared["params"])
+    assert all(decayed[k] == v for k, v in expect.items()) and decayed["lr"] == spec.lr
+
+
+# --------------------------------------------------------------------------- the study
+
+
+TINY = dict(
+    batches=(64, 128),
+    optimizers=("nesterov", "lamb"),
+    trials=2,
+    extend=0,
+    seeds=2,
+    max_seeds=2,
+    final_epochs=1,
+    budget_epochs=0.5,
+    eval_images=256,
+    subset=900,
+    jobs=1,
+)
+
+
+def test_a_tiny_study_runs_resumes_reports_and_refuses_other_settings(tmp_path, capsys):
+    cfg = StepsConfig(out=str(tmp_path / "s"), **TINY)
+    summary = run_steps_study(cfg, print_fn=lambda _: None)
+    log = tmp_path / "s" / "runs.jsonl"
+    runs = load_trials(log)
+    assert summary["runs"] == len(runs) and not plan(cfg, runs)
+    kinds = [r["spec"]["kind"] for r in runs.values()]
+    picked = sum("pick" in p for p in summary["points"])
+    assert kinds.count("search") == 8 and picked >= 2  # the smallest batch always has a pick
+    assert kinds.count("final") == 2 * picked and kinds.count("steps") == 2 * picked
+    text = (tmp_path / "s" / "steps.md").read_text()
+    assert f"validation accuracy {summary['target']:.3f}" in text
+    # again: nothing runs, the same report
+    lines = log.read_text()
+    assert run_steps_study(cfg, print_fn=lambda _: None) == summary and log.read_text() == lines
+    # a line cut short by a kill is skipped, and its run planned again
+    with log.open("a") as f:
+        f.write('{"spec": {"kind": "sea')
+    capsys.readouterr()
+    assert load_trials(log) == runs
+    assert "not a complete run record" in capsys.readouterr().err
+    # the report alone, from the committed runs
+    report = run_steps_study(dataclasses.replace(cfg, report_only=True), print_fn=lambda _: None)
+    assert report == summary and (tmp_path / "s" / "steps.md").read_text() == text
+    # other settings in the same folder: one line, exit status 2, nothing run
+    flags = [
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in TINY.items()
+    ]
+    message = user_error(["steps", "--out", cfg.out, *flags, "--trials", "3"], capsys)
+    assert "with trials 2, not 3" in message and log.read_text().startswith(lines)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batches", "256,64"], "Invalid batches [256, 64]: they must increase"),
+        (["--batches", "64,200"], "Invalid batch 200: not a multiple of the ghost batch 128"),
+        (["--optimizers", "adam"], "Invalid optimizer"),
+        (["--trials", "1"], "Invalid trials: 1"),
+        (["--max-seeds", "3"], "Invalid max_seeds: 3"),
+        (["--margin", "-0.1"], "Invalid margin"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(argv, message, capsys, tmp_path):
+    assert message in user_error(["steps", "--out", str(tmp_path / "s"), *argv], capsys)
+    assert not (tmp_path / "s").exists()
+
+
+def test_report_without_a_study_is_a_one_line_error(tmp_path, capsys):
+    assert "holds no steps study" in user_error(["steps", "--report", "--out", str(tmp_path)], capsys)
+
+
+def test_the_settings_file_round_trips(tmp_path):
+    cfg = StepsConfig(out=str(tmp_path), **{k: v for k, v in TINY.items() if k != "jobs"})
+    (tmp_path / "settings.json").write_text(json.dumps(cfg.settings()))
+    from largebatch.study.steps import recorded_config
+
+    assert recorded_config(str(tmp_path)) == cfg
+    assert steps_plan.check_config(cfg) is None
