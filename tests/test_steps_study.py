@@ -409,3 +409,25 @@ def test_the_settings_file_round_trips(tmp_path):
 
     assert recorded_config(str(tmp_path)) == cfg
     assert steps_plan.check_config(cfg) is None
+
+
+def test_the_committed_report_is_what_its_runs_give(tmp_path):
+    """docs/study/steps-*/steps.json and steps.md are ``--report`` of the runs committed
+    beside them: every number regenerates from runs.jsonl."""
+    from pathlib import Path
+
+    from largebatch.study.steps import recorded_config
+
+    folders = sorted((Path(__file__).parents[1] / "docs" / "study").glob("steps-*"))
+    assert folders, "no committed steps study"
+    for folder in folders:
+        copy_ = tmp_path / folder.name
+        copy_.mkdir()
+        for name in ("runs.jsonl", "settings.json"):
+            (copy_ / name).write_bytes((folder / name).read_bytes())
+        cfg = recorded_config(str(copy_), report_only=True)
+        run_steps_study(cfg, print_fn=lambda _: None)
+        assert json.loads((copy_ / "steps.json").read_text()) == json.loads(
+            (folder / "steps.json").read_text()
+        )
+        assert (copy_ / "steps.md").read_text() == (folder / "steps.md").read_text()

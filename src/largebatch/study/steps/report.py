@@ -131,7 +131,7 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
 
 def _steps_cell(p: dict[str, Any]) -> str:
     if "seed_steps" not in p:
-        return "…" if not p.get("search_done") else "not reached"
+        return "not reached" if p.get("search_done") and "pick" not in p else "…"
     steps = p["seed_steps"]
     finite = [s for s in steps if math.isfinite(s)]
     if not math.isfinite(p["steps_median"]):
