@@ -44,7 +44,7 @@ fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX beside torch in one process: no 75% grab
 unset TRITON_INTERPRET
-rm -rf "$DIR/logs" "$DIR/study-quick" "$DIR"/train-*  # this script's own outputs of an earlier run
+rm -rf "$DIR/logs" "$DIR/study-quick" "$DIR"/train-* "$DIR/steps-fmnist-cnn"  # this script's own outputs of an earlier run
 mkdir -p "$DIR/logs"
 REPORT="$DIR/report.md"
 START=$(date +%s)
@@ -206,6 +206,15 @@ if have_data; then
     else
         not_run "Training under FSDP2 on the fused path" "it needs 2 or more GPUs (NCCL puts each \
 rank on its own GPU); the one-rank FSDP2 test (step 4) covers this machine"
+    fi
+    # The steps study (docs/study.md), from where its committed runs stand: the GPU takes
+    # the runs its plan gives next, four at once, for GPU_STEPS_SECONDS; the copy's
+    # runs.jsonl comes back in the report folder, each run labelled with the GPU's name.
+    if [ -f docs/study/steps-fmnist-cnn/runs.jsonl ]; then
+        rm -rf "$DIR/steps-fmnist-cnn"
+        cp -r docs/study/steps-fmnist-cnn "$DIR/steps-fmnist-cnn"
+        step "The steps study on the GPU, from the committed runs (4 at once)" "${GPU_STEPS_SECONDS:-240}" \
+            "$PY" -m largebatch steps --out "$DIR/steps-fmnist-cnn" --device cuda --jobs 4 --data "$DATA"
     fi
 else
     not_run "Demo: the quick batch-size study on the GPU" "$NO_DATA"

@@ -431,3 +431,23 @@ def test_the_committed_report_is_what_its_runs_give(tmp_path):
             (folder / "steps.json").read_text()
         )
         assert (copy_ / "steps.md").read_text() == (folder / "steps.md").read_text()
+
+
+def test_the_report_labels_the_runs_a_gpu_ran_and_pairs_the_seeds():
+    from largebatch.study.steps import markdown, summarize
+
+    cfg = dataclasses.replace(SMALL, batches=(64,), optimizers=("nesterov", "lars"))
+    results = _smallest_done(cfg, {"nesterov": 0.90, "lars": 0.88})
+    accuracy = {"nesterov": [0.90, 0.91, 0.92], "lars": [0.80, 0.815, 0.82]}
+    _finals(results, cfg, lambda s: accuracy[s.optimizer][s.seed])
+    row = next(
+        r for r in results.values() if r["spec"]["kind"] == "final" and r["spec"]["optimizer"] == "lars"
+    )
+    row["device"] = "NVIDIA H100 80GB HBM3"
+    summary = summarize(cfg, results)
+    (compared,) = summary["comparisons"]
+    assert (compared["point"], compared["reference"]) == ([64, "lars"], [64, "nesterov"])
+    assert compared["mean"] == pytest.approx(-0.0975) and compared["n"] == 2
+    text = markdown(summary)
+    assert "80.75 (n=2)†" in text and "90.50 (n=2) |" in text
+    assert "ran on a GPU (NVIDIA H100 80GB HBM3)" in text

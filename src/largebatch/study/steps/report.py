@@ -77,6 +77,8 @@ def _point(
     if acc:
         row["final_accuracy"] = acc
         row["final_mean"] = sum(acc) / len(acc)
+    mine = [r for r in results.values() if (r["spec"]["batch"], r["spec"]["optimizer"]) == (batch, optimizer)]
+    row["devices"] = sorted({r.get("device", "cpu") for r in mine})  # the machines its runs came from
     return row
 
 
@@ -185,10 +187,13 @@ def markdown(summary: dict[str, Any]) -> str:
         cells = []
         for o in optimizers:
             p = by_point[b, o]
-            cells.append(
-                f"{100 * p['final_mean']:.2f} (n={len(p['final_accuracy'])})" if "final_mean" in p else "…"
-            )
+            gpu = "†" if any(d != "cpu" for d in p["devices"]) else ""
+            n = len(p.get("final_accuracy", []))
+            cells.append(f"{100 * p['final_mean']:.2f} (n={n}){gpu}" if n else "…")
         lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    gpus = sorted({d for p in summary["points"] for d in p["devices"] if d != "cpu"})
+    if gpus:
+        lines += ["", f"† some of the point's runs ran on a GPU ({', '.join(gpus)}); the others on the CPU."]
     if summary["comparisons"]:
         lines += [
             "",
