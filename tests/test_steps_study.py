@@ -21,6 +21,7 @@ from largebatch.study.steps import (
     StepsConfig,
     TrialSpec,
     critical_batch,
+    critical_ratio,
     fit_steps,
     load_trials,
     paired_interval,
@@ -236,6 +237,24 @@ def test_the_bootstrap_interval_holds_the_truth_and_is_reproducible():
     assert critical_batch(batches, with_inf, resamples=50).b_noise == pytest.approx(
         critical_batch(batches[:-1], seeds[:-1], resamples=50).b_noise
     )
+
+
+def test_the_ratio_of_two_critical_batches_and_its_interval():
+    rng = np.random.default_rng(2)
+    batches = [64, 256, 1024, 4096, 16384]
+
+    def seeds(noise):
+        return [[50 * (1 + noise / b) * math.exp(rng.normal(0, 0.05)) for _ in range(5)] for b in batches]
+
+    wide, narrow = seeds(4000), seeds(1000)
+    ratio = critical_ratio(batches, wide, narrow, resamples=300)
+    assert ratio.low < 4 < ratio.high and ratio.low > 1  # the first scales further, and it shows
+    assert ratio.mean == pytest.approx(
+        critical_batch(batches, wide, resamples=10).b_noise
+        / critical_batch(batches, narrow, resamples=10).b_noise
+    )
+    same = critical_ratio(batches, seeds(2000), seeds(2000), resamples=300)
+    assert same.crosses(1.0)
 
 
 def test_the_paired_interval_is_scipys_paired_t_interval():

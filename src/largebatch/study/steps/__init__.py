@@ -8,7 +8,14 @@ Modules: ``plan`` (what to run; pure), ``trial`` (one run), ``fits`` (the statis
 ``largebatch.cli.steps``.
 """
 
-from largebatch.study.steps.fits import CriticalBatch, Interval, critical_batch, fit_steps, paired_interval
+from largebatch.study.steps.fits import (
+    CriticalBatch,
+    Interval,
+    critical_batch,
+    critical_ratio,
+    fit_steps,
+    paired_interval,
+)
 from largebatch.study.steps.plan import (
     BATCHES,
     OPTIMIZERS,
@@ -34,6 +41,7 @@ __all__ = [
     "TrialSpec",
     "check_config",
     "critical_batch",
+    "critical_ratio",
     "estimate",
     "fit_steps",
     "load_trials",

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["CriticalBatch", "Interval", "critical_batch", "fit_steps", "paired_interval"]
+__all__ = ["CriticalBatch", "Interval", "critical_batch", "critical_ratio", "fit_steps", "paired_interval"]
 
 
 class Interval(NamedTuple):
@@ -94,14 +94,10 @@ class CriticalBatch(NamedTuple):
     resamples: int
 
 
-def critical_batch(
-    batches: Sequence[int], seed_steps: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0
-) -> CriticalBatch:
-    """The fit of :func:`fit_steps` to each batch's median over seeds of the steps to the
-    target (``seed_steps[i]``: batch ``i``'s seeds; ``inf`` for a seed that did not reach
-    it), with percentile intervals (2.5% and 97.5%) from ``resamples`` bootstrap draws of
-    each batch's seeds (a NumPy generator seeded with ``seed``). A batch whose median is
-    not finite is left out of every fit."""
+def _bootstrap(
+    batches: Sequence[int], seed_steps: Sequence[Sequence[float]], resamples: int, seed: int
+) -> tuple[tuple[float, float], np.ndarray]:
+    """The fit to the medians, and ``(S_min, B_noise)`` of each bootstrap draw."""
     rng = np.random.default_rng(seed)
 
     def medians(draw: list[np.ndarray]) -> tuple[list[float], list[float]]:
@@ -110,13 +106,43 @@ def critical_batch(
         return [float(batches[i]) for i in keep], [m[i] for i in keep]
 
     values = [np.asarray(s, dtype=np.float64) for s in seed_steps]
-    s_min, b_noise = fit_steps(*medians(values))
+    fit = fit_steps(*medians(values))
     fits = []
     for _ in range(resamples):
         bs, ms = medians([x[rng.integers(0, len(x), len(x))] for x in values])
         if len(bs) >= 2:
             fits.append(fit_steps(bs, ms))
-    arr = np.asarray(fits)
-    lo_s, hi_s = np.percentile(arr[:, 0], [2.5, 97.5])
-    lo_b, hi_b = np.percentile(arr[:, 1], [2.5, 97.5])
-    return CriticalBatch(s_min, b_noise, float(lo_b), float(hi_b), float(lo_s), float(hi_s), len(fits))
+    return fit, np.asarray(fits).reshape(-1, 2)
+
+
+def critical_batch(
+    batches: Sequence[int], seed_steps: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0
+) -> CriticalBatch:
+    """The fit of :func:`fit_steps` to each batch's median over seeds of the steps to the
+    target (``seed_steps[i]``: batch ``i``'s seeds; ``inf`` for a seed that did not reach
+    it), with percentile intervals (2.5% and 97.5%) from ``resamples`` bootstrap draws of
+    each batch's seeds (a NumPy generator seeded with ``seed``). A batch whose median is
+    not finite is left out of every fit."""
+    (s_min, b_noise), draws = _bootstrap(batches, seed_steps, resamples, seed)
+    lo_s, hi_s = np.percentile(draws[:, 0], [2.5, 97.5])
+    lo_b, hi_b = np.percentile(draws[:, 1], [2.5, 97.5])
+    return CriticalBatch(s_min, b_noise, float(lo_b), float(hi_b), float(lo_s), float(hi_s), len(draws))
+
+
+def critical_ratio(
+    batches: Sequence[int],
+    steps_a: Sequence[Sequence[float]],
+    steps_b: Sequence[Sequence[float]],
+    resamples: int = 2000,
+    seed: int = 0,
+) -> Interval:
+    """The ratio of two optimizers' critical batches, ``a`` over ``b``, with the 2.5% and
+    97.5% percentiles of the ratio over ``resamples`` bootstrap draws (each optimizer's
+    seeds drawn on their own, as :func:`critical_batch` draws them): above 1 with its
+    interval, ``a`` extends perfect scaling to larger batches than ``b``."""
+    (_, noise_a), draws_a = _bootstrap(batches, steps_a, resamples, seed)
+    (_, noise_b), draws_b = _bootstrap(batches, steps_b, resamples, seed + 1)
+    n = min(len(draws_a), len(draws_b))
+    ratios = draws_a[:n, 1] / draws_b[:n, 1]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return Interval(noise_a / noise_b, float(low), float(high), n)

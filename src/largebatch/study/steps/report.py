@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from largebatch.study.steps.fits import critical_batch, paired_interval
+from largebatch.study.steps.fits import critical_batch, critical_ratio, paired_interval
 from largebatch.study.steps.plan import (
     SPACES,
     StepsConfig,
@@ -98,12 +98,19 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     comparisons."""
     points = [_point(cfg, results, b, o) for b, o in cfg.points()]
     by_point = {(p["batch"], p["optimizer"]): p for p in points}
-    fits = {}
+    fits, seeded = {}, {}
     for optimizer in cfg.optimizers:
         mine = [p for p in points if p["optimizer"] == optimizer and "seed_steps" in p]
         if len([p for p in mine if math.isfinite(p["steps_median"])]) >= 3:
+            seeded[optimizer] = {p["batch"]: p["seed_steps"] for p in mine}
             fit = critical_batch([p["batch"] for p in mine], [p["seed_steps"] for p in mine])
             fits[optimizer] = fit._asdict()
+    ratios = []
+    for a, b in (("lars", "nesterov"), ("lamb", "adamw")):
+        if a in seeded and b in seeded:
+            common = sorted(set(seeded[a]) & set(seeded[b]))
+            ratio = critical_ratio(common, [seeded[a][x] for x in common], [seeded[b][x] for x in common])
+            ratios.append({"optimizer": a, "against": b, **ratio._asdict()})
     compared = []
     for point, reference, threshold in comparisons(cfg):
         a = by_point[point].get("final_accuracy", [])
@@ -127,6 +134,7 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         "final_images": train_images(cfg.subset, "final"),
         "points": points,
         "critical_batch": fits,
+        "critical_ratios": ratios,
         "comparisons": compared,
     }
 
@@ -174,6 +182,22 @@ def markdown(summary: dict[str, Any]) -> str:
         for o, f in summary["critical_batch"].items():
             interval = f"{f['b_noise_low']:,.0f}-{f['b_noise_high']:,.0f}"
             lines.append(f"| {o} | {f['s_min']:.0f} | {f['b_noise']:,.0f} | {interval} |")
+        for r in summary["critical_ratios"]:
+            lines.append(
+                f"\n{r['optimizer']}'s critical batch over {r['against']}'s: {r['mean']:.2f} "
+                f"(95% bootstrap interval {r['low']:.2f} to {r['high']:.2f})."
+            )
+        fitted = list(summary["critical_batch"])
+        lines += [
+            "",
+            "Each batch as a multiple of each optimizer's critical batch (B / B_crit):",
+            "",
+            "| batch | " + " | ".join(fitted) + " |",
+            "|---:|" + "---:|" * len(fitted),
+        ]
+        for b in s["batches"]:
+            ratios = [f"{b / summary['critical_batch'][o]['b_noise']:.2g}" for o in fitted]
+            lines.append(f"| {b:,} | " + " | ".join(ratios) + " |")
     else:
         lines.append("(needs three batches with their seeds' steps)")
     lines += [
@@ -209,12 +233,19 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"{100 * c['high']:+.2f} | {c['n']} | {100 * c['threshold']:+.1f} | "
                 f"{'no' if c['crosses'] else 'yes'} |"
             )
-    lines += ["", "## The picks (position of each value in its range, 0 to 1)", ""]
+    lines += [
+        "",
+        "## The picks (position of each value in its range, 0 to 1; * in its outer sixteenth)",
+        "",
+    ]
     lines += ["| batch | optimizer | trials | reached | pick | positions |", "|---:|---|---:|---:|---|---|"]
     for p in summary["points"]:
         if "pick" in p:
             hp = ", ".join(f"{k} {v:.3g}" for k, v in p["pick"].items() if k != "index")
-            pos = ", ".join(f"{v:.2f}" for v in p["positions"].values())
+            edge = 1 / s["trials"]
+            pos = ", ".join(
+                f"{k} {v:.2f}" + ("*" if v < edge or v > 1 - edge else "") for k, v in p["positions"].items()
+            )
             lines.append(
                 f"| {p['batch']:,} | {p['optimizer']} | {p['trials']} | {p.get('reached', '-')} | "
                 f"#{p['pick']['index']}: {hp} | {pos} |"
