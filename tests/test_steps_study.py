@@ -29,7 +29,6 @@ from largebatch.study.steps import (
     run_steps_study,
     target,
 )
-from largebatch.study.steps import plan as steps_plan
 from largebatch.study.steps.plan import lr_dimension, point_trials, sobol_points
 from largebatch.study.steps.trial import StepStatistics, run_trial, trial_optimizer
 
@@ -427,7 +426,6 @@ def test_the_settings_file_round_trips(tmp_path):
     from largebatch.study.steps import recorded_config
 
     assert recorded_config(str(tmp_path)) == cfg
-    assert steps_plan.check_config(cfg) is None
 
 
 def test_the_committed_report_is_what_its_runs_give(tmp_path):

@@ -46,6 +46,7 @@ __all__ = [
     "run_one",
     "run_planned",
     "run_study",
+    "write_report",
 ]
 
 SETTINGS = "settings.json"  # OUT/settings.json: StudyConfig.settings() of the last study in OUT
@@ -187,16 +188,26 @@ def _run_study(cfg: StudyConfig, print_fn: Callable[[str], None]) -> dict[str, A
         _train_planned(cfg, results, log, print_fn)
 
     summary = summarize(cfg, results)
-    atomic_write(out / "study.json", json.dumps(summary, indent=2) + "\n")
     text = study_markdown(summary)
-    atomic_write(out / "study.md", text)
-    wrote = [out / "study.md", out / "study.json"]
-    if plot(summary, out / "study.png"):
-        wrote.append(out / "study.png")
+    wrote = write_report(out, "study", summary, text, plot)
     print_fn("")
     print_fn(text)
     print_fn(f"wrote {', '.join(map(str, wrote))} ({time.perf_counter() - start:.0f}s)")
     return summary
+
+
+def write_report(
+    out: Path, name: str, summary: dict[str, Any], text: str, draw: Callable[[dict[str, Any], Path], bool]
+) -> list[Path]:
+    """A study's report in ``out``, each file replaced atomically: ``NAME.md`` (``text``),
+    ``NAME.json`` (``summary``) and ``NAME.png`` where ``draw(summary, path)`` writes it.
+    Returns the paths written."""
+    atomic_write(out / f"{name}.json", json.dumps(summary, indent=2) + "\n")
+    atomic_write(out / f"{name}.md", text)
+    wrote = [out / f"{name}.md", out / f"{name}.json"]
+    if draw(summary, out / f"{name}.png"):
+        wrote.append(out / f"{name}.png")
+    return wrote
 
 
 def _header(cfg: StudyConfig, todo: list[RunSpec], jobs: int, threads: int, log: Path, reused: int) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
-from largebatch.study.run import pool_size, run_planned
+from largebatch.study.run import pool_size, run_planned, write_report
 from largebatch.study.steps.plan import (
     StepsConfig,
     TrialSpec,
@@ -130,12 +130,8 @@ def run_steps_study(cfg: StepsConfig, print_fn: Callable[[str], None] = _say) ->
             atomic_write(out / SETTINGS, json.dumps(cfg.settings(), indent=2) + "\n")
             _train(cfg, results, log, print_fn)
         summary = summarize(cfg, results)
-        atomic_write(out / "steps.json", json.dumps(summary, indent=2) + "\n")
         text = markdown(summary)
-        atomic_write(out / "steps.md", text)
-        wrote = [out / "steps.md", out / "steps.json"]
-        if plot(summary, out / "steps.png"):
-            wrote.append(out / "steps.png")
+        wrote = write_report(out, "steps", summary, text, plot)
         print_fn(text)
         print_fn(f"wrote {', '.join(map(str, wrote))}")
         return summary
