@@ -81,6 +81,31 @@ def test_resume_gives_the_params_of_an_uninterrupted_run(tmp_path, capsys):
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
 
 
+def test_an_augmented_ghost_batch_run_resumes_bit_for_bit(tmp_path):
+    """--augment draws each epoch's crops from the seed and the epoch, and ghost batch
+    norm's running statistics are in the checkpoint: a resumed run is the straight one."""
+    args = [
+        "train",
+        "--subset",
+        "1024",
+        "--batch-size",
+        "256",
+        "--epochs",
+        "2",
+        "--augment",
+        "--ghost-batch",
+        "64",
+    ]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    cli([*args, "--out", str(straight)])
+    cli([*args, "--out", str(split), "--stop-after", "1"])
+    cli([*args, "--out", str(split), "--resume"])
+    a, b = _params(straight), _params(split)  # the model's state: params and running statistics
+    assert any("running_mean" in name for name in a)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
 @pytest.mark.slow
 def test_torchrun_two_processes_end_with_identical_params_and_buffers(tmp_path):
     cmd = [
@@ -619,6 +644,8 @@ def test_resume_refuses_other_settings_and_a_finished_run_says_so(tmp_path, caps
         (["--seed", "1"], "--seed 0, not 1"),
         (["--subset", "1024"], "--subset 256, not 1024"),
         (["--precision", "bf16"], "--precision fp32, not bf16"),
+        (["--ghost-batch", "64"], "--ghost-batch unset, not 64"),
+        (["--augment"], "--augment False, not True"),
     ]:
         with pytest.raises(SystemExit, match=re.escape(setting)) as err:
             cli([*args, *flags, "--resume"])
