@@ -175,7 +175,7 @@ def _train(
             f"[{done:>4} {time.perf_counter() - start:7.0f}s] {spec.describe()}  "
             f"{'test' if spec.kind == 'final' else 'val'} {row['accuracy']:.4f} "
             f"{row['stopped']} at {row['steps']}"
-            + (f", target at {reached}" if reached is not None else "")
+            + (f", target at {reached}" if reached is not None and row["stopped"] != "target" else "")
             + f" ({row['seconds']:.0f}s)"
         )
 
