@@ -468,3 +468,32 @@ def test_the_report_labels_the_runs_a_gpu_ran_and_pairs_the_seeds():
     text = markdown(summary)
     assert "80.75 (n=2)†" in text and "90.50 (n=2) |" in text
     assert "ran on a GPU (NVIDIA H100 80GB HBM3)" in text
+
+
+def test_the_plot_draws_the_steps_the_fit_and_the_images(tmp_path):
+    from largebatch.study.steps.report import plot
+
+    batches = [64, 256, 1024]
+    points = [
+        {
+            "batch": b,
+            "optimizer": o,
+            "seed_steps": [s * 0.9, s, s * 1.1],
+            "steps_median": s,
+            "devices": ["cpu"],
+        }
+        for o, noise in (("lars", 2000), ("nesterov", 500))
+        for b in batches
+        for s in [50 * (1 + noise / b)]
+    ]
+    points.append(
+        {"batch": 4096, "optimizer": "lars", "seed_steps": [math.inf] * 3, "steps_median": math.inf}
+    )
+    summary = {
+        "points": points,
+        "target": 0.9,
+        "critical_batch": {"lars": {"s_min": 50.0, "b_noise": 2000.0}},
+    }
+    assert plot(summary, tmp_path / "steps.png")
+    assert (tmp_path / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot({"points": [{"batch": 64, "optimizer": "lars"}]}, tmp_path / "none.png")
