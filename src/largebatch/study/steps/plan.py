@@ -501,18 +501,24 @@ def contested(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> set[tuple
 
 def plan(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> list[TrialSpec]:
     """Every run that can start now, given the finished ``results``, in the order to run
-    them: the searches (the smallest batch's first: the target waits for them), then the
-    seeds, then the final runs, each batch by batch. Pure: a stopped study plans the same
-    runs again."""
+    them: the smallest batch's searches (the target waits for them), then batch by batch
+    its searches, seeds and final runs, so that a study stopped part-way has whole rows.
+    A point's searches run one after another, so the points of a batch and its seeds
+    keep the jobs busy. Pure: a stopped study plans the same runs again."""
     more = contested(cfg, results)
-    searches, seeds, finals = [], [], []
-    for batch, optimizer in cfg.points():
-        searches += point_trials(cfg, results, batch, optimizer)[0]
-        seeds += seed_runs(cfg, results, batch, optimizer)
-        n = cfg.max_seeds if (batch, optimizer) in more else cfg.seeds
-        finals += final_runs(cfg, results, batch, optimizer, n)
+    order: list[TrialSpec] = []
+    for optimizer in cfg.optimizers:  # the target waits for these
+        order += point_trials(cfg, results, cfg.batches[0], optimizer)[0]
+    for batch in cfg.batches:
+        searches, seeds, finals = [], [], []
+        for optimizer in cfg.optimizers:
+            searches += point_trials(cfg, results, batch, optimizer)[0]
+            seeds += seed_runs(cfg, results, batch, optimizer)
+            n = cfg.max_seeds if (batch, optimizer) in more else cfg.seeds
+            finals += final_runs(cfg, results, batch, optimizer, n)
+        order += searches + seeds + finals
     needed: dict[str, TrialSpec] = {}
-    for spec in (*searches, *seeds, *finals):
+    for spec in order:
         if spec.key not in results:
             needed.setdefault(spec.key, spec)
     return list(needed.values())
