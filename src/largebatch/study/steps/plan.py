@@ -18,12 +18,14 @@ against LAMB, every optimizer searched over the same kind of space):
 2. **Target.** The smallest batch's trials run their whole budget first. The target is the
    lowest, over the optimizers, of their best validation accuracy, less ``margin``: every
    optimizer reaches it at the smallest batch, with that margin.
-3. **Steps to target.** At the other batches a trial stops when it reaches the target, or
-   at the fewest steps an earlier trial of its point took (it can no longer be the point's
-   best), or at its budget. The point's pick is the trial with the fewest steps; when its
-   lr lies in the lowest or highest ``1/trials`` of the lrs searched, ``trials`` more
-   trials search a range moved one :data:`LR_SPAN` that way (``extend`` times at most),
-   so that every pick lies inside the space searched.
+3. **Steps to target.** Every point's pick is the trial that reached the target in the
+   fewest steps (the smallest batch's too). At the other batches a trial stops when it
+   reaches the target, or at the fewest steps an earlier trial of its point took (it can
+   no longer be the point's best), or at its budget. When the pick's lr lies in the
+   lowest or highest ``1/trials`` of the lrs searched, ``trials`` more trials search a
+   range moved one :data:`LR_SPAN` that way (``extend`` times at most), so that every
+   pick's lr lies inside the space searched. (Whether the smallest batch's range extends
+   is decided by its best validation accuracy: its target is not known yet.)
 4. **Seeds.** The pick runs again with ``seeds`` new seeds to its target (their median
    is the point's steps to target; :mod:`largebatch.study.steps.fits` fits S(B)), and with
    seeds ``0..seeds-1`` for ``final_epochs`` epochs on the whole training set, scored on
@@ -62,6 +64,7 @@ __all__ = [
     "lr_centre",
     "pick",
     "plan",
+    "point_pick",
     "point_trials",
     "seed_runs",
     "sobol_points",
@@ -397,8 +400,9 @@ def _fewest_steps(specs: Iterable[TrialSpec], results: dict[str, dict[str, Any]]
 def pick(
     specs: Sequence[TrialSpec], results: dict[str, dict[str, Any]], goal: float | None
 ) -> TrialSpec | None:
-    """The trial that reached ``goal`` in the fewest steps (ties: the first); at the
-    smallest batch (``goal`` None) the one with the best validation accuracy."""
+    """The trial that reached ``goal`` in the fewest steps (ties: the first); with ``goal``
+    None (the smallest batch's search, before the target is set: whether its lr range
+    extends) the one with the best validation accuracy."""
     if goal is None:
         done = [s for s in specs if s.key in results]
         return max(done, key=lambda s: max(c["accuracy"] for c in results[s.key]["curve"]), default=None)
@@ -420,14 +424,25 @@ def target(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> float | None
     return math.floor((min(best) - cfg.margin) * 1000 + 1e-9) / 1000
 
 
+def point_pick(
+    cfg: StepsConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
+) -> TrialSpec | None:
+    """The point's pick: of its finished search, the trial that reached the target in the
+    fewest steps, at every batch alike (at the smallest batch too, once the target is
+    known: its trials ran their whole budget, so each one's steps to the target are
+    known). None while the search or the target is not settled, or where no trial
+    reached the target."""
+    specs, done = point_trials(cfg, results, batch, optimizer)
+    goal = target(cfg, results)
+    return pick(specs, results, goal) if done and goal is not None else None
+
+
 def seed_runs(
     cfg: StepsConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
 ) -> list[TrialSpec]:
     """The pick of a finished search again with seeds ``1..seeds``, each to the target
     (module docstring, step 4); empty until the search and the target are settled."""
-    specs, done = point_trials(cfg, results, batch, optimizer)
-    goal = target(cfg, results)
-    chosen = pick(specs, results, None if batch == cfg.batches[0] else goal) if done else None
+    chosen, goal = point_pick(cfg, results, batch, optimizer), target(cfg, results)
     if chosen is None or goal is None:
         return []
     again = dataclasses.replace(chosen, kind="steps", target=goal, limit=None)
@@ -439,10 +454,8 @@ def final_runs(
 ) -> list[TrialSpec]:
     """The pick of a finished search trained for ``final_epochs`` epochs on the whole
     training set with seeds ``0..seeds-1``, its schedule (warmup fraction, decay) over those
-    steps, scored on the test set once an epoch; empty until the search is done."""
-    specs, done = point_trials(cfg, results, batch, optimizer)
-    goal = None if batch == cfg.batches[0] else target(cfg, results)
-    chosen = pick(specs, results, goal) if done else None
+    steps, scored on the test set once an epoch; empty until the pick is settled."""
+    chosen = point_pick(cfg, results, batch, optimizer)
     if chosen is None:
         return []
     per_epoch = train_images(cfg.subset, "final") // batch

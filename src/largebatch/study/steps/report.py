@@ -19,7 +19,7 @@ from largebatch.study.steps.plan import (
     comparisons,
     final_accuracies,
     lr_dimension,
-    pick,
+    point_pick,
     point_trials,
     seed_runs,
     target,
@@ -59,7 +59,7 @@ def _point(
     }
     if goal is not None:
         row["reached"] = sum(_reaches(results[s.key], goal) for s in finished)
-    chosen = pick(specs, results, None if batch == cfg.batches[0] else goal) if done else None
+    chosen = point_pick(cfg, results, batch, optimizer)
     if chosen is not None:
         shifts = [s.shift for s in specs]
         row["pick"] = {"index": chosen.index, **chosen.hyperparameters()}
