@@ -58,11 +58,15 @@ PROGRESS_EVERY = 60.0
 # --------------------------------------------------------------------------- the sweep
 
 
-def load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
-    """The finished runs in ``path`` by :attr:`RunSpec.key`, each spec with every field (a
+def load_results(
+    path: Path, warn: bool = True, spec_type: Any = RunSpec, command: str = "study"
+) -> dict[str, dict[str, Any]]:
+    """The finished runs in ``path`` by their spec's ``key`` (``spec_type``: the sweep's
+    :class:`RunSpec`, or the steps study's ``TrialSpec``), each spec with every field (a
     record that predates a field ran as its default does). A line that holds no complete
-    run (cut short when a study was killed mid-write) is skipped, with a warning naming the
-    file and the line (``warn``); its run is planned again."""
+    run (cut short when a study was killed mid-write) is skipped, with a warning of
+    ``largebatch COMMAND`` naming the file and the line (``warn``); its run is planned
+    again."""
     results = {}
     if path.is_file():
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
@@ -70,13 +74,13 @@ def load_results(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
                 continue
             try:
                 row = json.loads(line)
-                spec = RunSpec(**row["spec"])
+                spec = spec_type(**row["spec"])
             except (ValueError, TypeError, KeyError) as err:
                 if not warn:
                     continue
                 reason = " ".join(f"{type(err).__name__}: {err}".split())
                 print(
-                    f"largebatch study: warning: {path}, line {number}: not a complete run "
+                    f"largebatch {command}: warning: {path}, line {number}: not a complete run "
                     f"record ({reason}); skipped, its run is planned again",
                     file=sys.stderr,
                     flush=True,

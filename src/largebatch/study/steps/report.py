@@ -7,6 +7,7 @@ rewrites all three from ``runs.jsonl``.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from largebatch.study.steps.plan import (
     point_pick,
     point_trials,
     seed_runs,
+    steps_to,
     target,
     train_images,
 )
@@ -58,7 +60,7 @@ def _point(
         "budget_steps": budget_steps(cfg, batch),
     }
     if goal is not None:
-        row["reached"] = sum(_reaches(results[s.key], goal) for s in finished)
+        row["reached"] = sum(steps_to(results[s.key], goal) is not None for s in finished)
     chosen = point_pick(cfg, results, batch, optimizer)
     if chosen is not None:
         shifts = [s.shift for s in specs]
@@ -72,7 +74,7 @@ def _point(
     if seeds and all(s.key in results for s in seeds):
         steps = [results[s.key]["steps_to_target"] for s in seeds]
         row["seed_steps"] = [math.inf if n is None else n for n in steps]
-        row["steps_median"] = _median(row["seed_steps"])
+        row["steps_median"] = statistics.median(row["seed_steps"])
     acc = final_accuracies(cfg, results, batch, optimizer)
     if acc:
         row["final_accuracy"] = acc
@@ -80,16 +82,6 @@ def _point(
     mine = [r for r in results.values() if (r["spec"]["batch"], r["spec"]["optimizer"]) == (batch, optimizer)]
     row["devices"] = sorted({r.get("device", "cpu") for r in mine})  # the machines its runs came from
     return row
-
-
-def _reaches(row: dict[str, Any], goal: float) -> bool:
-    return any(c["accuracy"] >= goal for c in row["curve"])
-
-
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str, Any]:

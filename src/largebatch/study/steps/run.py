@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from largebatch.outputs import atomic_write, lock_folder, remove_stale_temporaries
-from largebatch.study.run import pool_size, run_planned, write_report
+from largebatch.study.run import load_results, pool_size, run_planned, write_report
 from largebatch.study.steps.plan import (
     StepsConfig,
     TrialSpec,
@@ -37,30 +36,10 @@ IMAGES_PER_THREAD_SECOND = {"fmnist_cnn": 8_000.0, "fmnist_alexnet_bn": 6_000.0,
 
 
 def load_trials(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
-    """The finished runs in ``path`` by :attr:`TrialSpec.key`. A line that holds no complete
-    run (cut short when the study was killed mid-write) is skipped, with a warning naming
-    the file and line (``warn``); its run is planned again."""
-    results: dict[str, dict[str, Any]] = {}
-    if not path.is_file():
-        return results
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            spec = TrialSpec(**row["spec"])
-        except (ValueError, TypeError, KeyError) as err:
-            if warn:
-                reason = " ".join(f"{type(err).__name__}: {err}".split())
-                print(
-                    f"largebatch steps: warning: {path}, line {number}: not a complete run record "
-                    f"({reason}); skipped, its run is planned again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            continue
-        results[spec.key] = row
-    return results
+    """The finished runs in ``path`` by :attr:`TrialSpec.key`, read as the sweep reads its
+    own (:func:`largebatch.study.run.load_results`): a line cut short by a kill is skipped,
+    with a warning (``warn``), and its run planned again."""
+    return load_results(path, warn, TrialSpec, "steps")
 
 
 def recorded_config(out: str, **environment: Any) -> StepsConfig:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from largebatch.study.steps.plan import TrialSpec
+from largebatch.study.steps.plan import TrialSpec, steps_to
 
 __all__ = ["MICRO_BATCH", "StepStatistics", "run_trial", "trial_optimizer"]
 
@@ -196,9 +196,7 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
         )
         losses.append(float(loss_sum) / max(1, state["step"] - before))
         epoch += 1
-    reached = next(
-        (c["step"] for c in curve if spec.target is not None and c["accuracy"] >= spec.target), None
-    )
+    reached = None if spec.target is None else steps_to({"curve": curve}, spec.target)
     return {
         "spec": dataclasses.asdict(spec),
         "accuracy": curve[-1]["accuracy"],
