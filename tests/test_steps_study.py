@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from largebatch.study.steps import (
     paired_interval,
     plan,
     run_steps_study,
+    steps_ratio,
     target,
 )
 from largebatch.study.steps.plan import lr_dimension, point_trials, sobol_points
@@ -256,6 +258,36 @@ def test_the_ratio_of_two_critical_batches_and_its_interval():
     assert same.crosses(1.0)
 
 
+def test_the_ratio_of_steps_at_one_batch_and_its_interval():
+    a, b = [100.0, 110, 120, 135, 150], [50.0, 52, 60, 61, 80]
+    ratio = steps_ratio(a, b, resamples=20_000)
+    assert ratio.mean == pytest.approx(120 / 60) and ratio.n == 20_000
+    assert ratio == steps_ratio(a, b, resamples=20_000)  # the same draws each time
+    # the percentile interval of scipy's bootstrap of the same statistic, seeds drawn apart
+    theirs = stats.bootstrap(
+        (a, b),
+        lambda x, y: np.median(x) / np.median(y),
+        paired=False,
+        vectorized=False,
+        method="percentile",
+        n_resamples=20_000,
+        random_state=0,
+    ).confidence_interval
+    assert ratio.low == pytest.approx(theirs.low, rel=0.03) and ratio.high == pytest.approx(
+        theirs.high, rel=0.03
+    )
+    assert ratio.low < 2 < ratio.high
+    # seeds that never reached the target: the median and the ratio may be infinite
+    assert steps_ratio([math.inf] * 3, b).mean == math.inf
+    assert steps_ratio(a, [math.inf] * 3).mean == 0.0
+    some = steps_ratio([100.0, 110, math.inf, math.inf, 120], b, resamples=500)
+    assert math.isfinite(some.mean) and some.high == math.inf and some.n == 500
+    neither = steps_ratio([math.inf] * 2, [math.inf] * 2, resamples=50)
+    assert neither.n == 0 and math.isnan(neither.low)
+    with pytest.raises(ValueError, match="needs one or more"):
+        steps_ratio([], b)
+
+
 def test_the_paired_interval_is_scipys_paired_t_interval():
     a, b = [0.91, 0.92, 0.905, 0.915, 0.93], [0.90, 0.915, 0.9, 0.91, 0.915]
     ours = paired_interval(a, b)
@@ -449,6 +481,24 @@ def test_the_committed_report_is_what_its_runs_give(tmp_path):
         assert (copy_ / "steps.md").read_text() == (folder / "steps.md").read_text()
 
 
+def test_the_docs_quote_each_committed_studys_brief():
+    """docs/study.md quotes, between its markers, the brief of each committed steps study
+    as its steps.json gives it (which the test above holds to its runs)."""
+    from pathlib import Path
+
+    from largebatch.study.steps import headline
+
+    root = Path(__file__).parents[1]
+    text = (root / "docs" / "study.md").read_text()
+    folders = sorted((root / "docs" / "study").glob("steps-*"))
+    for folder in folders:
+        start = f"<!-- steps-headline: {folder.relative_to(root)} -->\n"
+        assert start in text, f"docs/study.md does not quote {folder.name}"
+        i = text.index(start) + len(start)
+        quoted = text[i : text.index("<!-- /steps-headline -->", i)]
+        assert quoted == headline(json.loads((folder / "steps.json").read_text()))
+
+
 def _assert_same(a, b, where="summary"):
     """``a == b``, floats to 1e-9 relative: NumPy's vector exp and log may round the last
     bit differently on another CPU, and the fits and their bootstrap use them."""
@@ -485,6 +535,116 @@ def test_the_report_labels_the_runs_a_gpu_ran_and_pairs_the_seeds():
     text = markdown(summary)
     assert "80.75 (n=2)†" in text and "90.50 (n=2) |" in text
     assert "ran on a GPU (NVIDIA H100 80GB HBM3)" in text
+
+
+THREE = dataclasses.replace(SMALL, batches=(64, 256, 1024), optimizers=("nesterov", "lars"))
+B_NOISE = {"nesterov": 500, "lars": 2000}  # the synthetic study's critical batches
+
+
+def _whole_study(cfg: StepsConfig = THREE) -> dict:
+    """The runs of a whole study, planned as the study plans them: a run of batch B needs
+    ``5 (1 + B_noise / B)`` scores of 10 steps (more for later trials and seeds) to reach
+    the target, and its final accuracy depends on its optimizer, batch and seed."""
+    results: dict = {}
+    for _ in range(100):
+        todo = plan(cfg, results)
+        if not todo:
+            return results
+        for spec in todo:
+            if spec.kind == "final":
+                bonus = 0.004 if spec.optimizer == "lars" else 0.0
+                accuracies = [0.9 + bonus - spec.batch / 1e6 + 0.001 * ((spec.seed * 7) % 5)]
+            else:
+                scores = (
+                    round(5 * (1 + B_NOISE[spec.optimizer] / spec.batch)) + spec.index % 3 + spec.seed % 3
+                )
+                accuracies = [0.5] * (scores - 1) + [0.95]
+            results[spec.key] = _row(spec, accuracies)
+    raise AssertionError("the plan did not end")
+
+
+def test_the_brief_gives_each_number_with_its_interval():
+    from largebatch.study.steps import headline, summarize
+
+    results = _whole_study()
+    summary = summarize(THREE, results)
+    text = headline(summary)
+    assert text.startswith(f"**fmnist_cnn: complete, {len(results)} runs.**")
+
+    def seeds(kind, batch, optimizer):
+        rows = [
+            r
+            for r in results.values()
+            if (r["spec"]["kind"], r["spec"]["batch"], r["spec"]["optimizer"]) == (kind, batch, optimizer)
+        ]
+        return [
+            r["steps_to_target" if kind == "steps" else "accuracy"]
+            for r in sorted(rows, key=lambda r: r["spec"]["seed"])
+        ]
+
+    fits = {
+        o: critical_batch(THREE.batches, [seeds("steps", b, o) for b in THREE.batches])
+        for o in THREE.optimizers
+    }
+    assert fits["lars"].b_noise > 2 * fits["nesterov"].b_noise
+    assert (
+        f"| B_crit | {fits['nesterov'].b_noise:,.0f} ({fits['nesterov'].b_noise_low:,.0f}-"
+        f"{fits['nesterov'].b_noise_high:,.0f}) | {fits['lars'].b_noise:,.0f} ("
+    ) in text
+    for batch in THREE.batches:
+        r = steps_ratio(seeds("steps", batch, "lars"), seeds("steps", batch, "nesterov"))
+        scale = sorted(batch / f.b_noise for f in fits.values())
+        median = statistics.median(seeds("steps", batch, "nesterov"))
+        assert (
+            f"| {batch:,} | {round(batch * 1_281_167 / 50_000):,} | "
+            f"{scale[0]:.2g}-{scale[1]:.2g} | {median:g} [" in text
+        )
+        assert f" | {r.mean:.2f} ({r.low:.2f}-{r.high:.2f}) |" in text
+        d = paired_interval(seeds("final", batch, "lars"), seeds("final", batch, "nesterov"))
+        assert (
+            f"| {batch:,} | {100 * d.mean:+.2f} ({100 * d.low:+.2f} to {100 * d.high:+.2f}), n={d.n} |"
+            in text
+        )
+    ratio = critical_ratio(
+        THREE.batches, *([seeds("steps", b, o) for b in THREE.batches] for o in ("lars", "nesterov"))
+    )
+    assert (
+        f"LARS's critical batch over Nesterov's: {ratio.mean:.2f} ({ratio.low:.2f}-{ratio.high:.2f})." in text
+    )
+    # part-way through, the brief says so
+    del results[
+        next(k for k, r in results.items() if r["spec"]["kind"] == "final" and r["spec"]["batch"] == 1024)
+    ]
+    assert "running, " in headline(summarize(THREE, results)).splitlines()[0]
+
+
+def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):
+    from largebatch.cli import main as cli
+    from largebatch.study.steps import compare, summarize
+
+    results = _whole_study()
+    summary = summarize(THREE, results)
+    other = copy.deepcopy(summary)
+    other["settings"]["model"] = "small_resnet"
+    del other["critical_batch"]["lars"]
+    other["critical_ratios"] = []
+    table = compare([summary, other]).splitlines()
+    nesterov = summary["critical_batch"]["nesterov"]
+    assert table[0].startswith("| model | target | runs | B_crit Nesterov | B_crit AdamW | B_crit LARS |")
+    assert table[2].startswith(
+        f"| fmnist_cnn | 94.0% | {len(results)} | {nesterov['b_noise']:,.0f} ({nesterov['b_noise_low']:,.0f}-"
+    )
+    assert table[3].startswith("| small_resnet | 94.0% |") and table[3].endswith("| … | … | … |")
+    # the command: each folder summarized from its runs
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "settings.json").write_text(json.dumps(THREE.settings()))
+        (folder / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results.values()))
+    capsys.readouterr()
+    assert cli(["steps", "--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out == compare([summary, summary])
+    assert "--compare: " in user_error(["steps", "--compare", str(tmp_path / "a"), str(tmp_path)], capsys)
 
 
 def test_the_plot_draws_the_steps_the_fit_and_the_images(tmp_path):

@@ -1,6 +1,6 @@
 """``largebatch steps``: the flags of the steps-to-target study, the
 :class:`~largebatch.study.steps.StepsConfig` they ask for, and the run
-(:func:`largebatch.study.steps.run_steps_study`) or ``--report``."""
+(:func:`largebatch.study.steps.run_steps_study`), ``--report`` or ``--compare``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from largebatch.study.steps import (
     OPTIMIZERS,
     StepsConfig,
     check_config,
+    compare_steps,
     recorded_config,
     run_steps_study,
 )
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write the tables and plot of the runs in OUT/runs.jsonl with the settings "
         "recorded in OUT/settings.json; train nothing",
+    )
+    add(
+        "--compare",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="print the critical batches of the studies in these folders side by side (one model "
+        "each, from their runs); train nothing",
     )
     add("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
     add("--model", default=None, choices=MODELS, help=f"the model (default {d.model})")
@@ -147,6 +156,12 @@ def config(args: argparse.Namespace) -> StepsConfig:
 
 def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments."""
+    if args.compare is not None:
+        try:
+            print(compare_steps(args.compare), end="")
+        except ValueError as err:
+            raise CommandError("steps", f"--compare: {err}") from None
+        return 0
     try:
         cfg = config(args)
         check_config(cfg)

@@ -15,6 +15,7 @@ from largebatch.study.steps.fits import (
     critical_ratio,
     fit_steps,
     paired_interval,
+    steps_ratio,
 )
 from largebatch.study.steps.plan import (
     BATCHES,
@@ -27,8 +28,8 @@ from largebatch.study.steps.plan import (
     plan,
     target,
 )
-from largebatch.study.steps.report import markdown, summarize
-from largebatch.study.steps.run import estimate, load_trials, recorded_config, run_steps_study
+from largebatch.study.steps.report import compare, headline, markdown, summarize
+from largebatch.study.steps.run import compare_steps, estimate, load_trials, recorded_config, run_steps_study
 
 __all__ = [
     "BATCHES",
@@ -40,16 +41,20 @@ __all__ = [
     "StepsConfig",
     "TrialSpec",
     "check_config",
+    "compare",
+    "compare_steps",
     "critical_batch",
     "critical_ratio",
     "estimate",
     "fit_steps",
+    "headline",
     "load_trials",
     "markdown",
     "paired_interval",
     "plan",
     "recorded_config",
     "run_steps_study",
+    "steps_ratio",
     "summarize",
     "target",
 ]

@@ -16,7 +16,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["CriticalBatch", "Interval", "critical_batch", "critical_ratio", "fit_steps", "paired_interval"]
+__all__ = [
+    "CriticalBatch",
+    "Interval",
+    "critical_batch",
+    "critical_ratio",
+    "fit_steps",
+    "paired_interval",
+    "steps_ratio",
+]
 
 
 class Interval(NamedTuple):
@@ -55,31 +63,42 @@ def fit_steps(batches: Sequence[float], steps: Sequence[float]) -> tuple[float, 
     ``B_noise`` is the best of a grid 100 to the decade from 1e-3 to 1e3 times the
     largest batch, refined by golden-section search. Needs two points or more."""
     b = np.asarray(batches, dtype=np.float64)
-    log_s = np.log(np.asarray(steps, dtype=np.float64))
-    if len(b) < 2 or len(b) != len(log_s):
-        raise ValueError(f"fit_steps: {len(b)} batches and {len(log_s)} step counts; needs 2 or more of each")
+    s = np.asarray(steps, dtype=np.float64)
+    if len(b) < 2 or len(b) != len(s):
+        raise ValueError(f"fit_steps: {len(b)} batches and {len(s)} step counts; needs 2 or more of each")
+    s_min, b_noise = _fit_many(b, s[None, :])
+    return float(s_min[0]), float(b_noise[0])
 
-    def loss(log_noise: float) -> tuple[float, float]:
-        shape = np.log1p(np.exp(log_noise) / b)
-        log_min = float(np.mean(log_s - shape))
-        return float(np.sum((log_s - log_min - shape) ** 2)), log_min
 
-    top = math.log(b.max())
-    grid = np.linspace(top - 3 * math.log(10), top + 3 * math.log(10), 601)
-    shapes = np.log1p(np.exp(grid)[:, None] / b[None, :])
-    residual = log_s[None, :] - shapes
-    losses = np.sum((residual - residual.mean(axis=1, keepdims=True)) ** 2, axis=1)
-    i = int(np.argmin(losses))
-    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+def _fit_many(b: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`fit_steps` of each row of ``steps`` (shape ``(fits, len(b))``) at once; a
+    step count that is not finite leaves its batch out of that row's fit. Each row needs
+    two finite counts."""
+    keep = np.isfinite(steps)
+    w = keep.astype(np.float64)
+    count = w.sum(axis=1)
+    log_s = np.log(np.where(keep, steps, 1.0))
+
+    def loss(log_noise: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        residual = log_s - np.log1p(np.exp(log_noise)[:, None] / b)
+        log_min = (w * residual).sum(axis=1) / count
+        return (w * (residual - log_min[:, None]) ** 2).sum(axis=1), log_min
+
+    top = np.log(np.where(keep, b, 0.0).max(axis=1))
+    grid = top[:, None] + np.linspace(-3 * math.log(10), 3 * math.log(10), 601)
+    residual = log_s[:, None, :] - np.log1p(np.exp(grid)[:, :, None] / b)
+    weights = w[:, None, :]
+    mean = (weights * residual).sum(axis=2, keepdims=True) / count[:, None, None]
+    i = np.argmin((weights * (residual - mean) ** 2).sum(axis=2), axis=1)
+    rows = np.arange(len(steps))
+    lo, hi = grid[rows, np.maximum(i - 1, 0)], grid[rows, np.minimum(i + 1, grid.shape[1] - 1)]
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(60):
         x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        if loss(x1)[0] < loss(x2)[0]:
-            hi = x2
-        else:
-            lo = x1
+        left = loss(x1)[0] < loss(x2)[0]
+        hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
     best = (lo + hi) / 2
-    return math.exp(loss(best)[1]), math.exp(best)
+    return np.exp(loss(best)[1]), np.exp(best)
 
 
 class CriticalBatch(NamedTuple):
@@ -97,22 +116,21 @@ class CriticalBatch(NamedTuple):
 def _bootstrap(
     batches: Sequence[int], seed_steps: Sequence[Sequence[float]], resamples: int, seed: int
 ) -> tuple[tuple[float, float], np.ndarray]:
-    """The fit to the medians, and ``(S_min, B_noise)`` of each bootstrap draw."""
+    """The fit to the medians, and ``(S_min, B_noise)`` of each bootstrap draw (a draw
+    with fewer than two finite medians has no fit and is left out)."""
     rng = np.random.default_rng(seed)
-
-    def medians(draw: list[np.ndarray]) -> tuple[list[float], list[float]]:
-        m = [float(np.median(x)) for x in draw]
-        keep = [i for i, v in enumerate(m) if math.isfinite(v)]
-        return [float(batches[i]) for i in keep], [m[i] for i in keep]
-
+    b = np.asarray(batches, dtype=np.float64)
     values = [np.asarray(s, dtype=np.float64) for s in seed_steps]
-    fit = fit_steps(*medians(values))
-    fits = []
-    for _ in range(resamples):
-        bs, ms = medians([x[rng.integers(0, len(x), len(x))] for x in values])
-        if len(bs) >= 2:
-            fits.append(fit_steps(bs, ms))
-    return fit, np.asarray(fits).reshape(-1, 2)
+    medians = np.array([[np.median(x) for x in values]])
+    if np.isfinite(medians).sum() < 2:
+        raise ValueError(f"critical_batch: {int(np.isfinite(medians).sum())} finite median(s); needs 2")
+    fit = _fit_many(b, medians)
+    drawn = np.stack(
+        [np.median(x[rng.integers(0, len(x), (resamples, len(x)))], axis=1) for x in values], axis=1
+    )
+    drawn = drawn[np.isfinite(drawn).sum(axis=1) >= 2]
+    draws = _fit_many(b, drawn)
+    return (float(fit[0][0]), float(fit[1][0])), np.stack(draws, axis=1).reshape(-1, 2)
 
 
 def critical_batch(
@@ -146,3 +164,31 @@ def critical_ratio(
     ratios = draws_a[:n, 1] / draws_b[:n, 1]
     low, high = np.percentile(ratios, [2.5, 97.5])
     return Interval(noise_a / noise_b, float(low), float(high), n)
+
+
+def steps_ratio(
+    steps_a: Sequence[float], steps_b: Sequence[float], resamples: int = 2000, seed: int = 0
+) -> Interval:
+    """The median over seeds of ``a``'s steps to the target over ``b``'s, at one batch
+    (``inf`` for a seed that did not reach it), with the 2.5% and 97.5% percentiles of
+    the ratio over ``resamples`` bootstrap draws of each one's seeds (the draws' values
+    on either side, not interpolated): below 1 with its
+    interval, ``a`` reaches the target in fewer steps. A draw whose two medians are both
+    infinite has no ratio and is left out (``n`` counts the draws kept)."""
+    a = np.asarray(steps_a, dtype=np.float64)
+    b = np.asarray(steps_b, dtype=np.float64)
+    if len(a) < 1 or len(b) < 1:
+        raise ValueError(f"steps_ratio: {len(a)} and {len(b)} seeds; needs one or more of each")
+    rng = np.random.default_rng(seed)
+    draws_a = np.median(a[rng.integers(0, len(a), (resamples, len(a)))], axis=1)
+    draws_b = np.median(b[rng.integers(0, len(b), (resamples, len(b)))], axis=1)
+    with np.errstate(invalid="ignore"):
+        ratios = draws_a / draws_b
+        mean = float(np.median(a) / np.median(b))
+    ratios = ratios[~np.isnan(ratios)]
+    if not len(ratios):
+        return Interval(mean, math.nan, math.nan, 0)
+    # the draws' own values, outward (no interpolation between a ratio and an infinite one)
+    low = np.percentile(ratios, 2.5, method="lower")
+    high = np.percentile(ratios, 97.5, method="higher")
+    return Interval(mean, float(low), float(high), len(ratios))

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from largebatch.study.steps.fits import critical_batch, critical_ratio, paired_interval
+from largebatch.study.steps.fits import critical_batch, critical_ratio, paired_interval, steps_ratio
 from largebatch.study.steps.plan import (
     SPACES,
     StepsConfig,
@@ -28,7 +28,12 @@ from largebatch.study.steps.plan import (
     train_images,
 )
 
-__all__ = ["markdown", "plot", "summarize"]
+__all__ = ["compare", "headline", "markdown", "plot", "summarize"]
+
+# The optimizers as the prose names them, and the pairs the study compares: each of
+# LARS and LAMB against its control (Nado et al. 2021), and the two against each other.
+NAMES = {"nesterov": "Nesterov", "adamw": "AdamW", "lars": "LARS", "lamb": "LAMB"}
+PAIRS = (("lars", "nesterov"), ("lamb", "adamw"))
 
 # ImageNet's 1.28M training images over the tuning split's 50,000: a batch's share of an
 # epoch, as a label only (the study claims nothing about ImageNet).
@@ -97,8 +102,14 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             seeded[optimizer] = {p["batch"]: p["seed_steps"] for p in mine}
             fit = critical_batch([p["batch"] for p in mine], [p["seed_steps"] for p in mine])
             fits[optimizer] = fit._asdict()
-    ratios = []
-    for a, b in (("lars", "nesterov"), ("lamb", "adamw")):
+    ratios, per_batch = [], []
+    for a, b in PAIRS:
+        for batch in cfg.batches:
+            pa, pb = by_point.get((batch, a)), by_point.get((batch, b))
+            if pa and pb and "seed_steps" in pa and "seed_steps" in pb:
+                r = steps_ratio(pa["seed_steps"], pb["seed_steps"])
+                per_batch.append({"batch": batch, "optimizer": a, "against": b, **r._asdict()})
+    for a, b in PAIRS:
         if a in seeded and b in seeded:
             common = sorted(set(seeded[a]) & set(seeded[b]))
             ratio = critical_ratio(common, [seeded[a][x] for x in common], [seeded[b][x] for x in common])
@@ -127,6 +138,7 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         "points": points,
         "critical_batch": fits,
         "critical_ratios": ratios,
+        "steps_ratios": per_batch,
         "comparisons": compared,
     }
 
@@ -158,31 +170,15 @@ def markdown(summary: dict[str, Any]) -> str:
         + f"; {s['trials']} Sobol trials a point; ghost batch norm over {s['ghost_batch']} images; "
         f"random crop (padding {s['augment']}) and flip.",
         "",
-        "## Steps to target (median over seeds [min-max])",
+        "## In brief",
         "",
-        "| batch | ImageNet label | " + " | ".join(optimizers) + " |",
-        "|---:|---:|" + "---:|" * len(optimizers),
+        headline(summary).rstrip("\n"),
     ]
-    for b in s["batches"]:
-        cells = [_steps_cell(by_point[b, o]) for o in optimizers]
-        lines.append(
-            f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
-        )
-    lines += ["", "## Critical batch (fit of S(B) = S_min (1 + B_noise / B), 95% bootstrap interval)", ""]
     if summary["critical_batch"]:
-        lines += ["| optimizer | S_min | B_crit | 95% interval |", "|---|---:|---:|---:|"]
-        for o, f in summary["critical_batch"].items():
-            interval = f"{f['b_noise_low']:,.0f}-{f['b_noise_high']:,.0f}"
-            lines.append(f"| {o} | {f['s_min']:.0f} | {f['b_noise']:,.0f} | {interval} |")
-        for r in summary["critical_ratios"]:
-            lines.append(
-                f"\n{r['optimizer']}'s critical batch over {r['against']}'s: {r['mean']:.2f} "
-                f"(95% bootstrap interval {r['low']:.2f} to {r['high']:.2f})."
-            )
         fitted = list(summary["critical_batch"])
         lines += [
             "",
-            "Each batch as a multiple of each optimizer's critical batch (B / B_crit):",
+            "## Each batch as a multiple of each optimizer's critical batch (B / B_crit)",
             "",
             "| batch | " + " | ".join(fitted) + " |",
             "|---:|" + "---:|" * len(fitted),
@@ -190,8 +186,6 @@ def markdown(summary: dict[str, Any]) -> str:
         for b in s["batches"]:
             ratios = [f"{b / summary['critical_batch'][o]['b_noise']:.2g}" for o in fitted]
             lines.append(f"| {b:,} | " + " | ".join(ratios) + " |")
-    else:
-        lines.append("(needs three batches with their seeds' steps)")
     lines += [
         "",
         f"## Final test accuracy, {s['final_epochs']} epochs (mean over seeds)",
@@ -242,6 +236,152 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"| {p['batch']:,} | {p['optimizer']} | {p['trials']} | {p.get('reached', '-')} | "
                 f"#{p['pick']['index']}: {hp} | {pos} |"
             )
+    return "\n".join(lines) + "\n"
+
+
+def _interval(mean: float, low: float, high: float, fmt: str = ".2f") -> str:
+    return f"{mean:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+
+
+def _points_interval(c: dict[str, Any]) -> str:
+    return f"{100 * c['mean']:+.2f} ({100 * c['low']:+.2f} to {100 * c['high']:+.2f}), n={c['n']}"
+
+
+def _status(summary: dict[str, Any]) -> str:
+    points = summary["points"]
+    done = [
+        p
+        for p in points
+        if "seed_steps" in p and len(p.get("final_accuracy", [])) >= summary["settings"]["seeds"]
+    ]
+    if len(done) == len(points):
+        return f"complete, {summary['runs']} runs"
+    batches = sorted({p["batch"] for p in done})
+    return (
+        f"running, {summary['runs']} runs so far; "
+        + (
+            f"seeds and finals done at B = {', '.join(f'{b:,}' for b in batches)}"
+            if batches
+            else "no point finished"
+        )
+        + ": the critical batches and every interval will move"
+    )
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """The study in brief, as docs/study.md quotes it: steps to target at each batch with
+    B / B_crit and LARS's and LAMB's steps over their controls', the critical batches and
+    their ratios, and the paired differences of final accuracy, every one with its 95%
+    interval."""
+    s = summary["settings"]
+    optimizers = s["optimizers"]
+    by_point = {(p["batch"], p["optimizer"]): p for p in summary["points"]}
+    fits = summary["critical_batch"]
+    goal = summary["target"]
+    ratios = {(r["batch"], r["optimizer"]): r for r in summary["steps_ratios"]}
+    pairs = [(a, b) for a, b in PAIRS if a in optimizers and b in optimizers]
+    lines = [
+        f"**{s['model']}: {_status(summary)}.** Target: validation accuracy "
+        + (f"{100 * goal:.1f}%" if goal is not None else "(set when the smallest batch's search ends)")
+        + f". Steps to it: the median of {s['seeds']} seeds of each point's pick [their range]; "
+        "B / B_crit: the batch over the critical batch of each optimizer with a fit (lowest-highest); "
+        "a ratio of steps below 1: the first optimizer needs fewer (95% bootstrap interval).",
+        "",
+        "| batch | ImageNet label | B / B_crit | "
+        + " | ".join(NAMES[o] for o in optimizers)
+        + "".join(f" | {NAMES[a]} / {NAMES[b]} steps" for a, b in pairs)
+        + " |",
+        "|---:|---:|---:|" + "---:|" * (len(optimizers) + len(pairs)),
+    ]
+    for b in s["batches"]:
+        scale = sorted(b / f["b_noise"] for f in fits.values())
+        cells = [f"{scale[0]:.2g}-{scale[-1]:.2g}" if scale else "…"]
+        cells += [_steps_cell(by_point[b, o]) for o in optimizers]
+        for a, _ in pairs:
+            r = ratios.get((b, a))
+            cells.append(_interval(r["mean"], r["low"], r["high"]) if r else "…")
+        lines.append(
+            f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
+        )
+    lines += ["", "Critical batch, B_noise of S(B) = S_min (1 + B_noise / B) (95% bootstrap interval):", ""]
+    if fits:
+        lines += ["| | " + " | ".join(NAMES[o] for o in fits) + " |", "|---|" + "---:|" * len(fits)]
+        lines.append(
+            "| B_crit | "
+            + " | ".join(
+                _interval(f["b_noise"], f["b_noise_low"], f["b_noise_high"], ",.0f") for f in fits.values()
+            )
+            + " |"
+        )
+        lines.append(
+            "| S_min | "
+            + " | ".join(_interval(f["s_min"], f["s_min_low"], f["s_min_high"], ".0f") for f in fits.values())
+            + " |"
+        )
+        lines += [""] + [
+            f"{NAMES[r['optimizer']]}'s critical batch over {NAMES[r['against']]}'s: "
+            f"{_interval(r['mean'], r['low'], r['high'])}."
+            + ("" if i == len(summary["critical_ratios"]) - 1 else "  ")
+            for i, r in enumerate(summary["critical_ratios"])
+        ]
+    else:
+        lines.append("(needs three batches with their seeds' steps)")
+    compared = {(tuple(c["point"]), tuple(c["reference"])): c for c in summary["comparisons"]}
+    between = [(a, b) for a, b in (*pairs, ("lamb", "lars")) if a in optimizers and b in optimizers]
+    lines += [
+        "",
+        f"Final test accuracy after {s['final_epochs']} epochs: paired differences in points "
+        "(95% t interval; seeds shared), between optimizers at each batch:",
+        "",
+        "| batch | " + " | ".join(f"{NAMES[a]} - {NAMES[b]}" for a, b in between) + " |",
+        "|---:|" + "---:|" * len(between),
+    ]
+    for b in s["batches"]:
+        found = [compared.get(((b, a), (b, r))) for a, r in between]
+        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in found) + " |")
+    smallest = s["batches"][0]
+    lines += [
+        "",
+        f"and each optimizer against itself at B = {smallest} (within {100 * s['threshold']:.1f} points "
+        "where the interval lies above the line):",
+        "",
+        "| batch | " + " | ".join(NAMES[o] for o in optimizers) + " |",
+        "|---:|" + "---:|" * len(optimizers),
+    ]
+    for b in s["batches"][1:]:
+        found = [compared.get(((b, o), (smallest, o))) for o in optimizers]
+        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in found) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(summaries: list[dict[str, Any]]) -> str:
+    """The critical batches of several studies side by side (one model each), with the
+    ratios of LARS's and LAMB's over their controls'."""
+    names = list(NAMES)
+    lines = [
+        "| model | target | runs | "
+        + " | ".join(f"B_crit {NAMES[o]}" for o in names)
+        + "".join(f" | {NAMES[a]} / {NAMES[b]}" for a, b in PAIRS)
+        + " |",
+        "|---|---:|---:|" + "---:|" * (len(names) + len(PAIRS)),
+    ]
+    for summary in summaries:
+        fits = summary["critical_batch"]
+        cells = [
+            _interval(fits[o]["b_noise"], fits[o]["b_noise_low"], fits[o]["b_noise_high"], ",.0f")
+            if o in fits
+            else "…"
+            for o in names
+        ]
+        ratios = {(r["optimizer"], r["against"]): r for r in summary["critical_ratios"]}
+        cells += [
+            _interval(r["mean"], r["low"], r["high"]) if (r := ratios.get(pair)) else "…" for pair in PAIRS
+        ]
+        goal = summary["target"]
+        lines.append(
+            f"| {summary['settings']['model']} | {f'{100 * goal:.1f}%' if goal is not None else '…'} | "
+            f"{summary['runs']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

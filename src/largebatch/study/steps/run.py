@@ -24,10 +24,18 @@ from largebatch.study.steps.plan import (
     plan,
     train_images,
 )
-from largebatch.study.steps.report import markdown, plot, summarize
+from largebatch.study.steps.report import compare, markdown, plot, summarize
 from largebatch.study.steps.trial import run_trial
 
-__all__ = ["SETTINGS", "check_resume", "estimate", "load_trials", "recorded_config", "run_steps_study"]
+__all__ = [
+    "SETTINGS",
+    "check_resume",
+    "compare_steps",
+    "estimate",
+    "load_trials",
+    "recorded_config",
+    "run_steps_study",
+]
 
 SETTINGS = "settings.json"
 # Images a second one CPU thread trains, with the study's scoring and augmentation, before
@@ -57,6 +65,17 @@ def recorded_config(out: str, **environment: Any) -> StepsConfig:
         reason = " ".join(str(err).split())
         raise ValueError(f"cannot read the study's settings from {path}: {reason}") from None
     return cfg
+
+
+def compare_steps(folders: list[str]) -> str:
+    """The critical batches of the studies in ``folders`` side by side (``--compare``, one
+    model each), each summarized from its runs and settings as ``--report`` does; nothing
+    is written. A ValueError names a folder that holds no study."""
+    summaries = []
+    for folder in folders:
+        cfg = recorded_config(folder, report_only=True)
+        summaries.append(summarize(cfg, load_trials(Path(folder) / "runs.jsonl", warn=False)))
+    return compare(summaries)
 
 
 def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[float, float]:
