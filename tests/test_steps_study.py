@@ -541,10 +541,11 @@ THREE = dataclasses.replace(SMALL, batches=(64, 256, 1024), optimizers=("nestero
 B_NOISE = {"nesterov": 500, "lars": 2000}  # the synthetic study's critical batches
 
 
-def _whole_study(cfg: StepsConfig = THREE) -> dict:
+def _whole_study(cfg: StepsConfig = THREE, beyond: tuple = ()) -> dict:
     """The runs of a whole study, planned as the study plans them: a run of batch B needs
     ``5 (1 + B_noise / B)`` scores of 10 steps (more for later trials and seeds) to reach
-    the target, and its final accuracy depends on its optimizer, batch and seed."""
+    the target, and its final accuracy depends on its optimizer, batch and seed. No trial
+    of a ``(batch, optimizer)`` in ``beyond`` reaches the target."""
     results: dict = {}
     for _ in range(100):
         todo = plan(cfg, results)
@@ -558,7 +559,7 @@ def _whole_study(cfg: StepsConfig = THREE) -> dict:
                 scores = (
                     round(5 * (1 + B_NOISE[spec.optimizer] / spec.batch)) + spec.index % 3 + spec.seed % 3
                 )
-                accuracies = [0.5] * (scores - 1) + [0.95]
+                accuracies = [0.5] * (scores - 1) + [0.5 if (spec.batch, spec.optimizer) in beyond else 0.95]
             results[spec.key] = _row(spec, accuracies)
     raise AssertionError("the plan did not end")
 
@@ -611,11 +612,27 @@ def test_the_brief_gives_each_number_with_its_interval():
     assert (
         f"LARS's critical batch over Nesterov's: {ratio.mean:.2f} ({ratio.low:.2f}-{ratio.high:.2f})." in text
     )
-    # part-way through, the brief says so
+    # part-way through (a point's second final run to go), the brief says so
     del results[
-        next(k for k, r in results.items() if r["spec"]["kind"] == "final" and r["spec"]["batch"] == 1024)
+        next(
+            k
+            for k, r in results.items()
+            if (r["spec"]["kind"], r["spec"]["batch"], r["spec"]["seed"]) == ("final", 1024, 1)
+        )
     ]
-    assert "running, " in headline(summarize(THREE, results)).splitlines()[0]
+    assert "running, 47 runs so far; finished at B = 64, 256: " in headline(summarize(THREE, results))
+    # a point whose search never reached the target: no steps, no ratio, no final runs
+    results = _whole_study(beyond=((1024, "nesterov"),))
+    summary = summarize(THREE, results)
+    text = headline(summary)
+    assert text.startswith(f"**fmnist_cnn: complete, {len(results)} runs.**")
+    assert not any(
+        r["spec"]["kind"] != "search"
+        for r in results.values()
+        if r["spec"]["batch"] == 1024 and r["spec"]["optimizer"] == "nesterov"
+    )
+    assert "| 1,024 | 26,238 | " in text and " | not reached | " in text
+    assert text.count("Nesterov not reached") == 3  # the ratio of steps and both paired differences
 
 
 def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):

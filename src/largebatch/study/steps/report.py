@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from largebatch.study.steps.plan import (
     comparisons,
     final_accuracies,
     lr_dimension,
+    plan,
     point_pick,
     point_trials,
     seed_runs,
@@ -95,6 +97,11 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
     comparisons."""
     points = [_point(cfg, results, b, o) for b, o in cfg.points()]
     by_point = {(p["batch"], p["optimizer"]): p for p in points}
+    pending = {(s.batch, s.optimizer) for s in plan(cfg, results)}
+    for p in points:  # nothing left to run: no pick, or its seeds and finals done
+        p["finished"] = (p["batch"], p["optimizer"]) not in pending and bool(
+            p["search_done"] and ("pick" not in p or ("seed_steps" in p and "final_accuracy" in p))
+        )
     fits, seeded = {}, {}
     for optimizer in cfg.optimizers:
         mine = [p for p in points if p["optimizer"] == optimizer and "seed_steps" in p]
@@ -249,23 +256,25 @@ def _points_interval(c: dict[str, Any]) -> str:
 
 def _status(summary: dict[str, Any]) -> str:
     points = summary["points"]
-    done = [
-        p
-        for p in points
-        if "seed_steps" in p and len(p.get("final_accuracy", [])) >= summary["settings"]["seeds"]
-    ]
-    if len(done) == len(points):
+    if all(p["finished"] for p in points):
         return f"complete, {summary['runs']} runs"
-    batches = sorted({p["batch"] for p in done})
+    batches = [
+        b for b in summary["settings"]["batches"] if all(p["finished"] for p in points if p["batch"] == b)
+    ]
     return (
         f"running, {summary['runs']} runs so far; "
-        + (
-            f"seeds and finals done at B = {', '.join(f'{b:,}' for b in batches)}"
-            if batches
-            else "no point finished"
-        )
+        + (f"finished at B = {', '.join(f'{b:,}' for b in batches)}" if batches else "no batch finished")
         + ": the critical batches and every interval will move"
     )
+
+
+def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimizers: Sequence[str]) -> str:
+    """What a cell that compares ``optimizers`` at ``batch`` shows when it has no number:
+    which of them reached no target in its search, or "…" (still running)."""
+    missed = [
+        NAMES[o] for o in optimizers if by_point[batch, o]["finished"] and "pick" not in by_point[batch, o]
+    ]
+    return " and ".join(missed) + " not reached" if missed else "…"
 
 
 def headline(summary: dict[str, Any]) -> str:
@@ -297,9 +306,9 @@ def headline(summary: dict[str, Any]) -> str:
         scale = sorted(b / f["b_noise"] for f in fits.values())
         cells = [f"{scale[0]:.2g}-{scale[-1]:.2g}" if scale else "…"]
         cells += [_steps_cell(by_point[b, o]) for o in optimizers]
-        for a, _ in pairs:
+        for a, c in pairs:
             r = ratios.get((b, a))
-            cells.append(_interval(r["mean"], r["low"], r["high"]) if r else "…")
+            cells.append(_interval(r["mean"], r["low"], r["high"]) if r else _no_pick(by_point, b, (a, c)))
         lines.append(
             f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
         )
@@ -337,8 +346,12 @@ def headline(summary: dict[str, Any]) -> str:
         "|---:|" + "---:|" * len(between),
     ]
     for b in s["batches"]:
-        found = [compared.get(((b, a), (b, r))) for a, r in between]
-        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in found) + " |")
+        found = [(compared.get(((b, a), (b, r))), (a, r)) for a, r in between]
+        lines.append(
+            f"| {b:,} | "
+            + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, pair) for c, pair in found)
+            + " |"
+        )
     smallest = s["batches"][0]
     lines += [
         "",
@@ -349,8 +362,12 @@ def headline(summary: dict[str, Any]) -> str:
         "|---:|" + "---:|" * len(optimizers),
     ]
     for b in s["batches"][1:]:
-        found = [compared.get(((b, o), (smallest, o))) for o in optimizers]
-        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in found) + " |")
+        own = [(compared.get(((b, o), (smallest, o))), o) for o in optimizers]
+        lines.append(
+            f"| {b:,} | "
+            + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, (o,)) for c, o in own)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
