@@ -612,6 +612,18 @@ def test_the_brief_gives_each_number_with_its_interval():
     assert (
         f"LARS's critical batch over Nesterov's: {ratio.mean:.2f} ({ratio.low:.2f}-{ratio.high:.2f})." in text
     )
+    # what the intervals settle: LARS's steps (B_noise 2,000 against 500) and accuracy
+    low, high = min(64 / f.b_noise for f in fits.values()), max(1024 / f.b_noise for f in fits.values())
+    assert (
+        "- **LARS against Nesterov.** Steps to the target: more at B = 64, 256, 1,024 "
+        f"({low:.2g}-{high:.2g} B_crit). Critical batch: {ratio.mean:.2f} ({ratio.low:.2f}-"
+        f"{ratio.high:.2f}) times Nesterov's, above 1: perfect scaling reaches larger batches. "
+        "Final accuracy: higher at B = 64, 256, 1,024"
+    ) in text
+    assert (
+        "- **LARS against itself at B = 64**, final accuracy within 0.5 points: within at B = 256, 1,024 ("
+        in text
+    )
     # part-way through (a point's second final run to go), the brief says so
     del results[
         next(
@@ -632,7 +644,9 @@ def test_the_brief_gives_each_number_with_its_interval():
         if r["spec"]["batch"] == 1024 and r["spec"]["optimizer"] == "nesterov"
     )
     assert "| 1,024 | 26,238 | " in text and " | not reached | " in text
-    assert text.count("Nesterov not reached") == 3  # the ratio of steps and both paired differences
+    assert text.count("Nesterov not reached") == 6  # in the tables (3) and in what the intervals settle (3)
+    assert "**LARS against Nesterov.** Steps to the target: more at B = 64, 256 (" in text
+    assert "); Nesterov not reached at B = 1,024 (" in text
 
 
 def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):

@@ -30,7 +30,7 @@ from largebatch.study.steps.plan import (
     train_images,
 )
 
-__all__ = ["compare", "headline", "markdown", "plot", "summarize"]
+__all__ = ["compare", "headline", "markdown", "plot", "readings", "summarize"]
 
 # The optimizers as the prose names them, and the pairs the study compares: each of
 # LARS and LAMB against its control (Nado et al. 2021), and the two against each other.
@@ -277,6 +277,88 @@ def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimi
     return " and ".join(missed) + " not reached" if missed else "…"
 
 
+def _grouped(verdicts: Sequence[tuple[int, str]], fits: Sequence[dict[str, Any]]) -> str:
+    """``"more at B = 64, 256 (0.04-0.29 B_crit); not resolved at B = 4,096 (...)"``: each
+    verdict with the batches it holds at, in the order of the first batch of each, and
+    those batches over the critical batches in ``fits`` (lowest-highest)."""
+    order: dict[str, list[int]] = {}
+    for batch, verdict in verdicts:
+        order.setdefault("running" if verdict == "…" else verdict, []).append(batch)
+    parts = []
+    for verdict, batches in order.items():
+        scale = sorted({f"{b / f['b_noise']:.2g}" for b in batches for f in fits}, key=float)
+        parts.append(
+            f"{verdict} at B = "
+            + ", ".join(f"{b:,}" for b in batches)
+            + (f" ({'-'.join(dict.fromkeys((scale[0], scale[-1])))} B_crit)" if scale else "")
+        )
+    return "; ".join(parts)
+
+
+def _side(low: float, high: float, line: float, below: str, above: str) -> str:
+    return below if high < line else above if low > line else "not resolved"
+
+
+def readings(summary: dict[str, Any]) -> list[str]:
+    """What the intervals settle, one line each, from the numbers alone: at which
+    batches (also as B / B_crit) LARS and LAMB need fewer or more steps than their
+    controls (the ratio's interval below or above 1), whether their critical batches lie
+    beyond their controls', where their final accuracy is higher or lower, and at which
+    batches each optimizer stays within the threshold of its smallest-batch accuracy."""
+    s = summary["settings"]
+    optimizers = s["optimizers"]
+    by_point = {(p["batch"], p["optimizer"]): p for p in summary["points"]}
+    ratios = {(r["batch"], r["optimizer"]): r for r in summary["steps_ratios"]}
+    compared = {(tuple(c["point"]), tuple(c["reference"])): c for c in summary["comparisons"]}
+    critical = {(r["optimizer"], r["against"]): r for r in summary["critical_ratios"]}
+    fits = summary["critical_batch"]
+    out = []
+    for a, b in [(a, b) for a, b in PAIRS if a in optimizers and b in optimizers]:
+        steps, final = [], []
+        for batch in s["batches"]:
+            r = ratios.get((batch, a))
+            verdict = (
+                _side(r["low"], r["high"], 1.0, "fewer", "more") if r else _no_pick(by_point, batch, (a, b))
+            )
+            steps.append((batch, verdict))
+            c = compared.get(((batch, a), (batch, b)))
+            verdict = (
+                _side(c["low"], c["high"], 0.0, "lower", "higher") if c else _no_pick(by_point, batch, (a, b))
+            )
+            final.append((batch, verdict))
+        mine = [fits[o] for o in (a, b) if o in fits]
+        text = f"**{NAMES[a]} against {NAMES[b]}.** Steps to the target: {_grouped(steps, mine)}."
+        r = critical.get((a, b))
+        if r:
+            text += (
+                f" Critical batch: {_interval(r['mean'], r['low'], r['high'])} times {NAMES[b]}'s, "
+                + {
+                    "fewer": "below 1: perfect scaling ends at smaller batches.",
+                    "more": "above 1: perfect scaling reaches larger batches.",
+                    "not resolved": "an interval that holds 1.",
+                }[_side(r["low"], r["high"], 1.0, "fewer", "more")]
+            )
+        out.append(text + f" Final accuracy: {_grouped(final, mine)}.")
+    smallest, line = s["batches"][0], -s["threshold"]
+    for o in optimizers:
+        within = []
+        for batch in s["batches"][1:]:
+            c = compared.get(((batch, o), (smallest, o)))
+            within.append(
+                (
+                    batch,
+                    _side(c["low"], c["high"], line, "below", "within")
+                    if c
+                    else _no_pick(by_point, batch, (o,)),
+                )
+            )
+        out.append(
+            f"**{NAMES[o]} against itself at B = {smallest}**, final accuracy within "
+            f"{100 * s['threshold']:.1f} points: {_grouped(within, [fits[o]] if o in fits else [])}."
+        )
+    return out
+
+
 def headline(summary: dict[str, Any]) -> str:
     """The study in brief, as docs/study.md quotes it: steps to target at each batch with
     B / B_crit and LARS's and LAMB's steps over their controls', the critical batches and
@@ -368,6 +450,8 @@ def headline(summary: dict[str, Any]) -> str:
             + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, (o,)) for c, o in own)
             + " |"
         )
+    lines += ["", 'What the intervals settle (95%; "not resolved": the interval holds the line):', ""]
+    lines += [f"- {text}" for text in readings(summary)]
     return "\n".join(lines) + "\n"
 
 
