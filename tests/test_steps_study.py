@@ -499,6 +499,23 @@ def test_the_docs_quote_each_committed_studys_brief():
         assert quoted == headline(json.loads((folder / "steps.json").read_text()))
 
 
+def test_the_readme_states_what_the_intervals_settle():
+    """The README's short claims are the pair lines of ``readings`` for the folder its
+    marker names, as its committed steps.json gives them."""
+    from pathlib import Path
+
+    from largebatch.study.steps import readings
+
+    root = Path(__file__).parents[1]
+    text = (root / "README.md").read_text()
+    marker = "<!-- steps-readings: "
+    start = text.index(marker) + len(marker)
+    folder = text[start : text.index(" -->", start)]
+    block = text[text.index("\n", start) + 1 : text.index("<!-- /steps-readings -->")]
+    lines = readings(json.loads((root / folder / "steps.json").read_text()))
+    assert block == "".join(f"- {line}\n" for line in lines if "against itself" not in line)
+
+
 def _assert_same(a, b, where="summary"):
     """``a == b``, floats to 1e-9 relative: NumPy's vector exp and log may round the last
     bit differently on another CPU, and the fits and their bootstrap use them."""
@@ -614,16 +631,18 @@ def test_the_brief_gives_each_number_with_its_interval():
     )
     # what the intervals settle: LARS's steps (B_noise 2,000 against 500) and accuracy
     low, high = min(64 / f.b_noise for f in fits.values()), max(1024 / f.b_noise for f in fits.values())
+    each = [steps_ratio(seeds("steps", b, "lars"), seeds("steps", b, "nesterov")).mean for b in THREE.batches]
     assert (
-        "- **LARS against Nesterov.** Steps to the target: more at B = 64, 256, 1,024 "
-        f"({low:.2g}-{high:.2g} B_crit). Critical batch: {ratio.mean:.2f} ({ratio.low:.2f}-"
-        f"{ratio.high:.2f}) times Nesterov's, above 1: perfect scaling reaches larger batches. "
-        "Final accuracy: higher at B = 64, 256, 1,024"
+        "- **LARS against Nesterov.** Steps to the target, LARS's over Nesterov's: "
+        f"more at B = 64, 256, 1,024 ({min(each):.2f}x to {max(each):.2f}x; {low:.2g}-{high:.2g} B_crit). "
+        f"Critical batch: {ratio.mean:.2f} ({ratio.low:.2f}-{ratio.high:.2f}) times Nesterov's, above 1: "
+        "perfect scaling reaches larger batches. "
+        "Final accuracy, LARS's less Nesterov's: higher at B = 64, 256, 1,024 (+0.40 points; "
     ) in text
     assert (
-        "- **LARS against itself at B = 64**, final accuracy within 0.5 points: within at B = 256, 1,024 ("
-        in text
-    )
+        "- **LARS against itself at B = 64**, final accuracy within 0.5 points: "
+        "within at B = 256, 1,024 (-0.10 to -0.02 points; "
+    ) in text
     # part-way through (a point's second final run to go), the brief says so
     del results[
         next(
@@ -645,7 +664,10 @@ def test_the_brief_gives_each_number_with_its_interval():
     )
     assert "| 1,024 | 26,238 | " in text and " | not reached | " in text
     assert text.count("Nesterov not reached") == 6  # in the tables (3) and in what the intervals settle (3)
-    assert "**LARS against Nesterov.** Steps to the target: more at B = 64, 256 (" in text
+    assert (
+        "**LARS against Nesterov.** Steps to the target, LARS's over Nesterov's: more at B = 64, 256 ("
+        in text
+    )
     assert "); Nesterov not reached at B = 1,024 (" in text
 
 

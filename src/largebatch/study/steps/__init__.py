@@ -28,7 +28,7 @@ from largebatch.study.steps.plan import (
     plan,
     target,
 )
-from largebatch.study.steps.report import compare, headline, markdown, summarize
+from largebatch.study.steps.report import compare, headline, markdown, readings, summarize
 from largebatch.study.steps.run import compare_steps, estimate, load_trials, recorded_config, run_steps_study
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "markdown",
     "paired_interval",
     "plan",
+    "readings",
     "recorded_config",
     "run_steps_study",
     "steps_ratio",

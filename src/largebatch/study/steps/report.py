@@ -277,26 +277,39 @@ def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimi
     return " and ".join(missed) + " not reached" if missed else "…"
 
 
-def _grouped(verdicts: Sequence[tuple[int, str]], fits: Sequence[dict[str, Any]]) -> str:
-    """``"more at B = 64, 256 (0.04-0.29 B_crit); not resolved at B = 4,096 (...)"``: each
-    verdict with the batches it holds at, in the order of the first batch of each, and
-    those batches over the critical batches in ``fits`` (lowest-highest)."""
-    order: dict[str, list[int]] = {}
-    for batch, verdict in verdicts:
-        order.setdefault("running" if verdict == "…" else verdict, []).append(batch)
+def _grouped(
+    verdicts: Sequence[tuple[int, str, float | None]], fits: Sequence[dict[str, Any]], unit: str
+) -> str:
+    """``"more at B = 64, 256 (1.22x to 1.44x; 0.04-0.29 B_crit); not resolved at ..."``:
+    each verdict with the batches it holds at, in the order of the first batch of each,
+    the lowest and highest of their values (``unit`` ``"x"``: a ratio; ``"points"``: a
+    difference of accuracies, shown in points), and those batches over the critical
+    batches in ``fits``."""
+    order: dict[str, list[tuple[int, float | None]]] = {}
+    for batch, verdict, value in verdicts:
+        order.setdefault("running" if verdict == "…" else verdict, []).append((batch, value))
     parts = []
-    for verdict, batches in order.items():
-        scale = sorted({f"{b / f['b_noise']:.2g}" for b in batches for f in fits}, key=float)
-        parts.append(
-            f"{verdict} at B = "
-            + ", ".join(f"{b:,}" for b in batches)
-            + (f" ({'-'.join(dict.fromkeys((scale[0], scale[-1])))} B_crit)" if scale else "")
-        )
+    for verdict, held in order.items():
+        values = sorted(v for _, v in held if v is not None)
+        shown = [f"{v:.2f}x" if unit == "x" else f"{100 * v:+.2f}" for v in values[:1] + values[-1:]]
+        notes = [" to ".join(dict.fromkeys(shown)) + ("" if unit == "x" else " points")] if values else []
+        scale = sorted({f"{b / f['b_noise']:.2g}" for b, _ in held for f in fits}, key=float)
+        notes += [f"{'-'.join(dict.fromkeys((scale[0], scale[-1])))} B_crit"] if scale else []
+        batches = ", ".join(f"{b:,}" for b, _ in held)
+        parts.append(f"{verdict} at B = {batches}" + (f" ({'; '.join(notes)})" if notes else ""))
     return "; ".join(parts)
 
 
 def _side(low: float, high: float, line: float, below: str, above: str) -> str:
     return below if high < line else above if low > line else "not resolved"
+
+
+def _verdict(
+    interval: dict[str, Any] | None, line: float, words: tuple[str, str], missing: str
+) -> tuple[str, float | None]:
+    if interval is None:
+        return missing, None
+    return _side(interval["low"], interval["high"], line, *words), interval["mean"]
 
 
 def readings(summary: dict[str, Any]) -> list[str]:
@@ -316,18 +329,15 @@ def readings(summary: dict[str, Any]) -> list[str]:
     for a, b in [(a, b) for a, b in PAIRS if a in optimizers and b in optimizers]:
         steps, final = [], []
         for batch in s["batches"]:
-            r = ratios.get((batch, a))
-            verdict = (
-                _side(r["low"], r["high"], 1.0, "fewer", "more") if r else _no_pick(by_point, batch, (a, b))
-            )
-            steps.append((batch, verdict))
+            missing = _no_pick(by_point, batch, (a, b))
+            steps.append((batch, *_verdict(ratios.get((batch, a)), 1.0, ("fewer", "more"), missing)))
             c = compared.get(((batch, a), (batch, b)))
-            verdict = (
-                _side(c["low"], c["high"], 0.0, "lower", "higher") if c else _no_pick(by_point, batch, (a, b))
-            )
-            final.append((batch, verdict))
+            final.append((batch, *_verdict(c, 0.0, ("lower", "higher"), missing)))
         mine = [fits[o] for o in (a, b) if o in fits]
-        text = f"**{NAMES[a]} against {NAMES[b]}.** Steps to the target: {_grouped(steps, mine)}."
+        text = (
+            f"**{NAMES[a]} against {NAMES[b]}.** Steps to the target, {NAMES[a]}'s over {NAMES[b]}'s: "
+            f"{_grouped(steps, mine, 'x')}."
+        )
         r = critical.get((a, b))
         if r:
             text += (
@@ -338,23 +348,19 @@ def readings(summary: dict[str, Any]) -> list[str]:
                     "not resolved": "an interval that holds 1.",
                 }[_side(r["low"], r["high"], 1.0, "fewer", "more")]
             )
-        out.append(text + f" Final accuracy: {_grouped(final, mine)}.")
+        out.append(
+            text + f" Final accuracy, {NAMES[a]}'s less {NAMES[b]}'s: {_grouped(final, mine, 'points')}."
+        )
     smallest, line = s["batches"][0], -s["threshold"]
     for o in optimizers:
         within = []
         for batch in s["batches"][1:]:
             c = compared.get(((batch, o), (smallest, o)))
-            within.append(
-                (
-                    batch,
-                    _side(c["low"], c["high"], line, "below", "within")
-                    if c
-                    else _no_pick(by_point, batch, (o,)),
-                )
-            )
+            within.append((batch, *_verdict(c, line, ("below", "within"), _no_pick(by_point, batch, (o,)))))
+        own = [fits[o]] if o in fits else []
         out.append(
             f"**{NAMES[o]} against itself at B = {smallest}**, final accuracy within "
-            f"{100 * s['threshold']:.1f} points: {_grouped(within, [fits[o]] if o in fits else [])}."
+            f"{100 * s['threshold']:.1f} points: {_grouped(within, own, 'points')}."
         )
     return out
 
