@@ -499,6 +499,24 @@ def test_the_docs_quote_each_committed_studys_brief():
         assert quoted == headline(json.loads((folder / "steps.json").read_text()))
 
 
+def test_the_families_table_is_compare_of_every_committed_study():
+    """docs/study.md's side-by-side table is ``compare`` of the folders its marker names,
+    as their committed steps.json give them, and names every committed steps study."""
+    from pathlib import Path
+
+    from largebatch.study.steps import compare
+
+    root = Path(__file__).parents[1]
+    text = (root / "docs" / "study.md").read_text()
+    marker = "<!-- steps-compare: "
+    start = text.index(marker) + len(marker)
+    folders = text[start : text.index(" -->", start)].split()
+    committed = sorted(str(f.relative_to(root)) for f in (root / "docs" / "study").glob("steps-*"))
+    assert sorted(folders) == committed
+    table = text[text.index("\n", start) + 1 : text.index("<!-- /steps-compare -->")]
+    assert table == compare([json.loads((root / f / "steps.json").read_text()) for f in folders])
+
+
 def test_the_readme_states_what_the_intervals_settle():
     """The README's short claims are the pair lines of ``readings`` for the folder its
     marker names, as its committed steps.json gives them."""
