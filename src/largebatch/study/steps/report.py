@@ -116,7 +116,6 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             if pa and pb and "seed_steps" in pa and "seed_steps" in pb:
                 r = steps_ratio(pa["seed_steps"], pb["seed_steps"])
                 per_batch.append({"batch": batch, "optimizer": a, "against": b, **r._asdict()})
-    for a, b in PAIRS:
         if a in seeded and b in seeded:
             common = sorted(set(seeded[a]) & set(seeded[b]))
             ratio = critical_ratio(common, [seeded[a][x] for x in common], [seeded[b][x] for x in common])
@@ -248,6 +247,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def _interval(mean: float, low: float, high: float, fmt: str = ".2f") -> str:
     return f"{mean:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+
+
+def _b_crit(fit: dict[str, Any]) -> str:
+    return _interval(fit["b_noise"], fit["b_noise_low"], fit["b_noise_high"], ",.0f")
 
 
 def _points_interval(c: dict[str, Any]) -> str:
@@ -403,13 +406,7 @@ def headline(summary: dict[str, Any]) -> str:
     lines += ["", "Critical batch, B_noise of S(B) = S_min (1 + B_noise / B) (95% bootstrap interval):", ""]
     if fits:
         lines += ["| | " + " | ".join(NAMES[o] for o in fits) + " |", "|---|" + "---:|" * len(fits)]
-        lines.append(
-            "| B_crit | "
-            + " | ".join(
-                _interval(f["b_noise"], f["b_noise_low"], f["b_noise_high"], ",.0f") for f in fits.values()
-            )
-            + " |"
-        )
+        lines.append("| B_crit | " + " | ".join(_b_crit(f) for f in fits.values()) + " |")
         lines.append(
             "| S_min | "
             + " | ".join(_interval(f["s_min"], f["s_min_low"], f["s_min_high"], ".0f") for f in fits.values())
@@ -474,12 +471,7 @@ def compare(summaries: list[dict[str, Any]]) -> str:
     ]
     for summary in summaries:
         fits = summary["critical_batch"]
-        cells = [
-            _interval(fits[o]["b_noise"], fits[o]["b_noise_low"], fits[o]["b_noise_high"], ",.0f")
-            if o in fits
-            else "…"
-            for o in names
-        ]
+        cells = [_b_crit(fits[o]) if o in fits else "…" for o in names]
         ratios = {(r["optimizer"], r["against"]): r for r in summary["critical_ratios"]}
         cells += [
             _interval(r["mean"], r["low"], r["high"]) if (r := ratios.get(pair)) else "…" for pair in PAIRS
