@@ -31,7 +31,7 @@ from largebatch.study.steps import (
     steps_ratio,
     target,
 )
-from largebatch.study.steps.plan import lr_dimension, point_trials, sobol_points
+from largebatch.study.steps.plan import lr_dimension, point_pick, point_trials, sobol_points
 from largebatch.study.steps.trial import StepStatistics, run_trial, trial_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -176,6 +176,37 @@ def test_a_pick_inside_the_lrs_tried_ends_the_search():
     _search_256(results, lambda lrs: sorted(lrs)[1])
     specs, done = point_trials(SMALL, results, 256, "nesterov")
     assert done and len(specs) == 4
+
+
+def _search_256_unreached(results, choose):
+    """Finish the B=256 searches with no trial reaching the target: the trial whose lr is
+    ``choose(lrs of the first block)`` comes closest."""
+    for _ in range(2 * SMALL.trials + 1):
+        todo = [s for s in plan(SMALL, results) if s.batch == 256 and s.kind == "search"]
+        if not todo:
+            return
+        for spec in todo:
+            points = sobol_points(1 + len(SPACES[spec.optimizer]), SMALL.trials, SMALL.search_seed)
+            lrs = [round(lr_dimension(spec.optimizer, 256).value(u[0]), 12) for u in points]
+            near = spec.shift == 0 and math.isclose(spec.lr, choose(lrs), rel_tol=1e-3)
+            results[spec.key] = _row(spec, [0.5, 0.6, 0.7, 0.85 if near else 0.8])
+
+
+def test_a_point_no_trial_reached_searches_on_over_the_same_range():
+    results = _smallest_done()
+    _search_256_unreached(results, lambda lrs: sorted(lrs)[1])  # the closest lies inside
+    specs, done = point_trials(SMALL, results, 256, "nesterov")
+    assert done and len(specs) == SMALL.trials * (SMALL.extend + 1)
+    assert [s.shift for s in specs] == [0] * 8 and [s.index for s in specs] == list(range(8))
+    assert point_pick(SMALL, results, 256, "nesterov") is None
+    assert not [s for s in plan(SMALL, results) if s.point == (256, "nesterov")]
+
+
+def test_a_point_no_trial_reached_moves_its_range_toward_its_closest_trial():
+    results = _smallest_done()
+    _search_256_unreached(results, min)  # the closest has the lowest lr
+    specs, done = point_trials(SMALL, results, 256, "lamb")
+    assert done and [s.shift for s in specs] == [0] * 4 + [-1] * 4
 
 
 def test_seeds_and_final_runs_follow_the_pick():

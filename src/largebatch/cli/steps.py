@@ -92,7 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--extend",
         type=int,
         default=None,
-        help=f"times a point's lr range may move past an edge that holds its pick (default {d.extend})",
+        help=(
+            "times a point's search may grow by --trials trials: its lr range moved past an"
+            " edge that holds its pick (where no trial reached the target: its most accurate"
+            f" trial; inside the range, the same range again) (default {d.extend})"
+        ),
     )
     add("--search-seed", type=int, default=None, help="the Sobol sequence's scrambling seed (default 0)")
     add(

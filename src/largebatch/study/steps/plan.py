@@ -24,8 +24,12 @@ against LAMB, every optimizer searched over the same kind of space):
    no longer be the point's best), or at its budget. When the pick's lr lies in the
    lowest or highest ``1/trials`` of the lrs searched, ``trials`` more trials search a
    range moved one :data:`LR_SPAN` that way (``extend`` times at most), so that every
-   pick's lr lies inside the space searched. (Whether the smallest batch's range extends
-   is decided by its best validation accuracy: its target is not known yet.)
+   pick's lr lies inside the space searched. Where no trial reached the target, the
+   trial with the best validation accuracy takes the pick's place: on an edge, the range
+   moves that way; inside, ``trials`` more trials continue the sequence over the same
+   range, so that a point is called unreached only after ``trials x (extend + 1)`` trials,
+   as many as a pick on an edge gets. (Whether the smallest batch's range extends is
+   decided by its best validation accuracy: its target is not known yet.)
 4. **Seeds.** The pick runs again with ``seeds`` new seeds to its target (their median
    is the point's steps to target; :mod:`largebatch.study.steps.fits` fits S(B)), and with
    seeds ``0..seeds-1`` for ``final_epochs`` epochs on the whole training set, scored on
@@ -371,15 +375,21 @@ def point_trials(
                 return specs, False  # the next trial's limit waits for this one
         if any(s.key not in results for s in specs):
             return specs, False
+        if block == cfg.extend:
+            break
         chosen = pick(specs, results, goal)
+        unreached = chosen is None
+        if unreached:  # no trial reached the target: the best validation accuracy leads
+            chosen = pick(specs, results, None)
+        assert chosen is not None  # every trial of the block has finished
         lrs = sorted(s.lr for s in specs)
         edge = len(lrs) // cfg.trials  # the lowest or highest 1/trials of the lrs tried
-        if block == cfg.extend or chosen is None:
-            break
         if chosen.lr in lrs[:edge]:
             shifts.append(min(shifts) - 1)
         elif chosen.lr in lrs[-edge:]:
             shifts.append(max(shifts) + 1)
+        elif unreached:
+            shifts.append(shifts[-1])  # the next Sobol points, over the same range
         else:
             break
     return specs, True
@@ -401,8 +411,9 @@ def pick(
     specs: Sequence[TrialSpec], results: dict[str, dict[str, Any]], goal: float | None
 ) -> TrialSpec | None:
     """The trial that reached ``goal`` in the fewest steps (ties: the first); with ``goal``
-    None (the smallest batch's search, before the target is set: whether its lr range
-    extends) the one with the best validation accuracy."""
+    None (the smallest batch's search, before the target is set, and a point no trial
+    reached: whether and which way its search goes on) the one with the best validation
+    accuracy."""
     if goal is None:
         done = [s for s in specs if s.key in results]
         return max(done, key=lambda s: max(c["accuracy"] for c in results[s.key]["curve"]), default=None)
