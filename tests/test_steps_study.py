@@ -23,6 +23,7 @@ from largebatch.study.steps import (
     TrialSpec,
     critical_batch,
     critical_ratio,
+    estimate,
     fit_steps,
     load_trials,
     paired_interval,
@@ -207,6 +208,19 @@ def test_a_point_no_trial_reached_moves_its_range_toward_its_closest_trial():
     _search_256_unreached(results, min)  # the closest has the lowest lr
     specs, done = point_trials(SMALL, results, 256, "lamb")
     assert done and [s.shift for s in specs] == [0] * 4 + [-1] * 4
+
+
+def test_the_cost_bound_counts_every_search_block_begun():
+    results = _smallest_done()
+    images, _ = estimate(SMALL, results)
+    for spec in [s for s in plan(SMALL, results) if s.batch == 256]:  # no trial of the first block reaches it
+        for _ in range(SMALL.trials):
+            spec = next(s for s in plan(SMALL, results) if s.point == spec.point)
+            results[spec.key] = _row(spec, [0.5, 0.6, 0.7, 0.8 - 0.01 * spec.index])
+    begun = [s for s in plan(SMALL, results) if s.batch == 256]
+    assert [s.index for s in begun] == [SMALL.trials] * 2  # each point's second block begun
+    # the first blocks' trials are done and the second blocks' are to run: the same bound
+    assert estimate(SMALL, results)[0] == images
 
 
 def test_seeds_and_final_runs_follow_the_pick():

@@ -22,6 +22,7 @@ from largebatch.study.steps.plan import (
     budget_steps,
     check_config,
     plan,
+    point_trials,
     train_images,
 )
 from largebatch.study.steps.report import compare, markdown, plot, summarize
@@ -80,16 +81,19 @@ def compare_steps(folders: list[str]) -> str:
 
 def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[float, float]:
     """``(images, CPU-hours)`` of the runs still to run, at most: every search trial of
-    every point (without extensions) to its budget, the seeds to the budget and the final
-    runs, less the runs finished, at the speed of the finished runs (images per thread
-    second) or, before the first, :data:`IMAGES_PER_THREAD_SECOND`."""
+    every point to its budget (the blocks of ``trials`` begun so far: an extension not
+    yet decided is not counted), the seeds to the budget and the final runs, less the runs
+    finished, at the speed of the finished runs (images per thread second) or, before the
+    first, :data:`IMAGES_PER_THREAD_SECOND`."""
     images = 0.0
     for batch, optimizer in cfg.points():
         per_run = budget_steps(cfg, batch) * batch
+        specs, _ = point_trials(cfg, results, batch, optimizer)
+        blocks = 1 + max((s.index // cfg.trials for s in specs), default=0)
         searched = sum(1 for r in results.values() if _at(r, "search", batch, optimizer))
         seeded = sum(1 for r in results.values() if _at(r, "steps", batch, optimizer))
         finals = sum(1 for r in results.values() if _at(r, "final", batch, optimizer))
-        images += max(0, cfg.trials - searched) * per_run + max(0, cfg.seeds - seeded) * per_run
+        images += max(0, blocks * cfg.trials - searched) * per_run + max(0, cfg.seeds - seeded) * per_run
         images += (
             max(0, cfg.seeds - finals)
             * cfg.final_epochs
