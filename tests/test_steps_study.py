@@ -200,7 +200,14 @@ def test_a_point_no_trial_reached_searches_on_over_the_same_range():
     assert done and len(specs) == SMALL.trials * (SMALL.extend + 1)
     assert [s.shift for s in specs] == [0] * 8 and [s.index for s in specs] == list(range(8))
     assert point_pick(SMALL, results, 256, "nesterov") is None
-    assert not [s for s in plan(SMALL, results) if s.point == (256, "nesterov")]
+    closest = max(specs, key=lambda s: results[s.key]["accuracy"])
+    todo = [s for s in plan(SMALL, results) if s.point == (256, "nesterov")]
+    assert [s.kind for s in todo] == ["final"] * SMALL.seeds  # no steps to a target to seed
+    assert all(
+        dataclasses.replace(s, kind="search", seed=0)
+        == dataclasses.replace(closest, steps=s.steps, eval_every=s.eval_every, limit=None, target=None)
+        for s in todo
+    )
 
 
 def test_a_point_no_trial_reached_moves_its_range_toward_its_closest_trial():
@@ -453,7 +460,9 @@ def test_a_tiny_study_runs_resumes_reports_and_refuses_other_settings(tmp_path, 
     kinds = [r["spec"]["kind"] for r in runs.values()]
     picked = sum("pick" in p for p in summary["points"])
     assert kinds.count("search") == 8 and picked >= 2  # the smallest batch always has a pick
-    assert kinds.count("final") == 2 * picked and kinds.count("steps") == 2 * picked
+    assert kinds.count("steps") == 2 * picked
+    assert kinds.count("final") == 2 * 4  # every point: its pick, or its most accurate trial
+    assert all(("pick" in p) != ("final_pick" in p) for p in summary["points"])
     text = (tmp_path / "s" / "steps.md").read_text()
     assert f"validation accuracy {summary['target']:.3f}" in text
     # again: nothing runs, the same report
@@ -715,23 +724,28 @@ def test_the_brief_gives_each_number_with_its_interval():
         )
     ]
     assert "running, 47 runs so far; finished at B = 64, 256: " in headline(summarize(THREE, results))
-    # a point whose search never reached the target: no steps, no ratio, no final runs
+    # a point whose search never reached the target: no steps, no ratio; final runs of
+    # its most accurate trial, said so
     results = _whole_study(beyond=((1024, "nesterov"),))
     summary = summarize(THREE, results)
     text = headline(summary)
     assert text.startswith(f"**fmnist_cnn: complete, {len(results)} runs.**")
-    assert not any(
-        r["spec"]["kind"] != "search"
+    kinds = [
+        r["spec"]["kind"]
         for r in results.values()
-        if r["spec"]["batch"] == 1024 and r["spec"]["optimizer"] == "nesterov"
-    )
+        if (r["spec"]["batch"], r["spec"]["optimizer"]) == (1024, "nesterov")
+    ]
+    assert "steps" not in kinds and kinds.count("final") == THREE.seeds
     assert "| 1,024 | 26,238 | " in text and " | not reached | " in text
-    assert text.count("Nesterov not reached") == 6  # in the tables (3) and in what the intervals settle (3)
+    assert text.count("Nesterov not reached") == 2  # the ratio's cell, and the steps' reading
     assert (
         "**LARS against Nesterov.** Steps to the target, LARS's over Nesterov's: more at B = 64, 256 ("
         in text
     )
     assert "); Nesterov not reached at B = 1,024 (" in text
+    d = paired_interval(seeds("final", 1024, "lars"), seeds("final", 1024, "nesterov"))
+    assert f"| 1,024 | {100 * d.mean:+.2f} ({100 * d.low:+.2f} to {100 * d.high:+.2f}), n={d.n} |" in text
+    assert "No trial reached the target for Nesterov at B = 1,024: the final runs there take " in text
 
 
 def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):

@@ -35,6 +35,8 @@ against LAMB, every optimizer searched over the same kind of space):
    seeds ``0..seeds-1`` for ``final_epochs`` epochs on the whole training set, scored on
    the test set: final accuracy at a fixed epoch budget, paired by seed across optimizers
    and batches. Where a paired interval crosses its threshold, up to ``max_seeds`` seeds.
+   A point no trial brought to the target has no steps to it; its final runs take its
+   most accurate trial (:func:`final_pick`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ __all__ = [
     "contested",
     "eval_every",
     "final_accuracies",
+    "final_pick",
     "final_runs",
     "lr_centre",
     "pick",
@@ -460,13 +463,28 @@ def seed_runs(
     return [dataclasses.replace(again, seed=seed) for seed in range(1, cfg.seeds + 1)]
 
 
+def final_pick(
+    cfg: StepsConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str
+) -> TrialSpec | None:
+    """The trial whose settings the final runs take: the point's pick, or, where its
+    search ended with no trial reaching the target, its trial with the best validation
+    accuracy (as at the smallest batch before the target is known), so that final
+    accuracy at the fixed budget is compared at every point. None while the search or the
+    target is not settled."""
+    chosen = point_pick(cfg, results, batch, optimizer)
+    if chosen is not None or target(cfg, results) is None:
+        return chosen
+    specs, done = point_trials(cfg, results, batch, optimizer)
+    return pick(specs, results, None) if done else None
+
+
 def final_runs(
     cfg: StepsConfig, results: dict[str, dict[str, Any]], batch: int, optimizer: str, seeds: int
 ) -> list[TrialSpec]:
-    """The pick of a finished search trained for ``final_epochs`` epochs on the whole
+    """The final pick (:func:`final_pick`) trained for ``final_epochs`` epochs on the whole
     training set with seeds ``0..seeds-1``, its schedule (warmup fraction, decay) over those
     steps, scored on the test set once an epoch; empty until the pick is settled."""
-    chosen = point_pick(cfg, results, batch, optimizer)
+    chosen = final_pick(cfg, results, batch, optimizer)
     if chosen is None:
         return []
     per_epoch = train_images(cfg.subset, "final") // batch

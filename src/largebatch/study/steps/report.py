@@ -20,6 +20,7 @@ from largebatch.study.steps.plan import (
     budget_steps,
     comparisons,
     final_accuracies,
+    final_pick,
     lr_dimension,
     plan,
     point_pick,
@@ -68,10 +69,12 @@ def _point(
     }
     if goal is not None:
         row["reached"] = sum(steps_to(results[s.key], goal) is not None for s in finished)
-    chosen = point_pick(cfg, results, batch, optimizer)
+    chosen = final_pick(cfg, results, batch, optimizer)
     if chosen is not None:
         shifts = [s.shift for s in specs]
-        row["pick"] = {"index": chosen.index, **chosen.hyperparameters()}
+        # no pick where no trial reached the target: its final runs take its most accurate
+        reached = point_pick(cfg, results, batch, optimizer) is not None
+        row["pick" if reached else "final_pick"] = {"index": chosen.index, **chosen.hyperparameters()}
         row["lr_range"] = [
             lr_dimension(optimizer, batch, min(shifts)).low,
             lr_dimension(optimizer, batch, max(shifts)).high,
@@ -232,15 +235,17 @@ def markdown(summary: dict[str, Any]) -> str:
     ]
     lines += ["| batch | optimizer | trials | reached | pick | positions |", "|---:|---|---:|---:|---|---|"]
     for p in summary["points"]:
-        if "pick" in p:
-            hp = ", ".join(f"{k} {v:.3g}" for k, v in p["pick"].items() if k != "index")
+        chosen = p.get("pick") or p.get("final_pick")
+        if chosen:
+            hp = ", ".join(f"{k} {v:.3g}" for k, v in chosen.items() if k != "index")
             edge = 1 / s["trials"]
             pos = ", ".join(
                 f"{k} {v:.2f}" + ("*" if v < edge or v > 1 - edge else "") for k, v in p["positions"].items()
             )
+            none = "" if "pick" in p else "none reached the target; the final runs take the most accurate, "
             lines.append(
                 f"| {p['batch']:,} | {p['optimizer']} | {p['trials']} | {p.get('reached', '-')} | "
-                f"#{p['pick']['index']}: {hp} | {pos} |"
+                f"{none}#{chosen['index']}: {hp} | {pos} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -437,6 +442,15 @@ def headline(summary: dict[str, Any]) -> str:
             + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, pair) for c, pair in found)
             + " |"
         )
+    unreached = [
+        f"{NAMES[p['optimizer']]} at B = {p['batch']:,}" for p in summary["points"] if "final_pick" in p
+    ]
+    if unreached:
+        lines += [
+            "",
+            f"No trial reached the target for {', '.join(unreached)}: the final runs there take the "
+            "trial of the search with the best validation accuracy.",
+        ]
     smallest = s["batches"][0]
     lines += [
         "",
