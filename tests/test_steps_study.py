@@ -147,9 +147,10 @@ def test_a_larger_batch_runs_its_trials_in_order_each_limited_by_the_fewest_step
     assert {s.limit for s in plan(SMALL, results) if s.batch == 256} == {10}
 
 
-def _search_256(results, choose):
+def _search_256(results, choose, reached=True):
     """Finish the B=256 searches: the trial whose lr is ``choose(lrs of the first block)``
-    reaches the target at the first score, every other at the fourth."""
+    reaches the target at the first score, every other at the fourth; with ``reached``
+    False, no trial reaches it and the chosen one comes closest."""
     for _ in range(2 * SMALL.trials + 1):
         todo = [s for s in plan(SMALL, results) if s.batch == 256 and s.kind == "search"]
         if not todo:
@@ -157,9 +158,11 @@ def _search_256(results, choose):
         for spec in todo:
             points = sobol_points(1 + len(SPACES[spec.optimizer]), SMALL.trials, SMALL.search_seed)
             lrs = [round(lr_dimension(spec.optimizer, 256).value(u[0]), 12) for u in points]
-            winner = choose(lrs)
-            fast = spec.shift == 0 and math.isclose(spec.lr, winner, rel_tol=1e-3)
-            results[spec.key] = _row(spec, [0.95] if fast else [0.5, 0.6, 0.7, 0.95])
+            chosen = spec.shift == 0 and math.isclose(spec.lr, choose(lrs), rel_tol=1e-3)
+            if reached:
+                results[spec.key] = _row(spec, [0.95] if chosen else [0.5, 0.6, 0.7, 0.95])
+            else:
+                results[spec.key] = _row(spec, [0.5, 0.6, 0.7, 0.85 if chosen else 0.8])
 
 
 def test_a_pick_on_the_edge_of_the_lrs_tried_extends_the_search_past_it():
@@ -179,23 +182,9 @@ def test_a_pick_inside_the_lrs_tried_ends_the_search():
     assert done and len(specs) == 4
 
 
-def _search_256_unreached(results, choose):
-    """Finish the B=256 searches with no trial reaching the target: the trial whose lr is
-    ``choose(lrs of the first block)`` comes closest."""
-    for _ in range(2 * SMALL.trials + 1):
-        todo = [s for s in plan(SMALL, results) if s.batch == 256 and s.kind == "search"]
-        if not todo:
-            return
-        for spec in todo:
-            points = sobol_points(1 + len(SPACES[spec.optimizer]), SMALL.trials, SMALL.search_seed)
-            lrs = [round(lr_dimension(spec.optimizer, 256).value(u[0]), 12) for u in points]
-            near = spec.shift == 0 and math.isclose(spec.lr, choose(lrs), rel_tol=1e-3)
-            results[spec.key] = _row(spec, [0.5, 0.6, 0.7, 0.85 if near else 0.8])
-
-
 def test_a_point_no_trial_reached_searches_on_over_the_same_range():
     results = _smallest_done()
-    _search_256_unreached(results, lambda lrs: sorted(lrs)[1])  # the closest lies inside
+    _search_256(results, lambda lrs: sorted(lrs)[1], reached=False)  # the closest lies inside
     specs, done = point_trials(SMALL, results, 256, "nesterov")
     assert done and len(specs) == SMALL.trials * (SMALL.extend + 1)
     assert [s.shift for s in specs] == [0] * 8 and [s.index for s in specs] == list(range(8))
@@ -212,7 +201,7 @@ def test_a_point_no_trial_reached_searches_on_over_the_same_range():
 
 def test_a_point_no_trial_reached_moves_its_range_toward_its_closest_trial():
     results = _smallest_done()
-    _search_256_unreached(results, min)  # the closest has the lowest lr
+    _search_256(results, min, reached=False)  # the closest has the lowest lr
     specs, done = point_trials(SMALL, results, 256, "lamb")
     assert done and [s.shift for s in specs] == [0] * 4 + [-1] * 4
 
