@@ -32,7 +32,7 @@ from largebatch.study.steps import (
     steps_ratio,
     target,
 )
-from largebatch.study.steps.plan import lr_dimension, point_pick, point_trials, sobol_points
+from largebatch.study.steps.plan import budget_steps, lr_dimension, point_pick, point_trials, sobol_points
 from largebatch.study.steps.trial import StepStatistics, run_trial, trial_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -619,11 +619,12 @@ THREE = dataclasses.replace(SMALL, batches=(64, 256, 1024), optimizers=("nestero
 B_NOISE = {"nesterov": 500, "lars": 2000}  # the synthetic study's critical batches
 
 
-def _whole_study(cfg: StepsConfig = THREE, beyond: tuple = ()) -> dict:
+def _whole_study(cfg: StepsConfig = THREE, beyond: tuple = (), fail: tuple = ()) -> dict:
     """The runs of a whole study, planned as the study plans them: a run of batch B needs
     ``5 (1 + B_noise / B)`` scores of 10 steps (more for later trials and seeds) to reach
     the target, and its final accuracy depends on its optimizer, batch and seed. No trial
-    of a ``(batch, optimizer)`` in ``beyond`` reaches the target."""
+    of a ``(batch, optimizer)`` in ``beyond`` reaches the target; in ``fail``, its last
+    seed does not."""
     results: dict = {}
     for _ in range(100):
         todo = plan(cfg, results)
@@ -637,7 +638,10 @@ def _whole_study(cfg: StepsConfig = THREE, beyond: tuple = ()) -> dict:
                 scores = (
                     round(5 * (1 + B_NOISE[spec.optimizer] / spec.batch)) + spec.index % 3 + spec.seed % 3
                 )
-                accuracies = [0.5] * (scores - 1) + [0.5 if (spec.batch, spec.optimizer) in beyond else 0.95]
+                missed = (spec.batch, spec.optimizer) in beyond or (
+                    spec.kind == "steps" and spec.seed == cfg.seeds and (spec.batch, spec.optimizer) in fail
+                )
+                accuracies = [0.5] * (scores - 1) + [0.5 if missed else 0.95]
             results[spec.key] = _row(spec, accuracies)
     raise AssertionError("the plan did not end")
 
@@ -735,6 +739,24 @@ def test_the_brief_gives_each_number_with_its_interval():
     d = paired_interval(seeds("final", 1024, "lars"), seeds("final", 1024, "nesterov"))
     assert f"| 1,024 | {100 * d.mean:+.2f} ({100 * d.low:+.2f} to {100 * d.high:+.2f}), n={d.n} |" in text
     assert "No trial reached the target for Nesterov at B = 1,024: the final runs there take " in text
+
+
+def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
+    from largebatch.study.steps import headline, summarize
+
+    results = _whole_study(fail=((1024, "nesterov"),))  # of 2 seeds, one never reaches it
+    summary = summarize(THREE, results)
+    nesterov = next(p for p in summary["points"] if (p["batch"], p["optimizer"]) == (1024, "nesterov"))
+    lars = next(p for p in summary["points"] if (p["batch"], p["optimizer"]) == (1024, "lars"))
+    assert nesterov["steps_median"] == math.inf and math.isfinite(lars["steps_median"])
+    r = steps_ratio(lars["seed_steps"], nesterov["seed_steps"])
+    bound = lars["steps_median"] / budget_steps(THREE, 1024)
+    text = headline(summary)
+    assert f" | < {bound:.2f} ({r.low:.2f}-{r.high:.2f}) |" in text
+    assert f"; not resolved at B = 1,024 (< {bound:.2f}x; " in text
+    # steps.json keeps the ratio of the medians, and the bound beside it
+    row = next(x for x in summary["steps_ratios"] if x["batch"] == 1024)
+    assert row["side"] == "<" and row["mean"] == 0.0
 
 
 def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):

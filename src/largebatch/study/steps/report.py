@@ -118,7 +118,8 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             pa, pb = by_point.get((batch, a)), by_point.get((batch, b))
             if pa and pb and "seed_steps" in pa and "seed_steps" in pb:
                 r = steps_ratio(pa["seed_steps"], pb["seed_steps"])
-                per_batch.append({"batch": batch, "optimizer": a, "against": b, **r._asdict()})
+                row = {"batch": batch, "optimizer": a, "against": b, **r._asdict()}
+                per_batch.append(row | _censored(pa, pb))
         if a in seeded and b in seeded:
             common = sorted(set(seeded[a]) & set(seeded[b]))
             ratio = critical_ratio(common, [seeded[a][x] for x in common], [seeded[b][x] for x in common])
@@ -150,6 +151,25 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         "steps_ratios": per_batch,
         "comparisons": compared,
     }
+
+
+def _censored(pa: dict[str, Any], pb: dict[str, Any]) -> dict[str, Any]:
+    """Where one median seed did not reach the target, its steps are only known to be
+    more than its budget (its seeds stop there), so the ratio of the medians is a bound:
+    ``{"side": "<", "bound": a / budget}`` (the second's median not reached) or
+    ``{"side": ">", "bound": budget / b}``; empty where both are known (or neither)."""
+    a, b = pa["steps_median"], pb["steps_median"]
+    if math.isfinite(a) and not math.isfinite(b):
+        return {"side": "<", "bound": a / pb["budget_steps"]}
+    if math.isfinite(b) and not math.isfinite(a):
+        return {"side": ">", "bound": pa["budget_steps"] / b}
+    return {}
+
+
+def _ratio_cell(r: dict[str, Any]) -> str:
+    """The ratio of the medians with its interval; a bound where a median is censored."""
+    shown = f"{r['side']} {r['bound']:.2f}" if "side" in r else f"{r['mean']:.2f}"
+    return f"{shown} ({r['low']:.2f}-{r['high']:.2f})"
 
 
 def _steps_cell(p: dict[str, Any]) -> str:
@@ -286,20 +306,27 @@ def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimi
 
 
 def _grouped(
-    verdicts: Sequence[tuple[int, str, float | None]], fits: Sequence[dict[str, Any]], unit: str
+    verdicts: Sequence[tuple[int, str, float | tuple[str, float] | None]],
+    fits: Sequence[dict[str, Any]],
+    unit: str,
 ) -> str:
     """``"more at B = 64, 256 (1.22x to 1.44x; 0.04-0.29 B_crit); not resolved at ..."``:
     each verdict with the batches it holds at, in the order of the first batch of each,
     the lowest and highest of their values (``unit`` ``"x"``: a ratio; ``"points"``: a
     difference of accuracies, shown in points), and those batches over the critical
     batches in ``fits``."""
-    order: dict[str, list[tuple[int, float | None]]] = {}
+    order: dict[str, list[tuple[int, float | tuple[str, float] | None]]] = {}
     for batch, verdict, value in verdicts:
         order.setdefault("running" if verdict == "…" else verdict, []).append((batch, value))
     parts = []
     for verdict, held in order.items():
-        values = sorted(v for _, v in held if v is not None)
-        shown = [f"{v:.2f}x" if unit == "x" else f"{100 * v:+.2f}" for v in values[:1] + values[-1:]]
+        # a value is a number, or (side, bound) for a ratio whose median is censored
+        values = sorted(
+            (("", v) if isinstance(v, float) else v for _, v in held if v is not None), key=lambda x: x[1]
+        )
+        shown = [
+            f"{side}{v:.2f}x" if unit == "x" else f"{100 * v:+.2f}" for side, v in values[:1] + values[-1:]
+        ]
         notes = [" to ".join(dict.fromkeys(shown)) + ("" if unit == "x" else " points")] if values else []
         scale = sorted({f"{b / f['b_noise']:.2g}" for b, _ in held for f in fits}, key=float)
         notes += [f"{'-'.join(dict.fromkeys((scale[0], scale[-1])))} B_crit"] if scale else []
@@ -314,10 +341,13 @@ def _side(low: float, high: float, line: float, below: str, above: str) -> str:
 
 def _verdict(
     interval: dict[str, Any] | None, line: float, words: tuple[str, str], missing: str
-) -> tuple[str, float | None]:
+) -> tuple[str, float | tuple[str, float] | None]:
     if interval is None:
         return missing, None
-    return _side(interval["low"], interval["high"], line, *words), interval["mean"]
+    side = _side(interval["low"], interval["high"], line, *words)
+    if "side" in interval:  # a censored ratio: its bound
+        return side, (f"{interval['side']} ", interval["bound"])
+    return side, interval["mean"]
 
 
 def readings(summary: dict[str, Any]) -> list[str]:
@@ -390,7 +420,9 @@ def headline(summary: dict[str, Any]) -> str:
         + (f"{100 * goal:.1f}%" if goal is not None else "(set when the smallest batch's search ends)")
         + f". Steps to it: the median of {s['seeds']} seeds of each point's pick [their range]; "
         "B / B_crit: the batch over the critical batch of each optimizer with a fit (lowest-highest); "
-        "a ratio of steps below 1: the first optimizer needs fewer (95% bootstrap interval).",
+        "a ratio of steps below 1: the first optimizer needs fewer (95% bootstrap interval); "
+        '"< r" (or "> r"): the second\'s (or the first\'s) median seed did not reach the target '
+        "within its budget, so the ratio is below (or above) r.",
         "",
         "| batch | ImageNet label | B / B_crit | "
         + " | ".join(NAMES[o] for o in optimizers)
@@ -404,7 +436,7 @@ def headline(summary: dict[str, Any]) -> str:
         cells += [_steps_cell(by_point[b, o]) for o in optimizers]
         for a, c in pairs:
             r = ratios.get((b, a))
-            cells.append(_interval(r["mean"], r["low"], r["high"]) if r else _no_pick(by_point, b, (a, c)))
+            cells.append(_ratio_cell(r) if r else _no_pick(by_point, b, (a, c)))
         lines.append(
             f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
         )
