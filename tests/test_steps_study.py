@@ -219,6 +219,14 @@ def test_the_cost_bound_counts_every_search_block_begun():
     assert estimate(SMALL, results)[0] == images
 
 
+def test_the_cost_bound_runs_at_the_speed_of_the_runs_cpu_time():
+    results = _smallest_done()
+    images, hours = estimate(SMALL, results)
+    for row in results.values():
+        row["cpu_seconds"] = row["seconds"] / 2  # half the wall time: the study was paused
+    assert estimate(SMALL, results) == (images, pytest.approx(hours / 2))
+
+
 def test_seeds_and_final_runs_follow_the_pick():
     results = _smallest_done()
     goal = target(SMALL, results)
@@ -450,6 +458,7 @@ def test_a_tiny_study_runs_resumes_reports_and_refuses_other_settings(tmp_path, 
     picked = sum("pick" in p for p in summary["points"])
     assert kinds.count("search") == 8 and picked >= 2  # the smallest batch always has a pick
     assert kinds.count("steps") == 2 * picked
+    assert all(0 < r["cpu_seconds"] for r in runs.values())  # the bound's speed
     assert kinds.count("final") == 2 * 4  # every point: its pick, or its most accurate trial
     assert all(("pick" in p) != ("final_pick" in p) for p in summary["points"])
     text = (tmp_path / "s" / "steps.md").read_text()

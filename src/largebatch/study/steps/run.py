@@ -83,8 +83,9 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
     """``(images, CPU-hours)`` of the runs still to run, at most: every search trial of
     every point to its budget (the blocks of ``trials`` begun so far: an extension not
     yet decided is not counted), the seeds to the budget and the final runs, less the runs
-    finished, at the speed of the finished runs (images per thread second) or, before the
-    first, :data:`IMAGES_PER_THREAD_SECOND`."""
+    finished, at the speed of the finished runs (images per CPU second: a run's
+    ``cpu_seconds``, or where it has none its wall ``seconds`` times its threads) or, before
+    the first, :data:`IMAGES_PER_THREAD_SECOND`."""
     images = 0.0
     for batch, optimizer in cfg.points():
         per_run = budget_steps(cfg, batch) * batch
@@ -103,7 +104,7 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
     done = [r for r in results.values() if r.get("threads") and r["seconds"] > 0]
     if done:
         speed = sum(r["steps"] * r["spec"]["batch"] for r in done) / sum(
-            r["seconds"] * r["threads"] for r in done
+            r.get("cpu_seconds", r["seconds"] * r["threads"]) for r in done
         )
     else:
         speed = IMAGES_PER_THREAD_SECOND[cfg.model]

@@ -178,7 +178,7 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
         if step >= limit and state["stop"] is None:
             state["stop"] = "budget" if limit == spec.steps else "limit"
 
-    start, epoch = time.perf_counter(), 0
+    start, cpu, epoch = time.perf_counter(), time.process_time(), 0
     loss_fn = nn.CrossEntropyLoss()
     micro = MICRO_BATCH if spec.batch > MICRO_BATCH and device.type == "cpu" else None
     statistics = StepStatistics(model) if micro else None
@@ -197,6 +197,8 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
         losses.append(float(loss_sum) / max(1, state["step"] - before))
         epoch += 1
     reached = None if spec.target is None else steps_to({"curve": curve}, spec.target)
+    # the CPU time of the run (a CPU run's cost, which a pause of the study leaves out)
+    cpu_seconds = {"cpu_seconds": time.process_time() - cpu} if device.type == "cpu" else {}
     return {
         "spec": dataclasses.asdict(spec),
         "accuracy": curve[-1]["accuracy"],
@@ -208,4 +210,5 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        **cpu_seconds,
     }
