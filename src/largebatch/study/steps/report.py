@@ -69,12 +69,15 @@ def _point(
     }
     if goal is not None:
         row["reached"] = sum(steps_to(results[s.key], goal) is not None for s in finished)
-    chosen = final_pick(cfg, results, batch, optimizer)
+    picked = point_pick(cfg, results, batch, optimizer)
+    # no pick where no trial reached the target: its final runs take its most accurate
+    chosen = picked if picked is not None else final_pick(cfg, results, batch, optimizer)
     if chosen is not None:
         shifts = [s.shift for s in specs]
-        # no pick where no trial reached the target: its final runs take its most accurate
-        reached = point_pick(cfg, results, batch, optimizer) is not None
-        row["pick" if reached else "final_pick"] = {"index": chosen.index, **chosen.hyperparameters()}
+        row["pick" if picked is not None else "final_pick"] = {
+            "index": chosen.index,
+            **chosen.hyperparameters(),
+        }
         row["lr_range"] = [
             lr_dimension(optimizer, batch, min(shifts)).low,
             lr_dimension(optimizer, batch, max(shifts)).high,
@@ -306,7 +309,7 @@ def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimi
 
 
 def _grouped(
-    verdicts: Sequence[tuple[int, str, float | tuple[str, float] | None]],
+    verdicts: Sequence[tuple[int, str, tuple[str, float] | None]],
     fits: Sequence[dict[str, Any]],
     unit: str,
 ) -> str:
@@ -315,15 +318,13 @@ def _grouped(
     the lowest and highest of their values (``unit`` ``"x"``: a ratio; ``"points"``: a
     difference of accuracies, shown in points), and those batches over the critical
     batches in ``fits``."""
-    order: dict[str, list[tuple[int, float | tuple[str, float] | None]]] = {}
+    order: dict[str, list[tuple[int, tuple[str, float] | None]]] = {}
     for batch, verdict, value in verdicts:
         order.setdefault("running" if verdict == "…" else verdict, []).append((batch, value))
     parts = []
     for verdict, held in order.items():
-        # a value is a number, or (side, bound) for a ratio whose median is censored
-        values = sorted(
-            (("", v) if isinstance(v, float) else v for _, v in held if v is not None), key=lambda x: x[1]
-        )
+        # a value is ("", number), or ("< ", bound) for a ratio whose median is censored
+        values = sorted((v for _, v in held if v is not None), key=lambda x: x[1])
         shown = [
             f"{side}{v:.2f}x" if unit == "x" else f"{100 * v:+.2f}" for side, v in values[:1] + values[-1:]
         ]
@@ -341,13 +342,13 @@ def _side(low: float, high: float, line: float, below: str, above: str) -> str:
 
 def _verdict(
     interval: dict[str, Any] | None, line: float, words: tuple[str, str], missing: str
-) -> tuple[str, float | tuple[str, float] | None]:
+) -> tuple[str, tuple[str, float] | None]:
     if interval is None:
         return missing, None
     side = _side(interval["low"], interval["high"], line, *words)
     if "side" in interval:  # a censored ratio: its bound
         return side, (f"{interval['side']} ", interval["bound"])
-    return side, interval["mean"]
+    return side, ("", interval["mean"])
 
 
 def readings(summary: dict[str, Any]) -> list[str]:
