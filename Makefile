@@ -87,6 +87,13 @@ clean:
 gpu-check:
 	@bash benchmarks/gpu_check.sh
 
+# Every number of the steps studies (docs/study.md) from their committed runs: each
+# docs/study/steps-* folder's report, as `largebatch steps --report` writes it, then the
+# quotes of them in docs/study.md and README.md (tools/study_docs.py).
+.PHONY: study-report
+study-report: $(STAMP)
+	$(PY) tools/study_docs.py
+
 # The fused kernels compiled for sm_80 and sm_90, no GPU needed: every launch the fused
 # path makes (recorded on the CPU), failing on a spill, more than 128 registers a thread
 # or an fp64 instruction per element (tools/compile_check.py;
