@@ -676,6 +676,33 @@ def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
     assert row["side"] == "<" and row["mean"] == 0.0
 
 
+def test_a_bound_that_clears_its_line_never_prints_as_the_line():
+    """A paired interval just above 0, a ratio's just above 1, an own-batch difference just
+    above -0.5 points: two decimals would print the line, so more are shown; a bound on
+    the line, or clear of it at two decimals, keeps two."""
+    from largebatch.study.steps import headline, markdown, summarize
+
+    summary = summarize(THREE, _whole_study())
+    pair = next(
+        c for c in summary["comparisons"] if c["point"] == [256, "lars"] and c["reference"][1] == "nesterov"
+    )
+    pair.update(mean=0.0018, low=7e-6, high=0.0035)
+    own = next(
+        c for c in summary["comparisons"] if c["point"] == [1024, "lars"] and c["reference"] == [64, "lars"]
+    )
+    own.update(mean=-0.004, low=-0.004996, high=-0.003)
+    ratio = next(r for r in summary["steps_ratios"] if r["batch"] == 256)
+    ratio.update(mean=1.2, low=1.0, high=1.004)
+    critical = summary["critical_ratios"][0]
+    critical.update(mean=1.5, low=0.9996, high=2.0)
+    text = headline(summary)
+    assert "| 256 | +0.18 (+0.001 to +0.35), n=" in text
+    assert " | -0.40 (-0.4996 to -0.30), n=" in text
+    assert " | 1.20 (1.00-1.004) |" in text
+    assert "over Nesterov's: 1.50 (0.9996-2.00)." in text
+    assert "| 256 lars | 256 nesterov | +0.18 | +0.001 to +0.35 |" in markdown(summary)
+
+
 def test_compare_sets_the_studies_side_by_side(tmp_path, capsys):
     from largebatch.cli import main as cli
     from largebatch.study.steps import compare, summarize

@@ -171,8 +171,8 @@ def _censored(pa: dict[str, Any], pb: dict[str, Any]) -> dict[str, Any]:
 
 def _ratio_cell(r: dict[str, Any]) -> str:
     """The ratio of the medians with its interval; a bound where a median is censored."""
-    shown = f"{r['side']} {r['bound']:.2f}" if "side" in r else f"{r['mean']:.2f}"
-    return f"{shown} ({r['low']:.2f}-{r['high']:.2f})"
+    shown = f"{r['side']} {_off(r['bound'], 1.0)}" if "side" in r else _off(r["mean"], 1.0)
+    return f"{shown} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
 
 
 def _steps_cell(p: dict[str, Any]) -> str:
@@ -247,8 +247,8 @@ def markdown(summary: dict[str, Any]) -> str:
         for c in summary["comparisons"]:
             (b, o), (rb, ro) = c["point"], c["reference"]
             lines.append(
-                f"| {b:,} {o} | {rb:,} {ro} | {100 * c['mean']:+.2f} | {100 * c['low']:+.2f} to "
-                f"{100 * c['high']:+.2f} | {c['n']} | {100 * c['threshold']:+.1f} | "
+                f"| {b:,} {o} | {rb:,} {ro} | {_points(c, 'mean')} | {_points(c, 'low')} to "
+                f"{_points(c, 'high')} | {c['n']} | {100 * c['threshold']:+.1f} | "
                 f"{'no' if c['crosses'] else 'yes'} |"
             )
     lines += [
@@ -273,16 +273,36 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _off(v: float, line: float, sign: str = "") -> str:
+    """``v`` to two decimals, or to more (up to six) where two would print ``line`` and
+    ``v`` is not on it: a bound that settles a reading never reads as the line it clears."""
+    for digits in range(2, 7):
+        text = f"{v:{sign}.{digits}f}"
+        if v == line or float(text) != line:
+            break
+    return text
+
+
 def _interval(mean: float, low: float, high: float, fmt: str = ".2f") -> str:
     return f"{mean:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+
+
+def _ratio_interval(r: dict[str, Any]) -> str:
+    """A ratio with its interval, each shown off the line of 1."""
+    return f"{_off(r['mean'], 1.0)} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
 
 
 def _b_crit(fit: dict[str, Any]) -> str:
     return _interval(fit["b_noise"], fit["b_noise_low"], fit["b_noise_high"], ",.0f")
 
 
+def _points(c: dict[str, Any], key: str) -> str:
+    """A paired difference's ``key`` (mean, low, high) in points, off its threshold."""
+    return _off(100 * c[key], 100 * c["threshold"], "+")
+
+
 def _points_interval(c: dict[str, Any]) -> str:
-    return f"{100 * c['mean']:+.2f} ({100 * c['low']:+.2f} to {100 * c['high']:+.2f}), n={c['n']}"
+    return f"{_points(c, 'mean')} ({_points(c, 'low')} to {_points(c, 'high')}), n={c['n']}"
 
 
 def _status(summary: dict[str, Any]) -> str:
@@ -380,7 +400,7 @@ def readings(summary: dict[str, Any]) -> list[str]:
         r = critical.get((a, b))
         if r:
             text += (
-                f" Critical batch: {_interval(r['mean'], r['low'], r['high'])} times {NAMES[b]}'s, "
+                f" Critical batch: {_ratio_interval(r)} times {NAMES[b]}'s, "
                 + {
                     "fewer": "below 1: perfect scaling ends at smaller batches.",
                     "more": "above 1: perfect scaling reaches larger batches.",
@@ -452,8 +472,7 @@ def headline(summary: dict[str, Any]) -> str:
         )
         lines += [""] + [
             f"{NAMES[r['optimizer']]}'s critical batch over {NAMES[r['against']]}'s: "
-            f"{_interval(r['mean'], r['low'], r['high'])}."
-            + ("" if i == len(summary["critical_ratios"]) - 1 else "  ")
+            f"{_ratio_interval(r)}." + ("" if i == len(summary["critical_ratios"]) - 1 else "  ")
             for i, r in enumerate(summary["critical_ratios"])
         ]
     else:
@@ -520,9 +539,7 @@ def compare(summaries: list[dict[str, Any]]) -> str:
         fits = summary["critical_batch"]
         cells = [_b_crit(fits[o]) if o in fits else "…" for o in names]
         ratios = {(r["optimizer"], r["against"]): r for r in summary["critical_ratios"]}
-        cells += [
-            _interval(r["mean"], r["low"], r["high"]) if (r := ratios.get(pair)) else "…" for pair in PAIRS
-        ]
+        cells += [_ratio_interval(r) if (r := ratios.get(pair)) else "…" for pair in PAIRS]
         goal = summary["target"]
         lines.append(
             f"| {summary['settings']['model']} | {f'{100 * goal:.1f}%' if goal is not None else '…'} | "
