@@ -676,6 +676,23 @@ def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
     assert row["side"] == "<" and row["mean"] == 0.0
 
 
+def test_a_seed_that_ran_out_its_budget_tops_the_range_as_a_bound():
+    """Steps to target of a point where one seed of five never reached it: the median, the
+    range up to "> budget", and how many seeds reached it; where the median itself is
+    censored, only the bound and the count."""
+    from largebatch.study.steps import headline, summarize
+
+    summary = summarize(THREE, _whole_study())
+    point = next(p for p in summary["points"] if (p["batch"], p["optimizer"]) == (1024, "nesterov"))
+    budget = budget_steps(THREE, 1024)
+    point.update(seed_steps=[130, 140, math.inf, 150, 140], steps_median=140)
+    text = headline(summary)
+    assert f" | 140 [130 to > {budget}] (4/5) | " in text
+    assert '"(k/n)": k of its n seeds reached the target within the budget' in text
+    point.update(seed_steps=[130, math.inf, math.inf], steps_median=math.inf)
+    assert f" | > {budget} (1/3) | " in headline(summary)
+
+
 def test_a_bound_that_clears_its_line_never_prints_as_the_line():
     """A paired interval just above 0, a ratio's just above 1, an own-batch difference just
     above -0.5 points: two decimals would print the line, so more are shown; a bound on

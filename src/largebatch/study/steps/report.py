@@ -182,9 +182,10 @@ def _steps_cell(p: dict[str, Any]) -> str:
     finite = [s for s in steps if math.isfinite(s)]
     if not math.isfinite(p["steps_median"]):
         return f"> {p['budget_steps']} ({len(finite)}/{len(steps)})"
-    return f"{p['steps_median']:g} [{min(finite):g}-{max(steps):g}]" + (
-        f" ({len(finite)}/{len(steps)})" if len(finite) < len(steps) else ""
-    )
+    if len(finite) == len(steps):
+        return f"{p['steps_median']:g} [{min(finite):g}-{max(finite):g}]"
+    # a seed that ran out its budget took more steps than it: the range's top is a bound
+    return f"{p['steps_median']:g} [{min(finite):g} to > {p['budget_steps']}] ({len(finite)}/{len(steps)})"
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -440,6 +441,8 @@ def headline(summary: dict[str, Any]) -> str:
         f"**{s['model']}: {_status(summary)}.** Target: validation accuracy "
         + (f"{100 * goal:.1f}%" if goal is not None else "(set when the smallest batch's search ends)")
         + f". Steps to it: the median of {s['seeds']} seeds of each point's pick [their range]; "
+        '"(k/n)": k of its n seeds reached the target within the budget, the others count as more '
+        'steps than the budget ("> budget"); '
         "B / B_crit: the batch over the critical batch of each optimizer with a fit (lowest-highest); "
         "a ratio of steps below 1: the first optimizer needs fewer (95% bootstrap interval); "
         '"< r" (or "> r"): the second\'s (or the first\'s) median seed did not reach the target '
