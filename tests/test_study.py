@@ -662,7 +662,18 @@ def test_a_truncated_line_in_runs_jsonl_is_skipped_with_a_warning(tmp_path, caps
 
 
 def _workers(parent) -> list:
-    return [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+    """The pool's worker processes among ``parent``'s children; a child that has just
+    exited (a zombie not yet reaped, or gone) is none of them."""
+    import psutil
+
+    workers = []
+    for child in parent.children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                workers.append(child)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            pass
+    return workers
 
 
 @pytest.mark.slow
