@@ -21,10 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 PAGES = ("docs/study.md", "README.md")
 
 
-def _summaries(root: Path = ROOT) -> dict:
-    return {name: json.loads((root / name / "steps.json").read_text()) for name in study_docs.folders(root)}
-
-
 def _stale(text: str) -> str:
     """``text`` with every quoted block emptied to one line and the families table's
     marker naming only its first folder."""
@@ -53,7 +49,7 @@ def test_the_committed_pages_quote_every_committed_study_as_it_stands():
     """docs/study.md quotes each committed study's brief and tables every one of them side
     by side; the README's readings are the pair lines of the study it names: the pages are
     what the tool writes from the committed steps.json."""
-    summaries = _summaries()
+    summaries = study_docs.load_summaries()
     assert "docs/study/steps-fmnist-cnn" in summaries
     for page, rewrite in (("docs/study.md", study_docs.study_page), ("README.md", study_docs.readme)):
         text = (ROOT / page).read_text()
@@ -106,7 +102,7 @@ def test_a_study_the_page_does_not_quote_is_named(tmp_path, capsys):
 
 
 def test_a_folder_the_families_table_names_must_hold_a_study(tmp_path):
-    summaries = _summaries()
+    summaries = study_docs.load_summaries()
     text = (
         (ROOT / "docs" / "study.md")
         .read_text()

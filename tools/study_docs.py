@@ -42,6 +42,11 @@ def folders(root: Path = ROOT) -> list[str]:
     return sorted(str(f.relative_to(root)) for f in (root / STUDIES).glob("steps-*") if f.is_dir())
 
 
+def load_summaries(root: Path = ROOT) -> dict[str, dict[str, Any]]:
+    """Each study folder's steps.json under ``root``, by folder."""
+    return {name: json.loads((root / name / "steps.json").read_text()) for name in folders(root)}
+
+
 def _between(text: str, start: str, end: str, block: str, where: str) -> str:
     """``text`` with what lies between the line ``start`` and the next ``end`` replaced by
     ``block``; a ValueError names ``where`` when ``start`` is not there."""
@@ -112,12 +117,12 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
             except (CommandError, ValueError) as err:
                 print(f"tools/study_docs.py: {name}: {err}", file=sys.stderr)
                 return 2
-    summaries = {name: json.loads((root / name / "steps.json").read_text()) for name in names}
+    quoted = load_summaries(root)
     pages: dict[str, tuple[str, str]] = {}
     for page, rewrite in (("docs/study.md", study_page), ("README.md", readme)):
         text = (root / page).read_text()
         try:
-            pages[page] = (text, rewrite(text, summaries))
+            pages[page] = (text, rewrite(text, quoted))
         except ValueError as err:
             print(f"tools/study_docs.py: {err}", file=sys.stderr)
             return 2

@@ -171,8 +171,7 @@ def _censored(pa: dict[str, Any], pb: dict[str, Any]) -> dict[str, Any]:
 
 def _ratio_cell(r: dict[str, Any]) -> str:
     """The ratio of the medians with its interval; a bound where a median is censored."""
-    shown = f"{r['side']} {_off(r['bound'], 1.0)}" if "side" in r else _off(r["mean"], 1.0)
-    return f"{shown} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
+    return _ratio_interval(r, f"{r['side']} {_off(r['bound'], 1.0)}" if "side" in r else None)
 
 
 def _steps_cell(p: dict[str, Any]) -> str:
@@ -288,9 +287,10 @@ def _interval(mean: float, low: float, high: float, fmt: str = ".2f") -> str:
     return f"{mean:{fmt}} ({low:{fmt}}-{high:{fmt}})"
 
 
-def _ratio_interval(r: dict[str, Any]) -> str:
-    """A ratio with its interval, each shown off the line of 1."""
-    return f"{_off(r['mean'], 1.0)} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
+def _ratio_interval(r: dict[str, Any], shown: str | None = None) -> str:
+    """A ratio (or ``shown`` in its place) with its interval, each off the line of 1."""
+    shown = _off(r["mean"], 1.0) if shown is None else shown
+    return f"{shown} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
 
 
 def _b_crit(fit: dict[str, Any]) -> str:
