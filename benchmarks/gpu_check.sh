@@ -44,7 +44,7 @@ fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX beside torch in one process: no 75% grab
 unset TRITON_INTERPRET
-rm -rf "$DIR/logs" "$DIR/study-quick" "$DIR"/train-* "$DIR/steps-fmnist-cnn"  # this script's own outputs of an earlier run
+rm -rf "$DIR/logs" "$DIR/study-quick" "$DIR"/train-* "$DIR"/steps-*  # this script's own outputs of an earlier run
 mkdir -p "$DIR/logs"
 REPORT="$DIR/report.md"
 START=$(date +%s)
@@ -207,19 +207,27 @@ if have_data; then
         not_run "Training under FSDP2 on the fused path" "it needs 2 or more GPUs (NCCL puts each \
 rank on its own GPU); the one-rank FSDP2 test (step 4) covers this machine"
     fi
-    # The steps study (docs/study.md), from where its committed runs stand: the GPU takes
-    # the runs its plan gives next, four at once, for GPU_STEPS_SECONDS; the copy's
-    # runs.jsonl comes back in the report folder, each run labelled with the GPU's name.
-    if [ -f docs/study/steps-fmnist-cnn/runs.jsonl ]; then
-        rm -rf "$DIR/steps-fmnist-cnn"
-        cp -r docs/study/steps-fmnist-cnn "$DIR/steps-fmnist-cnn"
-        step "The steps study on the GPU, from the committed runs (4 at once)" "${GPU_STEPS_SECONDS:-240}" \
-            "$PY" -m largebatch steps --out "$DIR/steps-fmnist-cnn" --device cuda --jobs 4 --data "$DATA"
+    # The steps study that is still running (docs/study.md; GPU_STEPS_STUDY names another),
+    # from where its runs stand: the GPU takes the runs its plan gives next, four at once,
+    # for GPU_STEPS_SECONDS; the copy's runs.jsonl comes back in the report folder, each
+    # run labelled with the GPU's name (docs/gpu.md says how it joins the study).
+    STUDY=${GPU_STEPS_STUDY:-$("$PY" tools/study_docs.py --running | head -n 1)}
+    if [ -n "$STUDY" ] && [ -f "$STUDY/runs.jsonl" ]; then
+        COPY="$DIR/$(basename "$STUDY")"
+        rm -rf "$COPY"
+        cp -r "$STUDY" "$COPY"
+        step "The steps study on the GPU ($(basename "$STUDY")), from its runs so far (4 at once)" \
+            "${GPU_STEPS_SECONDS:-240}" \
+            "$PY" -m largebatch steps --out "$COPY" --device cuda --jobs 4 --data "$DATA"
+    else
+        not_run "The steps study on the GPU" \
+            "${STUDY:-no study in docs/study has runs to go}${STUDY:+ holds no runs.jsonl}"
     fi
 else
     not_run "Demo: the quick batch-size study on the GPU" "$NO_DATA"
     not_run "Training per precision" "$NO_DATA"
     not_run "Training under FSDP2 on the fused path" "$NO_DATA"
+    not_run "The steps study on the GPU" "$NO_DATA"
 fi
 
 echo "make gpu-check: $N steps in $(($(date +%s) - START)) s; the report: $REPORT"

@@ -532,6 +532,26 @@ def test_the_report_labels_the_runs_a_gpu_ran_and_pairs_the_seeds():
     assert "ran on a GPU (NVIDIA H100 80GB HBM3)" in text
 
 
+def test_the_brief_marks_the_steps_of_a_point_a_gpu_ran():
+    """A point with runs from a GPU is marked in the brief's steps table, and the GPU named
+    under it; a study that ran on the CPU alone has neither."""
+    from largebatch.study.steps import headline, summarize
+
+    results = _whole_study()
+    plain = headline(summarize(THREE, results))
+    assert "†" not in plain
+    for r in results.values():
+        if (r["spec"]["kind"], r["spec"]["batch"], r["spec"]["optimizer"]) == ("steps", 256, "lars"):
+            r["device"] = "NVIDIA H200"
+    text = headline(summarize(THREE, results))
+    row = next(line for line in text.splitlines() if line.startswith("| 256 |"))  # the steps table's
+    cells = row.split(" | ")
+    assert cells[3].endswith("]") and cells[4].endswith("]†"), row  # nesterov, then lars
+    note = "† some of the point's runs ran on a GPU (NVIDIA H200); the others on the CPU."
+    assert text.split("\n\nCritical batch")[0].endswith(note)
+    assert text.replace("]†", "]").replace(f"\n\n{note}", "") == plain
+
+
 THREE = dataclasses.replace(SMALL, batches=(64, 256, 1024), optimizers=("nesterov", "lars"))
 B_NOISE = {"nesterov": 500, "lars": 2000}  # the synthetic study's critical batches
 

@@ -112,6 +112,21 @@ def test_a_folder_the_families_table_names_must_hold_a_study(tmp_path):
         study_docs.study_page(text, summaries)
 
 
+def test_running_prints_the_studies_not_complete_and_writes_nothing(tmp_path, capsys):
+    """``--running`` (which study ``make gpu-check`` continues) names each folder with a
+    point not finished, in the folders' order, and only those."""
+    complete = json.loads((ROOT / "docs/study/steps-fmnist-cnn/steps.json").read_text())
+    assert all(p["finished"] for p in complete["points"])
+    unfinished = json.loads(json.dumps(complete))
+    unfinished["points"][-1]["finished"] = False
+    for name, summary in (("a", complete), ("b", unfinished), ("c", complete), ("d", unfinished)):
+        (tmp_path / f"docs/study/steps-{name}").mkdir(parents=True)
+        (tmp_path / f"docs/study/steps-{name}/steps.json").write_text(json.dumps(summary))
+    assert study_docs.main(["--running"], root=tmp_path) == 0
+    assert capsys.readouterr().out == "docs/study/steps-b\ndocs/study/steps-d\n"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["steps.json"] * 4
+
+
 def _assert_same(a, b, where="summary"):
     """``a == b``, floats to 1e-9 relative: NumPy's vector exp and log may round the last
     bit differently on another CPU, and the fits and their bootstrap use them."""

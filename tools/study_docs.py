@@ -17,6 +17,8 @@ blocks of the docs that quote them:
 ``--quotes-only`` rewrites the blocks from the steps.json files as they are, without the
 reports (a study still running holds its folder's lock, so its report is made from a copy
 of its runs). ``--check`` writes nothing and exits 1 naming each block that differs.
+``--running`` writes nothing and prints the folders whose study is not complete
+(``make gpu-check`` continues the first of them on the GPU).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def folders(root: Path = ROOT) -> list[str]:
 def load_summaries(root: Path = ROOT) -> dict[str, dict[str, Any]]:
     """Each study folder's steps.json under ``root``, by folder."""
     return {name: json.loads((root / name / "steps.json").read_text()) for name in folders(root)}
+
+
+def running(summaries: Mapping[str, dict[str, Any]]) -> list[str]:
+    """The folders of ``summaries`` (steps.json by folder) whose study has a point not
+    finished, in their order."""
+    return [name for name, summary in summaries.items() if not all(p["finished"] for p in summary["points"])]
 
 
 def _between(text: str, start: str, end: str, block: str, where: str) -> str:
@@ -106,7 +114,14 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     parser = argparse.ArgumentParser(prog="tools/study_docs.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quotes-only", action="store_true", help="rewrite the quotes only")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quote differs")
+    parser.add_argument(
+        "--running", action="store_true", help="write nothing; print the folders whose study is not complete"
+    )
     args = parser.parse_args(argv)
+    if args.running:
+        for name in running(load_summaries(root)):
+            print(name)
+        return 0
     names = folders(root)
     if not args.quotes_only and not args.check:
         from largebatch.outputs import CommandError

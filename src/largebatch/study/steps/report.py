@@ -187,6 +187,19 @@ def _steps_cell(p: dict[str, Any]) -> str:
     return f"{p['steps_median']:g} [{min(finite):g} to > {p['budget_steps']}] ({len(finite)}/{len(steps)})"
 
 
+def _gpu_mark(p: dict[str, Any]) -> str:
+    """ "†" where some of the point's runs ran on a GPU."""
+    return "†" if any(d != "cpu" for d in p["devices"]) else ""
+
+
+def _gpu_note(summary: dict[str, Any]) -> list[str]:
+    """The lines that say what "†" means, naming the GPUs (none where every run was the CPU's)."""
+    gpus = sorted({d for p in summary["points"] for d in p["devices"] if d != "cpu"})
+    if not gpus:
+        return []
+    return ["", f"† some of the point's runs ran on a GPU ({', '.join(gpus)}); the others on the CPU."]
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The report's tables: steps to target, critical batches, final accuracy and the
     paired comparisons, the picks."""
@@ -229,13 +242,10 @@ def markdown(summary: dict[str, Any]) -> str:
         cells = []
         for o in optimizers:
             p = by_point[b, o]
-            gpu = "†" if any(d != "cpu" for d in p["devices"]) else ""
             n = len(p.get("final_accuracy", []))
-            cells.append(f"{100 * p['final_mean']:.2f} (n={n}){gpu}" if n else "…")
+            cells.append(f"{100 * p['final_mean']:.2f} (n={n}){_gpu_mark(p)}" if n else "…")
         lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
-    gpus = sorted({d for p in summary["points"] for d in p["devices"] if d != "cpu"})
-    if gpus:
-        lines += ["", f"† some of the point's runs ran on a GPU ({', '.join(gpus)}); the others on the CPU."]
+    lines += _gpu_note(summary)
     if summary["comparisons"]:
         lines += [
             "",
@@ -457,13 +467,14 @@ def headline(summary: dict[str, Any]) -> str:
     for b in s["batches"]:
         scale = sorted(b / f["b_noise"] for f in fits.values())
         cells = [f"{scale[0]:.2g}-{scale[-1]:.2g}" if scale else "…"]
-        cells += [_steps_cell(by_point[b, o]) for o in optimizers]
+        cells += [_steps_cell(by_point[b, o]) + _gpu_mark(by_point[b, o]) for o in optimizers]
         for a, c in pairs:
             r = ratios.get((b, a))
             cells.append(_ratio_cell(r) if r else _no_pick(by_point, b, (a, c)))
         lines.append(
             f"| {b:,} | {by_point[b, optimizers[0]]['imagenet_batch']:,} | " + " | ".join(cells) + " |"
         )
+    lines += _gpu_note(summary)
     lines += ["", "Critical batch, B_noise of S(B) = S_min (1 + B_noise / B) (95% bootstrap interval):", ""]
     if fits:
         lines += ["| | " + " | ".join(NAMES[o] for o in fits) + " |", "|---|" + "---:|" * len(fits)]
