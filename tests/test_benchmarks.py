@@ -264,3 +264,17 @@ def test_jax_adacomp_times_pmean_and_both_exchanges(monkeypatch, tmp_path) -> No
     assert [r["kind"] for r in result["rows"]] == ["pmean", "allgather (per-leaf)", "allgather (packed)"]
     assert result["devices"] == 2 and all(r["ms"] > 0 for r in result["rows"])
     assert result["rows"][0]["ns_per_byte"] is None and result["rows"][2]["ns_per_byte"] is not None
+
+
+def test_study_micro_batch_times_each_micro_batch_against_the_whole_batch(capsys) -> None:
+    import study_micro_batch
+
+    args = ["--models", "fmnist_cnn", "--batch", "256", "--micro", "128,64", "--steps", "1"]
+    assert study_micro_batch.main(args) == 0
+    row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
+    assert row[0] == "fmnist_cnn" and len(row) == 4
+    assert all(cell.endswith("x)") for cell in row[2:])
+    with pytest.raises(SystemExit) as stop:
+        study_micro_batch.main(["--batch", "256", "--micro", "100"])
+    assert stop.value.code == 2
+    assert "every --micro must divide --batch 256, got 100" in capsys.readouterr().err

@@ -33,7 +33,7 @@ from largebatch.study.steps import (
     target,
 )
 from largebatch.study.steps.plan import budget_steps, lr_dimension, point_pick, point_trials, sobol_points
-from largebatch.study.steps.trial import StepStatistics, run_trial, trial_optimizer
+from largebatch.study.steps.trial import StepStatistics, micro_batch, run_trial, trial_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -353,7 +353,8 @@ def test_the_paired_interval_is_scipys_paired_t_interval():
 # --------------------------------------------------------------------------- one run
 
 
-def test_micro_batches_give_the_step_and_the_running_statistics_of_one_forward():
+@pytest.mark.parametrize("micro", [32, 16])  # two ghost batches each; one (the CPU runs')
+def test_micro_batches_give_the_step_and_the_running_statistics_of_one_forward(micro):
     torch.manual_seed(0)
     whole = build_model("fmnist_cnn", 10, ghost_batch=16)
     parts, plain = copy.deepcopy(whole), copy.deepcopy(whole)
@@ -362,8 +363,8 @@ def test_micro_batches_give_the_step_and_the_running_statistics_of_one_forward()
     for _ in range(2):
         F.cross_entropy(whole(x), y).backward()
         for model in (parts, plain):
-            for xm, ym in zip(x.split(32), y.split(32)):
-                (F.cross_entropy(model(xm), ym) / 4).backward()
+            for xm, ym in zip(x.split(micro), y.split(micro)):
+                (F.cross_entropy(model(xm), ym) / (128 // micro)).backward()
         statistics.step()
         for a, b in zip(whole.parameters(), parts.parameters()):
             torch.testing.assert_close(a.grad, b.grad)
@@ -371,6 +372,15 @@ def test_micro_batches_give_the_step_and_the_running_statistics_of_one_forward()
             torch.testing.assert_close(a, b)
     # without it, each micro-batch is an update of its own
     assert not all(torch.equal(a, b) for a, b in zip(whole.buffers(), plain.buffers()))
+
+
+def test_a_cpu_run_trains_a_batch_above_the_ghost_batch_one_ghost_batch_at_a_time():
+    assert micro_batch(_spec(batch=64, ghost_batch=16), "cpu") == 16
+    assert micro_batch(_spec(batch=64, ghost_batch=64), "cpu") is None
+    assert micro_batch(_spec(batch=64, ghost_batch=128), "cpu") is None
+    assert micro_batch(_spec(batch=16_384), "cuda") is None
+    row = run_trial(_spec(batch=64, ghost_batch=16, steps=4))
+    assert row["micro_batch"] == 16 and row["steps"] == 4
 
 
 def _spec(**kw) -> TrialSpec:

@@ -19,14 +19,20 @@ from typing import Any
 
 from largebatch.study.steps.plan import TrialSpec, steps_to
 
-__all__ = ["MICRO_BATCH", "StepStatistics", "run_trial", "trial_optimizer"]
+__all__ = ["StepStatistics", "micro_batch", "run_trial", "trial_optimizer"]
 
 _EVAL_CHUNK = 2000
-# A larger batch is trained in micro-batches of this many images, their gradients summed
-# (the same step; on 2 CPU threads a 16,384-image step takes a third of the time). Ghost
-# batch norm sees the same chunks either way, and StepStatistics keeps the running
-# statistics to one update a step.
-MICRO_BATCH = 1024
+
+
+def micro_batch(spec: TrialSpec, device: str) -> int | None:
+    """The micro-batch a run trains in (None: the whole batch at once). On the CPU a batch
+    above the ghost batch is trained one ghost batch at a time, the gradients summed:
+    each micro-batch's batch norm is then the plain one over its ghost batch, without the
+    ghost path's copies, and the step is the same (:class:`StepStatistics` keeps the
+    running statistics to one update a step), faster than in larger micro-batches
+    (``benchmarks/study_micro_batch.py``). Runs recorded without a ``micro_batch`` took
+    micro-batches of 1,024 above 1,024 images."""
+    return spec.ghost_batch if device == "cpu" and spec.batch > spec.ghost_batch else None
 
 
 class StepStatistics:
@@ -180,7 +186,7 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
 
     start, cpu, epoch = time.perf_counter(), time.process_time(), 0
     loss_fn = nn.CrossEntropyLoss()
-    micro = MICRO_BATCH if spec.batch > MICRO_BATCH and device.type == "cpu" else None
+    micro = micro_batch(spec, device.type)
     statistics = StepStatistics(model) if micro else None
     while state["stop"] is None:
         before = state["step"]
@@ -209,6 +215,7 @@ def run_trial(spec: TrialSpec) -> dict[str, Any]:
         "train_loss": losses,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
+        "micro_batch": micro,
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         **cpu_seconds,
     }
