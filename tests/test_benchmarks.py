@@ -266,15 +266,16 @@ def test_jax_adacomp_times_pmean_and_both_exchanges(monkeypatch, tmp_path) -> No
     assert result["rows"][0]["ns_per_byte"] is None and result["rows"][2]["ns_per_byte"] is not None
 
 
-def test_study_micro_batch_times_each_micro_batch_against_the_whole_batch(capsys) -> None:
-    import study_micro_batch
+def test_study_cpu_times_the_micro_batches_and_the_scoring_chunks(capsys) -> None:
+    import study_cpu
 
     args = ["--models", "fmnist_cnn", "--batch", "256", "--micro", "128,64", "--steps", "1"]
-    assert study_micro_batch.main(args) == 0
-    row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
-    assert row[0] == "fmnist_cnn" and len(row) == 4
-    assert all(cell.endswith("x)") for cell in row[2:])
+    assert study_cpu.main([*args, "--eval-chunks", "2000,500"]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()]
+    training, scoring = (r for r in rows if r[0] == "fmnist_cnn")
+    assert len(training) == 4 and all(cell.endswith("x)") for cell in training[2:])
+    assert len(scoring) == 3 and scoring[1].endswith("(1.00x)") and scoring[2].endswith("x)")
     with pytest.raises(SystemExit) as stop:
-        study_micro_batch.main(["--batch", "256", "--micro", "100"])
+        study_cpu.main(["--batch", "256", "--micro", "100"])
     assert stop.value.code == 2
     assert "every --micro must divide --batch 256, got 100" in capsys.readouterr().err

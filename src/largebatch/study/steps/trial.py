@@ -30,7 +30,7 @@ def micro_batch(spec: TrialSpec, device: str) -> int | None:
     each micro-batch's batch norm is then the plain one over its ghost batch, without the
     ghost path's copies, and the step is the same (:class:`StepStatistics` keeps the
     running statistics to one update a step), faster than in larger micro-batches
-    (``benchmarks/study_micro_batch.py``). Runs recorded without a ``micro_batch`` took
+    (``benchmarks/study_cpu.py``). Runs recorded without a ``micro_batch`` took
     micro-batches of 1,024 above 1,024 images."""
     return spec.ghost_batch if device == "cpu" and spec.batch > spec.ghost_batch else None
 
