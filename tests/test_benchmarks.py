@@ -279,3 +279,67 @@ def test_study_cpu_times_the_micro_batches_and_the_scoring_chunks(capsys) -> Non
         study_cpu.main(["--batch", "256", "--micro", "100"])
     assert stop.value.code == 2
     assert "every --micro must divide --batch 256, got 100" in capsys.readouterr().err
+
+
+def test_gpu_check_numbers_its_steps_as_docs_gpu_lists_them_and_continues_the_running_study(
+    tmp_path,
+) -> None:
+    """On a machine that says it has one GPU (a stand-in Python that answers the script's
+    two probes), with every step before GPU_CHECK_FROM: the steps' numbers are the rows
+    of docs/gpu.md's table, the last is the steps study, and it takes a copy of the study
+    that has runs to go (``tools/study_docs.py --running``), the copy's own folder."""
+    import os
+    import re
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    import study_docs
+
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        '  "-c import torch; print(torch.cuda.is_available())") echo True; exit 0 ;;\n'
+        '  "-c import torch; print(torch.cuda.device_count())") echo 1; exit 0 ;;\n'
+        "esac\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train-images-idx3-ubyte.gz").touch()  # the data the training steps would read
+    report = tmp_path / "report"
+    env = {**os.environ, "GPU_PYTHON": str(python), "GPU_REPORT": str(report), "DATA": str(data)}
+    env["GPU_CHECK_FROM"] = "99"
+    done = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    steps = dict(re.findall(r"^\[(\d+)\] (.*?): not run", done.stdout, flags=re.M))
+    numbers = sorted(map(int, steps))
+    assert numbers == list(range(1, len(numbers) + 1)), done.stdout
+
+    listed: dict[int, str] = {}
+    for first, last, text in re.findall(
+        r"^\| (\d+(?:, \d+)*)(?:-(\d+))? \| ([^|]*)", (root / "docs" / "gpu.md").read_text(), flags=re.M
+    ):
+        values = [int(v) for v in first.split(", ")]
+        values += range(values[-1] + 1, int(last) + 1) if last else []
+        listed.update(dict.fromkeys(values, text))
+    assert sorted(listed) == numbers
+    assert listed[numbers[-1]].startswith("the steps-to-target study")
+    assert steps[str(numbers[-1])].startswith("The steps study on the GPU")
+
+    running = study_docs.running(study_docs.load_summaries(root))
+    text = (report / "report.md").read_text()
+    if running:
+        copy = report / Path(running[0]).name
+        assert f"--out {copy} --device cuda" in text
+        assert (copy / "settings.json").read_text() == (root / running[0] / "settings.json").read_text()
+    else:
+        assert "no study in docs/study has runs to go" in text

@@ -3,6 +3,7 @@ study end to end (resumed, reported, refused with other settings)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from helpers import user_error
 from scipy import stats
 
+from largebatch.cli.steps import add_arguments, config
 from largebatch.recipes.build import build_model
 from largebatch.study.steps import (
     SPACES,
@@ -33,6 +35,7 @@ from largebatch.study.steps import (
     target,
 )
 from largebatch.study.steps.plan import budget_steps, lr_dimension, point_pick, point_trials, sobol_points
+from largebatch.study.steps.run import check_resume
 from largebatch.study.steps.trial import StepStatistics, micro_batch, run_trial, trial_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -492,6 +495,14 @@ def test_a_tiny_study_runs_resumes_reports_and_refuses_other_settings(tmp_path, 
     ]
     message = user_error(["steps", "--out", cfg.out, *flags, "--trials", "3"], capsys)
     assert "with trials 2, not 3" in message and log.read_text().startswith(lines)
+    # --out alone continues the study in it, with its settings; a flag given must agree
+    assert "with trials 2, not 3" in user_error(["steps", "--out", cfg.out, "--trials", "3"], capsys)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    resumed = config(parser.parse_args(["--out", cfg.out, "--jobs", "1"]))
+    assert resumed.settings() == cfg.settings() and resumed.settings() != StepsConfig().settings()
+    check_resume(resumed)
+    assert run_steps_study(resumed, print_fn=lambda _: None) == summary
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from largebatch.study.steps import (
     run_steps_study,
 )
 from largebatch.study.steps.plan import MODELS
-from largebatch.study.steps.run import check_resume
+from largebatch.study.steps.run import SETTINGS, check_resume
 
 __all__ = ["add_arguments", "config", "main"]
 
@@ -71,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the critical batches of the studies in these folders side by side (one model "
         "each, from their runs); train nothing",
     )
-    add("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    add(
+        "--out",
+        default=d.out,
+        metavar="DIR",
+        help=f"output folder (default {d.out}); one that holds a study continues it, with its "
+        "settings (the settings' defaults below are for a new study)",
+    )
     add("--model", default=None, choices=MODELS, help=f"the model (default {d.model})")
     add(
         "--batches",
@@ -148,12 +154,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace) -> StepsConfig:
-    """The configuration the flags ask for; with ``--report``, the recorded settings with
-    the flags given on top. A ValueError for a folder without a study."""
+    """The configuration the flags ask for. With ``--report``, or where ``--out`` already
+    holds a study (its ``settings.json``), the study's recorded settings with the flags
+    given on top, so that ``--out`` alone continues it (a flag that differs is refused
+    by :func:`check_resume`). A ValueError for ``--report`` on a folder without a study."""
     environment = {"data": args.data, "jobs": args.jobs, "threads": args.threads, "device": args.device}
     given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
-    if args.report_only:
-        recorded = recorded_config(args.out, **environment, report_only=True)
+    if args.report_only or (Path(args.out) / SETTINGS).is_file():
+        recorded = recorded_config(args.out, **environment, report_only=args.report_only)
         return dataclasses.replace(recorded, **given)
     return StepsConfig(out=args.out, **environment, **given)
 
