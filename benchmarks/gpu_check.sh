@@ -175,7 +175,7 @@ else
         bash -c "'$PY' benchmarks/comm_hook.py --device cuda --json '$DIR/comm-hook.json'; \
         '$PY' benchmarks/jax_adacomp.py --json '$DIR/jax-adacomp.json'"
 fi
-step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 90 \
+step "Optimizer step, BERT-large fp32, JAX: optax against the fused path" 180 \
     "$PY" benchmarks/optimizer_step.py --device cuda --model bert-large --precision fp32 \
     --steps 5 --warmup 2 --providers "optax,(pallas" --json "$DIR/step-bert-large-fp32-jax.json"
 step "Optimizer step, BERT-large fp32" 120 \

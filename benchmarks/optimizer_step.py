@@ -390,7 +390,7 @@ PROVIDERS: list[Provider] = [
     Provider(
         "ours lars (jax, jit)",
         "lars",
-        _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM),
+        _ours_jax("lars", weight_decay=LARS_WD, momentum=MOMENTUM, fused=False),
         needs="optax",
     ),
     # An experiment: the same LARS on one packed buffer (benchmarks/jax_packed.py).
@@ -447,7 +447,9 @@ PROVIDERS: list[Provider] = [
     Provider("timm Lamb", "lamb", _timm("Lamb", **_LAMB, max_grad_norm=None), needs="timm"),
     Provider("torch-optimizer Lamb", "lamb", torch_optimizer(_torch_optimizer_lamb), needs="torch_optimizer"),
     Provider("optax lamb (jit)", "lamb", _optax("lamb", weight_decay=LAMB_WD), needs="optax"),
-    Provider("ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD), needs="optax"),
+    Provider(
+        "ours lamb (jax, jit)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD, fused=False), needs="optax"
+    ),
     Provider(
         "ours lamb (pallas)", "lamb", _ours_jax("lamb", weight_decay=LAMB_WD, fused=True), needs="optax"
     ),

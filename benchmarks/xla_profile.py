@@ -89,11 +89,11 @@ def _transformation(name: str) -> Any:
     lars = dict(momentum=bench.MOMENTUM, weight_decay=bench.LARS_WD)
     return {
         "optax lars": lambda: optax.lars(bench.LR, **lars),
-        "ours lars": lambda: lb.lars(bench.LR, **lars),
+        "ours lars": lambda: lb.lars(bench.LR, **lars, fused=False),
         "lars packed": lambda: packed_lars(bench.LR, **lars),
         "ours lars fused": lambda: lb.lars(bench.LR, **lars, fused=True),
         "optax lamb": lambda: optax.lamb(bench.LR, weight_decay=bench.LAMB_WD),
-        "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD),
+        "ours lamb": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD, fused=False),
         "ours lamb fused": lambda: lb.lamb(bench.LR, weight_decay=bench.LAMB_WD, fused=True),
     }[name.split(" (")[0]]()
 

@@ -137,8 +137,12 @@ def test_low_precision_gradients(dtype, values) -> None:
 )
 def test_kernels_equal_the_reference(form, select, device) -> None:
     """Gradients off any grid (the scale's sum rounds), residuals carried over 3 steps:
-    the kernels' selection is the reference's, their results within 1e-15 of it, as the
-    torch path's (test_comm.py)."""
+    the kernels' selection is the reference's, and their results are within the rounding
+    bound of it. The reference sums a scale's |G| exactly (``math.fsum``); the kernels sum
+    them in a tree whose order is the device's, and any order of m terms is within
+    (m - 1) u of the exact sum (u = 2**-53; Higham, Accuracy and Stability of Numerical
+    Algorithms, 2002, eq. 4.4); each result adds its average over n workers. On the CPU the
+    error stays near 1e-15; on an H200 the tree's order gave 6.5e-15 on 3,300 elements."""
     n, shapes = 3, EDGES
     names = [f"p{i}" for i in range(len(shapes))]
     sim = SimulatedWorkers(names, shapes, n, form=form, select=select, dtype=torch.float64, fused=True)
@@ -151,6 +155,13 @@ def test_kernels_equal_the_reference(form, select, device) -> None:
         got = [g.cpu() for g in sim.exchange(step)]
         for i, s in enumerate(shapes):
             grads = [w[i].cpu().numpy().ravel() for w in step]
+            # every value sent is at most the largest |residual + grad| (or, in phase 2,
+            # |chunk residual + average|)
+            largest = max(
+                float(np.abs(r).max(initial=0) + np.abs(g).max(initial=0)) for r, g in zip(res[i], grads)
+            )
+            largest += max(float(np.abs(r).max(initial=0)) for r in server[i])
+            bound = (int(np.prod(s)) + n + 2) * 2.0**-53
             b = ref.bin_length(s)
             if b is None:
                 want = ref.allgather_exchange(res[i], [g / n for g in grads], None)[0] * n
@@ -159,7 +170,7 @@ def test_kernels_equal_the_reference(form, select, device) -> None:
             else:
                 want, res[i], server[i] = ref.two_phase_exchange(res[i], server[i], grads, b, select=select)
             np.testing.assert_array_equal(got[i].numpy().ravel() != 0, want != 0)
-            np.testing.assert_allclose(got[i].numpy().ravel(), want, rtol=1e-15, atol=1e-15)
+            np.testing.assert_allclose(got[i].numpy().ravel(), want, rtol=bound, atol=bound * largest)
 
 
 @pytest.mark.parametrize("dests", [1, 3])

@@ -119,10 +119,11 @@ def _count(jaxpr, counter):
     return counter
 
 
-def heavy_operations(leaves, form, fused):
-    """The heavy primitives of one ``update`` over ``leaves`` conv-like leaves (traced)."""
+def heavy_operations(leaves, form, fused, tx=None):
+    """The heavy primitives of one ``update`` over ``leaves`` conv-like leaves (traced),
+    of ``tx`` where given, else of ``adacomp(AXIS, form=form, fused=fused)``."""
     mesh = mesh_of(4)
-    tx = adacomp(AXIS, form=form, fused=fused)
+    tx = tx or adacomp(AXIS, form=form, fused=fused)
     params = {f"w{i:02d}": jnp.zeros((4, 3, 3, 3 + i % 5)) for i in range(leaves)}
     params["fc"] = jnp.zeros((40, 30))
     state, specs = adacomp_init_state(tx, params, mesh, AXIS)
@@ -144,6 +145,19 @@ def test_the_packed_exchange_runs_the_same_operations_for_4_leaves_as_for_40(for
     assert few == many and few["scatter"] > 0
     # Leaf by leaf, the same count grows with the leaves (what the test tells apart).
     assert heavy_operations(12, form, False)["scatter"] > 2 * heavy_operations(4, form, False)["scatter"]
+
+
+def test_fused_none_is_the_packed_exchange_on_a_gpu_and_leaf_by_leaf_elsewhere(monkeypatch):
+    """``fused=None`` follows JAX's default backend when ``adacomp`` is called: on a GPU
+    the packed exchange (the faster there: docs/benchmarks.md, H200 2026-11-28), elsewhere
+    leaf by leaf."""
+    packed, by_leaf = heavy_operations(12, "allgather", True), heavy_operations(12, "allgather", False)
+    assert packed != by_leaf
+    for backend, want in (("gpu", packed), ("cpu", by_leaf), ("tpu", by_leaf)):
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: backend)  # noqa: B023 (used at once)
+            tx = adacomp(AXIS, form="allgather", fused=None)
+        assert heavy_operations(12, "allgather", None, tx=tx) == want, backend
 
 
 def test_a_bad_fused_value_raises_at_construction():

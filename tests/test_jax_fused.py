@@ -360,11 +360,19 @@ def test_bad_fused_values_are_refused(make, value):
 
 
 @pytest.mark.parametrize("make", [lars, lamb])
-def test_fused_none_and_false_are_the_unfused_chain(make):
+def test_fused_none_is_the_fused_path_on_a_gpu_and_the_chain_elsewhere(make, monkeypatch):
+    """``fused=None`` follows JAX's default backend when the optimizer is made: on a GPU
+    the fused path (the faster there: docs/benchmarks.md, H200 2026-11-28), elsewhere the
+    unfused chain; ``False`` is the chain everywhere, ``True`` the fused path."""
     params, grads = tree_problem(1)
-    for fused in (None, False, np.bool_(False)):
-        state = make(0.1, fused=fused).init(params)
-        assert not isinstance(state, (FusedLarsState, FusedLambState))
+    fused_state = (FusedLarsState, FusedLambState)
+    for backend, none_is_fused in (("cpu", False), ("gpu", True), ("tpu", False)):
+        with monkeypatch.context() as m:
+            m.setattr(jax, "default_backend", lambda: backend)  # noqa: B023 (used at once)
+            made = {f: make(0.1, fused=f) for f in (None, False, np.bool_(False), True)}
+        assert isinstance(made[None].init(params), fused_state) == none_is_fused, backend
+        assert isinstance(made[True].init(params), fused_state)
+        assert not any(isinstance(made[f].init(params), fused_state) for f in (False, np.bool_(False)))
 
 
 @pytest.mark.parametrize("make", [lars, lamb])

@@ -452,6 +452,31 @@ def test_views_at_unaligned_offsets(kind):
     assert not last_plan().buckets[0].consts["ALIGNED"]
 
 
+@pytest.mark.parametrize("kind", ["lars", "lamb"])
+def test_strides_of_one_element_dims_are_free(kind):
+    """channels_last weights with dims of one element, as a conv on one input channel
+    (8, 1, 3, 3) has: autograd's contiguous grad (strides (9, 9, 3, 1) against the
+    weight's (9, 1, 3, 1)) orders its elements the same way, and the step takes it; a grad
+    whose order does differ is refused, named."""
+
+    def channels_last(x):  # its strides, also where .contiguous(memory_format=) would keep x's
+        return torch.empty(x.shape, dtype=x.dtype, memory_format=torch.channels_last).copy_(x)
+
+    group = make_group(kind, [(8, 1, 3, 3), (4, 2, 1, 1), (1, 1, 1, 1)], torch.float32, False, {}, seed=11)
+    group.params = [channels_last(p) for p in group.params]
+    group.state = {k: [channels_last(s) for s in v] for k, v in group.state.items()}
+    assert all(g.stride() != p.stride() for g, p in zip(group.grads[:2], group.params))
+    run_steps(kind, [group], steps=2)
+
+    other = make_group(kind, [(6, 3, 2, 2)], torch.float32, False, {}, seed=12)
+    other.params = [channels_last(p) for p in other.params]
+    other.state = {k: [channels_last(s) for s in v] for k, v in other.state.items()}
+    before = snapshot([other])
+    with pytest.raises(ValueError, match=r"group 0 grads\[0\]: expected torch.float32 like param"):
+        STEP[kind]([other], grad_scale=None, found_inf=None)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], snapshot([other])[0]))
+
+
 def test_invalid_inputs_are_named():
     g = two_groups("lars", {})[0]
     lamb = two_groups("lamb", {})[0]

@@ -29,9 +29,10 @@ DEFAULTS = {
     "compression": 40.0,
     "overlap": 0.0,
 }
-# The AdaComp hook's own work, ns a gradient byte (all-gather, two-phase form): one H200,
-# 2026-11-27, benchmarks/comm_hook.py --device cuda on ResNet-50's shapes (docs/benchmarks.md).
-COMPRESSOR_NS_PER_BYTE = (0.33, 0.58)
+# The AdaComp hook's own work, ns a gradient byte (all-gather, two-phase form): the fused
+# hook (the default on CUDA) on one H200, 2026-11-28, benchmarks/comm_hook.py --device cuda
+# on ResNet-50's shapes, its iteration less DDP's all-reduce's (docs/benchmarks.md).
+COMPRESSOR_NS_PER_BYTE = (0.15, 0.23)
 _NETWORK_FLAGS = ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us")
 _LABELS = {
     "ring": "ring",

@@ -115,8 +115,9 @@ def adacomp(
       fused: ``True``: every leaf with bins of at most 2,048 elements in one packed
         exchange (Pallas kernels compiled on a GPU, their bodies as XLA on the CPU; "The
         packed exchange" in docs/communication.md): a fixed number of operations whatever
-        the number of leaves, the same numbers and the same state. ``None`` and
-        ``False``: leaf by leaf.
+        the number of leaves, the same numbers and the same state. ``False``: leaf by
+        leaf. ``None`` (the default): ``True`` where ``jax.default_backend()`` is
+        ``"gpu"`` when ``adacomp`` is called, ``False`` elsewhere.
 
     Returns:
       An ``optax.GradientTransformation`` (``update`` ignores ``params``).

@@ -206,7 +206,9 @@ def lars(
       fused: ``True``: the fused path, Pallas kernels over a packed state (compiled on a
         GPU, interpreted on the CPU; "The fused path" in docs/jax.md): the same numbers,
         another state (:class:`~largebatch.lars.jax.fused.FusedLarsState`), real
-        floating-point leaves only. ``None`` and ``False``: the ``optax.chain`` below.
+        floating-point leaves only. ``False``: the ``optax.chain`` below. ``None`` (the
+        default): ``True`` where ``jax.default_backend()`` is ``"gpu"`` when ``lars`` is
+        called, ``False`` elsewhere.
 
     Returns:
       An ``optax.GradientTransformation``; ``update`` needs ``params``.

@@ -37,10 +37,11 @@ def as_optax_rate(learning_rate: Any) -> ScalarOrSchedule:
 
 def check_fused(fused: Any) -> bool:
     """``fused`` checked (True, False or None; a TypeError naming it otherwise): whether
-    the fused path is taken. ``None`` keeps the unfused chain until a GPU's numbers say
-    that the fused path is the faster there (docs/jax.md, "The fused path")."""
+    the fused path is taken. ``None`` takes it where JAX's default backend is a GPU, where
+    it is the faster, and keeps the unfused path elsewhere (docs/jax.md, "The fused
+    path")."""
     if fused is None:
-        return False
+        return jax.default_backend() == "gpu"
     if isinstance(fused, (bool, np.bool_)):
         return bool(fused)
     raise TypeError(f"Invalid fused: {fused!r} (must be True, False or None)")

@@ -119,6 +119,14 @@ def _describe(x: torch.Tensor) -> str:
     return f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
 
 
+def _same_layout(x: torch.Tensor, p: torch.Tensor) -> bool:
+    """``x``'s elements lie where ``p``'s do: the same shape and the same stride on every
+    dim of more than one element. A dim of one element is never stepped over, so its
+    stride is free: autograd may give a channels_last ``(C, 1, k, k)`` conv weight the
+    contiguous strides, which order its elements the same way."""
+    return x.shape == p.shape and all(a == b for a, b, n in zip(x.stride(), p.stride(), p.shape) if n > 1)
+
+
 def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device: torch.device) -> None:
     if set(group.state) != set(state_names):
         raise ValueError(f"group {i}: state must hold {state_names}, got {sorted(group.state)}")
@@ -141,7 +149,7 @@ def _check_group(i: int, group: FusedGroup, state_names: tuple[str, ...], device
         for name, (x, want) in expect.items():
             if x is None:
                 continue
-            if (x.dtype, x.shape, x.stride(), x.device) != (want, p.shape, p.stride(), device):
+            if x.dtype != want or x.device != device or not _same_layout(x, p):
                 raise ValueError(
                     f"group {i} {name}[{j}]: expected {want} like param {_describe(p)}, got {_describe(x)}"
                 )
