@@ -16,6 +16,9 @@
 #                     and a step left without time is reported as not run
 #   GPU_CHECK_FROM    the number of the first step to run (default 1): a second call takes
 #                     the steps the budget of the first left (their report in its own folder)
+#   GPU_CHECK_STEPS   the steps to run, numbers and ranges (e.g. 8-12,18; default all):
+#                     one call takes the steps an earlier one left, in any set
+#   GPU_STEPS_SECONDS, GPU_STEPS_JOBS: the steps study's limit (240 s) and runs at once (4)
 # Without a GPU it says so and exits 0; where GPU_PYTHON cannot import torch it fails.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,6 +29,11 @@ DATA=${DATA:-/usr/share/datasets/fashion-mnist}
 BUDGET=${GPU_CHECK_BUDGET:-570}
 FROM=${GPU_CHECK_FROM:-1}
 case $FROM in '' | *[!0-9]*) echo "make gpu-check: GPU_CHECK_FROM must be a step number, got '$FROM'" >&2; exit 2 ;; esac
+STEPS=${GPU_CHECK_STEPS:-}
+if [ -n "$STEPS" ] && ! [[ $STEPS =~ ^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$ ]]; then
+    echo "make gpu-check: GPU_CHECK_STEPS must be step numbers and ranges such as 8-12,18, got '$STEPS'" >&2
+    exit 2
+fi
 
 # Exit 0 only where torch ran and saw no GPU; a Python that cannot run torch fails.
 errors=$(mktemp)
@@ -59,7 +67,7 @@ fi
 {
     echo "# make gpu-check"
     echo
-    echo "$(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname), $REVISION, $NGPU GPU(s), budget ${BUDGET} s, from step ${FROM};"
+    echo "$(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname), $REVISION, $NGPU GPU(s), budget ${BUDGET} s, from step ${FROM}${STEPS:+, steps $STEPS};"
     echo "run from $(pwd) with PYTHONPATH=$PYTHONPATH XLA_PYTHON_CLIENT_PREALLOCATE=false"
     if command -v nvidia-smi >/dev/null; then
         echo
@@ -82,6 +90,18 @@ quote() {
     echo "${out# }"
 }
 
+# selected N: whether step N is in GPU_CHECK_STEPS (every step where it is unset).
+selected() {
+    [ -z "$STEPS" ] && return 0
+    local part
+    for part in ${STEPS//,/ }; do
+        if [ "$1" -ge "${part%-*}" ] && [ "$1" -le "${part#*-}" ]; then
+            return 0
+        fi
+    done
+    return 1
+}
+
 # step TITLE LIMIT_SECONDS COMMAND...: run COMMAND under a time limit, log it, report it.
 step() {
     local title=$1 limit=$2
@@ -102,6 +122,11 @@ step() {
     if [ "$N" -lt "$FROM" ]; then
         echo "not run: before GPU_CHECK_FROM=$FROM" >>"$REPORT"
         echo "[$N] $title: not run (before GPU_CHECK_FROM=$FROM)"
+        return
+    fi
+    if ! selected "$N"; then
+        echo "not run: not in GPU_CHECK_STEPS=$STEPS" >>"$REPORT"
+        echo "[$N] $title: not run (not in GPU_CHECK_STEPS=$STEPS)"
         return
     fi
     if [ "$left" -lt 15 ]; then
@@ -216,9 +241,9 @@ rank on its own GPU); the one-rank FSDP2 test (step 4) covers this machine"
         COPY="$DIR/$(basename "$STUDY")"
         rm -rf "$COPY"
         cp -r "$STUDY" "$COPY"
-        step "The steps study on the GPU ($(basename "$STUDY")), from its runs so far (4 at once)" \
+        step "The steps study on the GPU ($(basename "$STUDY")), from its runs so far (${GPU_STEPS_JOBS:-4} at once)" \
             "${GPU_STEPS_SECONDS:-240}" \
-            "$PY" -m largebatch steps --out "$COPY" --device cuda --jobs 4 --data "$DATA"
+            "$PY" -m largebatch steps --out "$COPY" --device cuda --jobs "${GPU_STEPS_JOBS:-4}" --data "$DATA"
     else
         not_run "The steps study on the GPU" \
             "${STUDY:-no study in docs/study has runs to go}${STUDY:+ holds no runs.jsonl}"

@@ -281,20 +281,11 @@ def test_study_cpu_times_the_micro_batches_and_the_scoring_chunks(capsys) -> Non
     assert "every --micro must divide --batch 256, got 100" in capsys.readouterr().err
 
 
-def test_gpu_check_numbers_its_steps_as_docs_gpu_lists_them_and_continues_the_running_study(
-    tmp_path,
-) -> None:
-    """On a machine that says it has one GPU (a stand-in Python that answers the script's
-    two probes), with every step before GPU_CHECK_FROM: the steps' numbers are the rows
-    of docs/gpu.md's table, the last is the steps study, and it takes a copy of the study
-    that has runs to go (``tools/study_docs.py --running``), the copy's own folder."""
+def _one_gpu_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a gpu-check on a machine that says it has one GPU: a stand-in
+    Python that answers the script's two probes (the real one runs everything else), a
+    data folder, and the report in ``tmp_path / "report"``."""
     import os
-    import re
-    import subprocess
-
-    root = Path(__file__).parents[1]
-    sys.path.insert(0, str(root / "tools"))
-    import study_docs
 
     python = tmp_path / "python"
     python.write_text(
@@ -309,9 +300,62 @@ def test_gpu_check_numbers_its_steps_as_docs_gpu_lists_them_and_continues_the_ru
     data = tmp_path / "data"
     data.mkdir()
     (data / "train-images-idx3-ubyte.gz").touch()  # the data the training steps would read
+    return {
+        **os.environ,
+        "GPU_PYTHON": str(python),
+        "GPU_REPORT": str(tmp_path / "report"),
+        "DATA": str(data),
+    }
+
+
+def test_gpu_check_runs_the_steps_gpu_check_steps_names(tmp_path) -> None:
+    """GPU_CHECK_STEPS=1,3-4: steps 1, 3 and 4 run (on this machine they fail, having no
+    GPU, but they run), every other is reported as not run, naming the setting."""
+    import re
+    import subprocess
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**_one_gpu_env(tmp_path), "GPU_CHECK_STEPS": "1,3-4", "GPU_CHECK_BUDGET": "100"}
+    # steps 3 and 4 run pytest on tests that this machine skips: quick
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    ran = re.findall(r"^\[(\d+)\] .*\(at most \d+ s\)$", done.stdout, flags=re.M)
+    skipped = re.findall(r"^\[(\d+)\] .*: not run \(not in GPU_CHECK_STEPS=1,3-4\)$", done.stdout, flags=re.M)
+    assert ran == ["1", "3", "4"], done.stdout
+    assert "2" in skipped and "5" in skipped and "18" in skipped and not set(ran) & set(skipped)
+    assert "from step 1, steps 1,3-4;" in (tmp_path / "report" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("value", ["x", "8-", "1,,2", "2-3a", "-1"])
+def test_gpu_check_refuses_steps_that_are_not_numbers_and_ranges(value, tmp_path) -> None:
+    import os
+    import subprocess
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "GPU_CHECK_STEPS": value, "GPU_REPORT": str(tmp_path / "report")}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    want = f"make gpu-check: GPU_CHECK_STEPS must be step numbers and ranges such as 8-12,18, got '{value}'"
+    assert done.stderr.strip() == want
+    assert not (tmp_path / "report").exists()
+
+
+def test_gpu_check_numbers_its_steps_as_docs_gpu_lists_them_and_continues_the_running_study(
+    tmp_path,
+) -> None:
+    """On a machine that says it has one GPU (a stand-in Python that answers the script's
+    two probes), with every step before GPU_CHECK_FROM: the steps' numbers are the rows
+    of docs/gpu.md's table, the last is the steps study, and it takes a copy of the study
+    that has runs to go (``tools/study_docs.py --running``), the copy's own folder."""
+    import re
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    import study_docs
+
     report = tmp_path / "report"
-    env = {**os.environ, "GPU_PYTHON": str(python), "GPU_REPORT": str(report), "DATA": str(data)}
-    env["GPU_CHECK_FROM"] = "99"
+    env = {**_one_gpu_env(tmp_path), "GPU_CHECK_FROM": "99"}
     done = subprocess.run(
         ["bash", str(root / "benchmarks" / "gpu_check.sh")],
         env=env,
