@@ -11,7 +11,7 @@ blocks of the docs that quote them:
 - docs/study.md, after ``<!-- steps-compare: FOLDER ... -->``: the families table
   (:func:`largebatch.study.steps.compare`) of the folders the marker names, each study
   folder added to the marker in the order of the folders;
-- README.md, after ``<!-- steps-readings: FOLDER -->``: the lines of
+- README.md, after each ``<!-- steps-readings: FOLDER -->``: the lines of
   :func:`largebatch.study.steps.readings` that compare two optimizers.
 
 ``--quotes-only`` rewrites the blocks from the steps.json files as they are, without the
@@ -87,19 +87,21 @@ def study_page(text: str, summaries: Mapping[str, dict[str, Any]]) -> str:
 
 
 def readme(text: str, summaries: Mapping[str, dict[str, Any]]) -> str:
-    """README.md's ``text`` with its readings block rewritten from the summary of the
+    """README.md's ``text`` with each readings block rewritten from the summary of the
     folder its marker names."""
     from largebatch.study.steps import readings
 
-    if READINGS not in text:
-        return text
-    i = text.index(READINGS) + len(READINGS)
-    folder = text[i : text.index(" -->", i)]
-    if folder not in summaries:
-        raise ValueError(f"README.md's readings name {folder}, which holds no study")
-    lines = readings(summaries[folder])
-    block = "".join(f"- {line}\n" for line in lines if "against itself" not in line)
-    return _between(text, f"{READINGS}{folder} -->\n", END_READINGS, block, "README.md")
+    i = text.find(READINGS)
+    while i >= 0:
+        i += len(READINGS)
+        folder = text[i : text.index(" -->", i)]
+        if folder not in summaries:
+            raise ValueError(f"README.md's readings name {folder}, which holds no study")
+        lines = readings(summaries[folder])
+        block = "".join(f"- {line}\n" for line in lines if "against itself" not in line)
+        text = _between(text, f"{READINGS}{folder} -->\n", END_READINGS, block, "README.md")
+        i = text.find(READINGS, i)
+    return text
 
 
 def report(folder: Path) -> None:
