@@ -60,7 +60,7 @@ format: $(STAMP)
 	$(PY) -m ruff format $(LINTED)
 
 demo: $(STAMP) data
-	$(PY) -m largebatch study --quick
+	$(PY) -m largebatch steps --quick
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py

@@ -216,9 +216,9 @@ step "Optimizer step, BERT-large fp16 (our fp32 masters)" 120 \
     --steps 5 --warmup 2 --providers "fused,timm,torch,apex,floor" --json "$DIR/step-bert-large-fp16.json"
 
 if have_data; then
-    step "Demo: the quick batch-size study on the GPU (3 runs at once, 3 epochs)" 150 \
-        "$PY" -m largebatch study --quick --device cuda --jobs 3 --epochs 3 --data "$DATA" \
-        --out "$DIR/study-quick"
+    step "Demo: the steps study's quick version on the GPU (4 runs at once)" 150 \
+        "$PY" -m largebatch steps --quick --device cuda --jobs 4 --data "$DATA" \
+        --out "$DIR/steps-quick"
     for precision in fp32 fp16 bf16; do
         step "Training, fmnist-lamb-1536 in $precision (2 epochs)" 60 \
             "$PY" -m largebatch train --recipe fmnist-lamb-1536 --device cuda --precision "$precision" \
@@ -249,7 +249,7 @@ rank on its own GPU); the one-rank FSDP2 test (step 4) covers this machine"
             "${STUDY:-no study in docs/study has runs to go}${STUDY:+ holds no runs.jsonl}"
     fi
 else
-    not_run "Demo: the quick batch-size study on the GPU" "$NO_DATA"
+    not_run "Demo: the steps study's quick version on the GPU" "$NO_DATA"
     not_run "Training per precision" "$NO_DATA"
     not_run "Training under FSDP2 on the fused path" "$NO_DATA"
     not_run "The steps study on the GPU" "$NO_DATA"

@@ -817,3 +817,125 @@ def test_the_plot_draws_the_steps_the_fit_and_the_images(tmp_path):
     assert plot(summary, tmp_path / "steps.png")
     assert (tmp_path / "steps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plot({"points": [{"batch": 64, "optimizer": "lars"}]}, tmp_path / "none.png")
+
+
+# --------------------------------------------------------------------------- --quick
+
+
+def _finished_study(cfg: StepsConfig) -> dict:
+    """A study with every run done, as ``_row`` writes them: each pick's seeds reach the
+    target in 20, 30 or 40 steps, its final runs score 0.9."""
+    results = _smallest_done(cfg, {o: 0.9 for o in cfg.optimizers})
+    for _ in range(50):
+        todo = plan(cfg, results)
+        if not todo:
+            return results
+        _finish(
+            results,
+            todo,
+            lambda s: [0.9] if s.kind == "final" else [0.5] * (1 + s.seed % 3) + [0.9],
+        )
+    raise AssertionError("the study did not end")
+
+
+QUICK = dataclasses.replace(SMALL, batches=(64, 128), subset=900, seeds=3, max_seeds=3)
+
+
+def test_quick_runs_seed_one_of_each_pick_longest_first():
+    from largebatch.study.steps.plan import seed_runs
+    from largebatch.study.steps.quick import quick_runs
+
+    results = _finished_study(QUICK)
+    seconds = {(64, "nesterov"): 5.0, (64, "lamb"): 9.0, (128, "nesterov"): 7.0, (128, "lamb"): 1.0}
+    for r in results.values():
+        r["seconds"] = seconds[r["spec"]["batch"], r["spec"]["optimizer"]]
+    specs = quick_runs(QUICK, results)
+    assert [s.point for s in specs] == [(64, "lamb"), (128, "nesterov"), (64, "nesterov"), (128, "lamb")]
+    for s in specs:
+        assert s == seed_runs(QUICK, results, *s.point)[0] and s.kind == "steps" and s.seed == 1
+        assert s.key in results and s.target == target(QUICK, results)
+    assert [s.point for s in quick_runs(QUICK, results, [128], ["lamb"])] == [(128, "lamb")]
+    with pytest.raises(ValueError, match=r"batch 256 is not one of the study's \(64, 128\)"):
+        quick_runs(QUICK, results, [256])
+    with pytest.raises(ValueError, match="optimizer 'lars' is not one of the study's"):
+        quick_runs(QUICK, results, None, ["lars"])
+    with pytest.raises(ValueError, match="has no pick"):
+        quick_runs(QUICK, _smallest_done(QUICK), [128])
+
+
+def test_quick_sets_each_run_beside_the_studys_seeds_with_bounds_where_one_ran_out():
+    from largebatch.study.steps.quick import quick_markdown, quick_runs, quick_summary
+
+    results = _finished_study(QUICK)  # seeds 1-3 reach the target in 30, 40, 20 steps
+    specs = quick_runs(QUICK, results)
+    steps = {(64, "nesterov"): 30, (64, "lamb"): 50, (128, "nesterov"): None, (128, "lamb"): 20}
+    mine = {}
+    for s in specs:
+        row = copy.deepcopy(results[s.key])
+        row["steps_to_target"] = steps[s.point]
+        mine[s.key] = row
+    summary = quick_summary(QUICK, results, specs, mine)
+    by = {(p["batch"], p["optimizer"]): p for p in summary["points"]}
+    assert [(p["batch"], p["optimizer"]) for p in summary["points"]] == QUICK.points()
+    assert by[64, "nesterov"]["in_range"] and by[128, "lamb"]["in_range"]
+    assert not by[64, "lamb"]["in_range"] and not by[128, "nesterov"]["in_range"]
+    assert by[64, "lamb"]["study_median"] == 30 and by[64, "lamb"]["study_range"] == [20, 40]
+    budget = budget_steps(QUICK, 128)
+    text = quick_markdown(summary)
+    assert "| 64 | 30 (30; 20-40) | 50 (30; 20-40) |" in text
+    # Nesterov ran out its budget at 128: LARS is absent, LAMB's ratio is its own
+    assert f"| 128 | > {budget} (30; 20-40) | 20 (30; 20-40) |" in text
+    assert "2 of 4 runs lie within the range of the study's seeds" in text
+    by[64, "lamb"]["study_range"] = [20, math.inf]
+    assert f"| 50 (30; 20 to > {budget_steps(QUICK, 64)}) |" in quick_markdown(summary)
+    assert f"({summary['study_runs']} runs, 95%)" in text and "- **LAMB against itself" in text
+
+
+def test_quick_ratios_are_bounds_where_one_run_ran_out():
+    from largebatch.study.steps.quick import _ratio
+
+    a = {"steps": 40, "budget_steps": 100}
+    out = {"steps": math.inf, "budget_steps": 200}
+    assert _ratio(a, {"steps": 80, "budget_steps": 100}) == "0.50"
+    assert _ratio(a, out) == "< 0.20" and _ratio(out, a) == "> 5.00"
+    assert _ratio(out, out) == "…" and _ratio(a, None) == "…"
+
+
+def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path, capsys):
+    from largebatch.cli import main as cli
+    from largebatch.study.steps.quick import quick_runs
+
+    study = tmp_path / "study"
+    study.mkdir()
+    results = _finished_study(QUICK)
+    (study / "settings.json").write_text(json.dumps(QUICK.settings()))
+    (study / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results.values()))
+    out = tmp_path / "quick"
+    argv = ["steps", "--quick", "--from", str(study), "--out", str(out), "--batches", "64", "--jobs", "1"]
+    assert cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"largebatch steps --quick: 2 runs, seed 1 of each pick of {study}")
+    log = out / "runs.jsonl"
+    runs = load_trials(log)
+    assert set(runs) == {s.key for s in quick_runs(QUICK, results, [64])}
+    assert all(r["spec"]["kind"] == "steps" and r["spec"]["seed"] == 1 for r in runs.values())
+    report = (out / "quick.md").read_text()
+    reached = {r["spec"]["optimizer"]: r["steps_to_target"] for r in runs.values()}
+    cells = [f"{reached[o]}" if reached[o] else f"> {budget_steps(QUICK, 64)}" for o in ("nesterov", "lamb")]
+    assert report in printed and f"| 64 | {cells[0]} (30; 20-40) | {cells[1]} (30; 20-40) |" in report
+    assert json.loads((out / "quick.json").read_text())["study"] == str(study)
+    assert (out / "quick.png").is_file()
+    # again: nothing runs
+    lines = log.read_text()
+    assert cli(argv) == 0 and log.read_text() == lines
+    again = capsys.readouterr().out
+    assert ", 2 done in " in again.splitlines()[0] and "[ 1/" not in again
+    for extra, message in [
+        (["--trials", "3"], "--quick takes its settings from the study in --from, not --trials"),
+        (["--report"], "--quick takes its settings from the study in --from, not --report"),
+        (["--batches", "256"], "--quick: batch 256 is not one of the study's (64, 128)"),
+    ]:
+        assert message in user_error([*argv, *extra], capsys)
+    assert "holds no steps study" in user_error(["steps", "--quick", "--from", str(tmp_path)], capsys)
+    assert "--from goes with --quick" in user_error(["steps", "--from", str(study)], capsys)
+    assert load_trials(log) == runs

@@ -899,7 +899,7 @@ def test_epochs_scales_every_warmup_as_train_does():
     # The grid's warmups are epochs of a recipe's 30, scaled the same way.
     grid = plan(study_cli.config(_args("--batches", "128,1536", "--optimizers", "sgd", "--epochs", "15")), {})
     assert {(s.batch, s.warmup_epochs) for s in grid} == {(128, 0.0), (128, 1.0), (1536, 1.0), (1536, 2.5)}
-    # The recipes' own epochs: the plan of ``make demo`` (the README's table).
+    # The recipes' own epochs: the plan of ``largebatch study --quick``.
     for spec in plan(study_cli.config(_args("--quick")), {}):
         recipe = get_recipe(f"fmnist-{spec.optimizer}-{spec.batch}")
         assert (spec.epochs, spec.warmup_epochs) == (30, recipe.warmup_epochs)
@@ -1108,7 +1108,7 @@ class _Started(Exception):
 
 
 def test_the_first_line_says_what_runs_and_is_out_before_any_training(tmp_path, monkeypatch):
-    """``make demo`` pipes: the first line is flushed before the first run starts."""
+    """``largebatch study --quick | ...``: the first line is flushed before the first run starts."""
     import torch
 
     out = _Stream()
@@ -1179,7 +1179,7 @@ def test_a_bar_shows_the_studys_progress_on_a_terminal_only(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("tty", [False, True], ids=["file", "terminal"])
 def test_off_a_terminal_progress_lines_say_what_the_bar_would(tmp_path, monkeypatch, tty):
-    """``make demo > log``: with stdout no terminal, progress lines come between the
+    """``largebatch study --quick > log``: with stdout no terminal, progress lines come between the
     first line and the first finished run (here one a message: PROGRESS_EVERY 0); on a
     terminal the bar says it and stdout gets none."""
     out, err = _Stream(tty), _Stream()

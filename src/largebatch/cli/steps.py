@@ -1,6 +1,7 @@
 """``largebatch steps``: the flags of the steps-to-target study, the
 :class:`~largebatch.study.steps.StepsConfig` they ask for, and the run
-(:func:`largebatch.study.steps.run_steps_study`), ``--report`` or ``--compare``."""
+(:func:`largebatch.study.steps.run_steps_study`), ``--report``, ``--compare`` or ``--quick``
+(:func:`largebatch.study.steps.quick.run_quick`)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from largebatch.study.steps import (
     run_steps_study,
 )
 from largebatch.study.steps.plan import MODELS
+from largebatch.study.steps.quick import QUICK_FROM, QUICK_LARGEST
 from largebatch.study.steps.run import SETTINGS, check_resume
 
 __all__ = ["add_arguments", "config", "main"]
 
+QUICK_OUT = "runs/steps-quick"
 # The flags that say what the study runs; the others say where and how.
 _SETTINGS = (
     "model",
@@ -72,11 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each, from their runs); train nothing",
     )
     add(
-        "--out",
-        default=d.out,
+        "--quick",
+        action="store_true",
+        help="the quick version (make demo): seed 1 of each pick of the study in --from, to its "
+        f"target, at --batches (default the study's up to {QUICK_LARGEST:,}) and --optimizers, "
+        "beside the study's steps and readings; takes no other setting",
+    )
+    add(
+        "--from",
+        dest="study",
+        default=None,
         metavar="DIR",
-        help=f"output folder (default {d.out}); one that holds a study continues it, with its "
-        "settings (the settings' defaults below are for a new study)",
+        help=f"with --quick: the study whose picks run (default {QUICK_FROM}, in a clone of the repository)",
+    )
+    add(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help=f"output folder (default {d.out}; {QUICK_OUT} with --quick); one that holds a study "
+        "continues it, with its settings (the settings' defaults below are for a new study)",
     )
     add("--model", default=None, choices=MODELS, help=f"the model (default {d.model})")
     add(
@@ -160,14 +177,74 @@ def config(args: argparse.Namespace) -> StepsConfig:
     by :func:`check_resume`). A ValueError for ``--report`` on a folder without a study."""
     environment = {"data": args.data, "jobs": args.jobs, "threads": args.threads, "device": args.device}
     given = {name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None}
-    if args.report_only or (Path(args.out) / SETTINGS).is_file():
-        recorded = recorded_config(args.out, **environment, report_only=args.report_only)
+    out = args.out or StepsConfig.out
+    if args.report_only or (Path(out) / SETTINGS).is_file():
+        recorded = recorded_config(out, **environment, report_only=args.report_only)
         return dataclasses.replace(recorded, **given)
-    return StepsConfig(out=args.out, **environment, **given)
+    return StepsConfig(out=out, **environment, **given)
+
+
+def quick(args: argparse.Namespace) -> int:
+    """``--quick``: the study's picks again (:func:`largebatch.study.steps.quick.run_quick`).
+    A setting of the study's own, ``--report`` or ``--compare`` beside it is refused."""
+    from largebatch.study.steps.quick import run_quick
+
+    own = [name for name in _SETTINGS if name not in ("batches", "optimizers")]
+    given = [f"--{name.replace('_', '-')}" for name in own if getattr(args, name) is not None]
+    if args.report_only or args.compare is not None:
+        given.insert(0, "--report" if args.report_only else "--compare")
+    if given:
+        raise CommandError("steps", f"--quick takes its settings from the study in --from, not {given[0]}")
+    _check_data(args.data, args.device)
+    try:
+        run_quick(
+            args.study or QUICK_FROM,
+            args.out or QUICK_OUT,
+            batches=args.batches,
+            optimizers=args.optimizers,
+            data=args.data,
+            jobs=args.jobs,
+            threads=args.threads,
+            device=args.device,
+        )
+    except ValueError as err:
+        raise CommandError("steps", f"--quick: {err}") from None
+    except Stopped:
+        return _stopped(args.out or QUICK_OUT)
+    return 0
+
+
+def _check_data(data: str | None, device: str) -> None:
+    """A CommandError for a device this machine lacks or data it cannot find."""
+    from largebatch.fashion_mnist import fashion_mnist_dir
+    from largebatch.training import check_device
+
+    require("steps", ("torch", "matplotlib"))
+    check_device(device, "steps")
+    if data is not None and not Path(data).is_dir():
+        raise CommandError("steps", f"data directory not found: {data}")
+    try:
+        fashion_mnist_dir(data)
+    except FileNotFoundError as err:
+        raise CommandError("steps", str(err)) from None
+
+
+def _stopped(out: str) -> int:
+    print(
+        f"largebatch steps: stopped by SIGTERM; the finished runs are in "
+        f"{Path(out) / 'runs.jsonl'}, and the same command continues from them",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 128 + signal.SIGTERM
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the study from parsed arguments."""
+    if args.quick:
+        return quick(args)
+    if args.study is not None:
+        raise CommandError("steps", "--from goes with --quick")
     if args.compare is not None:
         try:
             print(compare_steps(args.compare), end="")
@@ -181,26 +258,12 @@ def main(args: argparse.Namespace) -> int:
             check_resume(cfg)
     except ValueError as err:
         raise CommandError("steps", str(err)) from None
-    require("steps", ("torch", "matplotlib"))
-    if not cfg.report_only:
-        from largebatch.fashion_mnist import fashion_mnist_dir
-        from largebatch.training import check_device
-
-        check_device(cfg.device, "steps")
-        if cfg.data is not None and not Path(cfg.data).is_dir():
-            raise CommandError("steps", f"data directory not found: {cfg.data}")
-        try:
-            fashion_mnist_dir(cfg.data)
-        except FileNotFoundError as err:
-            raise CommandError("steps", str(err)) from None
+    if cfg.report_only:
+        require("steps", ("torch", "matplotlib"))
+    else:
+        _check_data(cfg.data, cfg.device)
     try:
         run_steps_study(cfg)
     except Stopped:
-        print(
-            f"largebatch steps: stopped by SIGTERM; the finished runs are in "
-            f"{Path(cfg.out) / 'runs.jsonl'}, and the same command continues from them",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 128 + signal.SIGTERM
+        return _stopped(cfg.out)
     return 0

@@ -4,8 +4,8 @@ quasi-random search, the critical batch of each optimizer, and final accuracy at
 epoch budget with paired intervals.
 
 Modules: ``plan`` (what to run; pure), ``trial`` (one run), ``fits`` (the statistics),
-``report`` (the tables and the plot), ``run`` (the study and its folder). The flags are
-``largebatch.cli.steps``.
+``report`` (the tables and the plot), ``run`` (the study and its folder), ``quick`` (the
+quick version, ``make demo``). The flags are ``largebatch.cli.steps``.
 """
 
 from largebatch.study.steps.fits import (
