@@ -854,7 +854,7 @@ def test_quick_runs_seed_one_of_each_pick_longest_first():
     for s in specs:
         assert s == seed_runs(QUICK, results, *s.point)[0] and s.kind == "steps" and s.seed == 1
         assert s.key in results and s.target == target(QUICK, results)
-    assert [s.point for s in quick_runs(QUICK, results, [128], ["lamb"])] == [(128, "lamb")]
+    assert [s.point for s in quick_runs(QUICK, results, [128, 128], ["lamb"])] == [(128, "lamb")]
     with pytest.raises(ValueError, match=r"batch 256 is not one of the study's \(64, 128\)"):
         quick_runs(QUICK, results, [256])
     with pytest.raises(ValueError, match="optimizer 'lars' is not one of the study's"):
@@ -901,7 +901,7 @@ def test_quick_ratios_are_bounds_where_one_run_ran_out():
     assert _ratio(out, out) == "…" and _ratio(a, None) == "…"
 
 
-def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path, capsys):
+def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path, capsys, monkeypatch):
     from largebatch.cli import main as cli
     from largebatch.study.steps.quick import quick_runs
 
@@ -938,4 +938,8 @@ def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path,
         assert message in user_error([*argv, *extra], capsys)
     assert "holds no steps study" in user_error(["steps", "--quick", "--from", str(tmp_path)], capsys)
     assert "--from goes with --quick" in user_error(["steps", "--from", str(study)], capsys)
+    monkeypatch.chdir(tmp_path)
+    assert "(run it in a clone of the repository, or name a study with --from DIR)" in user_error(
+        ["steps", "--quick"], capsys
+    )
     assert load_trials(log) == runs

@@ -208,7 +208,12 @@ def quick(args: argparse.Namespace) -> int:
             device=args.device,
         )
     except ValueError as err:
-        raise CommandError("steps", f"--quick: {err}") from None
+        hint = (
+            " (run it in a clone of the repository, or name a study with --from DIR)"
+            if args.study is None and "holds no steps study" in str(err)
+            else ""
+        )
+        raise CommandError("steps", f"--quick: {err}{hint}") from None
     except Stopped:
         return _stopped(args.out or QUICK_OUT)
     return 0

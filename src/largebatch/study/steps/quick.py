@@ -44,8 +44,10 @@ def quick_runs(
     :data:`QUICK_LARGEST`) and ``optimizers`` (default: the study's), longest first by the
     study's own times so that the jobs end together. A ValueError names a batch or an
     optimizer the study does not have, or a study whose searches have not picked."""
-    batches = tuple(batches) if batches else tuple(b for b in study.batches if b <= QUICK_LARGEST)
-    optimizers = tuple(optimizers) if optimizers else study.optimizers
+    batches = (
+        tuple(dict.fromkeys(batches)) if batches else tuple(b for b in study.batches if b <= QUICK_LARGEST)
+    )
+    optimizers = tuple(dict.fromkeys(optimizers)) if optimizers else study.optimizers
     for b in batches:
         if b not in study.batches:
             raise ValueError(f"batch {b} is not one of the study's ({', '.join(map(str, study.batches))})")
