@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from largebatch.outputs import lock_folder
-from largebatch.study.run import pool_size, run_planned, write_report
+from largebatch.study.run import pool_size, write_report
 from largebatch.study.steps.plan import StepsConfig, TrialSpec, budget_steps, seed_runs
 from largebatch.study.steps.report import NAMES, PAIRS, readings, summarize
-from largebatch.study.steps.run import load_trials, recorded_config
-from largebatch.study.steps.trial import run_trial
+from largebatch.study.steps.run import load_trials, recorded_config, run_and_say
 
 __all__ = ["QUICK_FROM", "QUICK_LARGEST", "quick_markdown", "quick_runs", "quick_summary", "run_quick"]
 
@@ -220,29 +218,15 @@ def run_quick(
             f"{took / 60:.1f} CPU-minutes ({took / 60 / (jobs * threads):.1f} min on {jobs} job(s) x "
             f"{threads} thread(s))"
         )
-        start, done = time.perf_counter(), 0
-
-        def finished(spec: TrialSpec, row: dict[str, Any]) -> None:
-            nonlocal done
-            done += 1
-            reached = row["steps_to_target"]
-            print_fn(
-                f"[{done:>2}/{len(todo)} {time.perf_counter() - start:5.0f}s] B={spec.batch:<5} "
-                f"{spec.optimizer:<8} "
-                + (f"target at {reached}" if reached is not None else f"not reached in {row['steps']}")
-                + f" ({row['seconds']:.0f}s)"
-            )
-
-        run_planned(
+        run_and_say(
             lambda have: [s for s in todo if s.key not in have],
-            run_trial,
             mine,
             log,
-            jobs=jobs,
-            threads=threads,
-            data=data,
-            device=device,
-            finished=finished,
+            jobs,
+            threads,
+            data,
+            device,
+            print_fn,
         )
         summary = quick_summary(study, results, specs, mine)
         text = quick_markdown(summary)

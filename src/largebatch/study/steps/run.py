@@ -35,6 +35,7 @@ __all__ = [
     "estimate",
     "load_trials",
     "recorded_config",
+    "run_and_say",
     "run_steps_study",
 ]
 
@@ -168,6 +169,21 @@ def _train(
         f"({hours / (jobs * threads):,.1f} h on {jobs} job(s) x {threads} thread(s) on {cfg.device}; "
         "the early stops take a fraction of it)"
     )
+    run_and_say(functools.partial(plan, cfg), results, log, jobs, threads, cfg.data, cfg.device, print_fn)
+
+
+def run_and_say(
+    planner: Callable[[dict[str, dict[str, Any]]], list[TrialSpec]],
+    results: dict[str, dict[str, Any]],
+    log: Path,
+    jobs: int,
+    threads: int,
+    data: str | None,
+    device: str,
+    print_fn: Callable[[str], None],
+) -> None:
+    """Run what ``planner`` gives on the study's pool (:func:`largebatch.study.run.run_planned`),
+    a line for each finished run: its count and time, the run, its score, where it stopped."""
     start, done = time.perf_counter(), 0
 
     def finished(spec: TrialSpec, row: dict[str, Any]) -> None:
@@ -183,13 +199,13 @@ def _train(
         )
 
     run_planned(
-        functools.partial(plan, cfg),
+        planner,
         run_trial,
         results,
         log,
         jobs=jobs,
         threads=threads,
-        data=cfg.data,
-        device=cfg.device,
+        data=data,
+        device=device,
         finished=finished,
     )
