@@ -21,8 +21,8 @@ from typing import Any
 from largebatch.outputs import lock_folder
 from largebatch.study.run import pool_size, write_report
 from largebatch.study.steps.plan import StepsConfig, TrialSpec, budget_steps, seed_runs
-from largebatch.study.steps.report import NAMES, PAIRS, readings, summarize
-from largebatch.study.steps.run import load_trials, recorded_config, run_and_say
+from largebatch.study.steps.report import NAMES, PAIRS, plot, readings, summarize
+from largebatch.study.steps.run import cpu_seconds, load_trials, recorded_config, run_and_say
 
 __all__ = ["QUICK_FROM", "QUICK_LARGEST", "quick_markdown", "quick_runs", "quick_summary", "run_quick"]
 
@@ -79,22 +79,22 @@ def quick_summary(
         if spec.key not in mine:
             continue
         row, reference = mine[spec.key], by_point[spec.point]
-        steps = row["steps_to_target"]
+        steps = math.inf if row["steps_to_target"] is None else row["steps_to_target"]
         point: dict[str, Any] = {
             "batch": spec.batch,
             "optimizer": spec.optimizer,
             "budget_steps": budget_steps(study, spec.batch),
-            "steps": math.inf if steps is None else steps,
+            "steps": steps,
             "seconds": row["seconds"],
             # the plot's fields (largebatch.plots.plot_steps): one seed
-            "seed_steps": [math.inf if steps is None else steps],
-            "steps_median": math.inf if steps is None else steps,
+            "seed_steps": [steps],
+            "steps_median": steps,
         }
         if "seed_steps" in reference:
             low, high = min(reference["seed_steps"]), max(reference["seed_steps"])
             point["study_median"] = reference["steps_median"]
             point["study_range"] = [low, high]
-            point["in_range"] = low <= point["steps"] <= high
+            point["in_range"] = low <= steps <= high
         points.append(point)
     order = {(b, o): i for i, (b, o) in enumerate(study.points())}
     points.sort(key=lambda p: order[p["batch"], p["optimizer"]])
@@ -173,12 +173,6 @@ def quick_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(summary: dict[str, Any], path: Path) -> bool:
-    from largebatch.plots import Plotter, plot_steps
-
-    return Plotter("steps", path, plot_steps)(summary)
-
-
 _say = functools.partial(print, flush=True)
 
 
@@ -206,14 +200,10 @@ def run_quick(
         log = folder / "runs.jsonl"
         mine = load_trials(log)
         todo = [s for s in specs if s.key not in mine]
-        took = sum(
-            results[s.key].get("cpu_seconds", results[s.key]["seconds"] * results[s.key]["threads"])
-            for s in todo
-            if s.key in results
-        )
+        took = sum(cpu_seconds(results[s.key]) for s in todo if s.key in results)
         print_fn(
             f"largebatch steps --quick: {len(specs)} runs, seed 1 of each pick of {study_dir} "
-            f"({study.model}, batches {', '.join(sorted({f'{s.batch}' for s in specs}, key=int))}), "
+            f"({study.model}, batches {', '.join(map(str, sorted({s.batch for s in specs})))}), "
             f"{len(specs) - len(todo)} done in {log}; the study's own runs of these took "
             f"{took / 60:.1f} CPU-minutes ({took / 60 / (jobs * threads):.1f} min on {jobs} job(s) x "
             f"{threads} thread(s))"
@@ -230,7 +220,7 @@ def run_quick(
         )
         summary = quick_summary(study, results, specs, mine)
         text = quick_markdown(summary)
-        wrote = write_report(folder, "quick", summary, text, _plot)
+        wrote = write_report(folder, "quick", summary, text, plot)
     print_fn(text)
     print_fn(f"wrote {', '.join(map(str, wrote))}")
     return summary

@@ -32,6 +32,7 @@ __all__ = [
     "SETTINGS",
     "check_resume",
     "compare_steps",
+    "cpu_seconds",
     "estimate",
     "load_trials",
     "recorded_config",
@@ -104,12 +105,16 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
         )
     done = [r for r in results.values() if r.get("threads") and r["seconds"] > 0]
     if done:
-        speed = sum(r["steps"] * r["spec"]["batch"] for r in done) / sum(
-            r.get("cpu_seconds", r["seconds"] * r["threads"]) for r in done
-        )
+        speed = sum(r["steps"] * r["spec"]["batch"] for r in done) / sum(cpu_seconds(r) for r in done)
     else:
         speed = IMAGES_PER_THREAD_SECOND[cfg.model]
     return images, images / speed / 3600
+
+
+def cpu_seconds(row: dict[str, Any]) -> float:
+    """A finished run's CPU time: its ``cpu_seconds``, or where it has none (a run from
+    before they were recorded) its wall ``seconds`` times its threads."""
+    return float(row.get("cpu_seconds", row["seconds"] * row["threads"]))
 
 
 def _at(row: dict[str, Any], kind: str, batch: int, optimizer: str) -> bool:
