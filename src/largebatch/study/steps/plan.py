@@ -290,9 +290,12 @@ class TrialSpec:
     subset: int | None = None
     shift: int = 0  # the lr's range: lr_dimension(optimizer, batch, shift)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """The run's identity in ``runs.jsonl``: every field, as sorted JSON. Computed once
+        per spec (the plan looks runs up by it thousands of times); every field is a
+        scalar, so the fields' values are the dict ``dataclasses.asdict`` would copy."""
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, sort_keys=True)
 
     @property
     def point(self) -> tuple[int, str]:
