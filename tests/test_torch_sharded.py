@@ -186,3 +186,36 @@ def test_partitioned_without_a_process_group_says_so():
     message = "partitioned=True sums over torch.distributed's default process group"
     with pytest.raises(ValueError, match=message):
         LAMB([param], max_grad_norm=1.0, partitioned=True)
+
+
+DTENSOR_AFTER = """
+import sys
+
+import torch
+
+from largebatch.torch import LARS
+
+# LARS finds DTensors by their class, which it takes only once torch.distributed.tensor
+# is imported (importing it itself would cost every import of largebatch.torch 0.7 s).
+assert "torch.distributed.tensor" not in sys.modules, "largebatch.torch imported DTensor"
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+param = torch.nn.Parameter(distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)]))
+try:
+    LARS([param], lr=0.1, compiled=True)
+except ValueError as error:
+    print(error)
+dist.destroy_process_group()
+"""
+
+
+def test_dtensors_made_after_the_import_are_found():
+    """A program that imports largebatch.torch first and makes its DTensors afterwards
+    (FSDP2 imports torch.distributed.tensor only when it is imported): LARS still sees
+    them as sharded, here by refusing compiled=True for them."""
+    run = subprocess.run([sys.executable, "-c", DTENSOR_AFTER], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert REFUSED["refused/compiled"] in run.stdout, (run.stdout, run.stderr[-3000:])

@@ -5,6 +5,7 @@ process groups that shard it; plain tensors pass through."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
@@ -16,25 +17,34 @@ from largebatch.lars.torch._common import norm, stacked_norms
 
 try:  # torch.distributed may be absent from a build
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    dist, DTensor = None, ()  # type: ignore[assignment, misc]
+    dist = None  # type: ignore[assignment]
+
+
+def _dtensor() -> Any:
+    """DTensor's class, or ``()`` (an isinstance that matches nothing) while
+    ``torch.distributed.tensor`` is not imported: no DTensor can exist before it is (FSDP2
+    and ``distribute_tensor`` import it), and importing it here would add 0.7 s (sympy
+    included) to every ``import largebatch.torch``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", ())
+
 
 # What a shard key is: the process groups that split a tensor, in mesh-dimension order.
 Key = tuple[Any, ...]
 
 
 def is_sharded(tensor: Any) -> bool:
-    return isinstance(tensor, DTensor)
+    return isinstance(tensor, _dtensor())
 
 
 def any_sharded(tensors: list[Any]) -> bool:
-    return any(map(isinstance, tensors, repeat(DTensor)))  # one C-level pass
+    return any(map(isinstance, tensors, repeat(_dtensor())))  # one C-level pass
 
 
 def shard_key(param: Tensor) -> Key:
     """The process groups over which ``param``'s elements are split (empty: replicated)."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return ()
     mesh, groups = param.device_mesh, []
     for dim, placement in enumerate(param.placements):
@@ -50,11 +60,11 @@ def shard_key(param: Tensor) -> Key:
 
 def _local(tensor: Any, param: Tensor, what: str) -> Any:
     """``tensor``'s local block, after checking it is laid out as ``param`` is."""
-    if tensor is None or not isinstance(param, DTensor):
-        if isinstance(tensor, DTensor):
+    if tensor is None or not is_sharded(param):
+        if is_sharded(tensor):
             raise ValueError(f"a {what} is a DTensor but its param of shape {tuple(param.shape)} is not")
         return tensor
-    if not isinstance(tensor, DTensor):
+    if not is_sharded(tensor):
         if tensor.ndim == 0:  # a step count: one per param, on every rank
             return tensor
         raise ValueError(f"a param of shape {tuple(param.shape)} is a DTensor but its {what} is not")
@@ -193,7 +203,7 @@ def partitioned_norm(local: list[Tensor], device: torch.device, *, on_device: bo
 def whole_norm(param: Tensor, local_block: Tensor, *, on_device: bool = False) -> Tensor:
     """The norm of the whole tensor laid out as ``param`` whose local block is given
     (``on_device``: no host read, as :func:`stacked_norms`)."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return norm(local_block, on_device=on_device)
     return Reducer([shard_key(param)]).norms([local_block], on_device=on_device)[0]
 
@@ -202,13 +212,13 @@ def laid_out_as(param: Tensor, state: dict[str, Any]) -> dict[str, Any]:
     """A sharded param's loaded state, each whole tensor (a checkpoint of the unsharded
     model, or one gathered whole) cut into this rank's block as the param is (a collective
     per tensor); other state is returned as it is."""
-    if not isinstance(param, DTensor):
+    if not is_sharded(param):
         return state
     from torch.distributed.tensor import distribute_tensor
 
     return {
         k: distribute_tensor(v, param.device_mesh, param.placements)
-        if isinstance(v, Tensor) and v.ndim and not isinstance(v, DTensor)
+        if isinstance(v, Tensor) and v.ndim and not is_sharded(v)
         else v
         for k, v in state.items()
     }
