@@ -915,6 +915,7 @@ def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path,
     assert cli(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"largebatch steps --quick: 2 runs, seed 1 of each pick of {study}")
+    assert ", 0 done in " in printed and "; the study's own runs of the 2 to go took " in printed
     assert sum(x.startswith("[") and " seed=1 " in x for x in printed.splitlines()) == 2
     log = out / "runs.jsonl"
     runs = load_trials(log)
@@ -930,7 +931,8 @@ def test_quick_from_the_command_line_runs_resumes_and_refuses_settings(tmp_path,
     lines = log.read_text()
     assert cli(argv) == 0 and log.read_text() == lines
     again = capsys.readouterr().out
-    assert ", 2 done in " in again.splitlines()[0] and not any(x.startswith("[") for x in again.splitlines())
+    assert again.splitlines()[0].endswith(", 2 done in " + f"{log}; none to go")
+    assert not any(x.startswith("[") for x in again.splitlines())
     for extra, message in [
         (["--trials", "3"], "--quick takes its settings from the study in --from, not --trials"),
         (["--report"], "--quick takes its settings from the study in --from, not --report"),

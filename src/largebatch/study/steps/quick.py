@@ -201,12 +201,16 @@ def run_quick(
         mine = load_trials(log)
         todo = [s for s in specs if s.key not in mine]
         took = sum(cpu_seconds(results[s.key]) for s in todo if s.key in results)
+        cost = (
+            f"the study's own runs of the {len(todo)} to go took {took / 60:.1f} CPU-minutes "
+            f"({took / 60 / (jobs * threads):.1f} min on {jobs} job(s) x {threads} thread(s))"
+            if todo
+            else "none to go"
+        )
         print_fn(
             f"largebatch steps --quick: {len(specs)} runs, seed 1 of each pick of {study_dir} "
             f"({study.model}, batches {', '.join(map(str, sorted({s.batch for s in specs})))}), "
-            f"{len(specs) - len(todo)} done in {log}; the study's own runs of these took "
-            f"{took / 60:.1f} CPU-minutes ({took / 60 / (jobs * threads):.1f} min on {jobs} job(s) x "
-            f"{threads} thread(s))"
+            f"{len(specs) - len(todo)} done in {log}; {cost}"
         )
         run_and_say(
             lambda have: [s for s in todo if s.key not in have],
