@@ -346,10 +346,13 @@ def test_schedule_lr_keeps_its_count_when_the_first_param_starts_late(cls):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["lars", "lamb_clip"])
 @pytest.mark.parametrize("impl", ["single_tensor", "foreach"])
 def test_torch_compile_of_step_equals_eager(case, impl):
+    """``torch.compile(opt.step)`` traces the whole step as one graph (fullgraph=True
+    refuses a graph break): eager mode's host read (whether a norm overflowed fp32) is
+    taken on the device while compiling."""
     torch._dynamo.reset()
     params, opt = build(case, impl)
     ref_params, ref = build(case, impl)
-    step = torch.compile(opt.step)
+    step = torch.compile(opt.step, fullgraph=True)
     for t in range(3):
         grads_for(t, params)
         step()
@@ -524,13 +527,26 @@ def test_huge_weights_do_not_overflow_the_norms(case, impl, size):
     """||w|| of 1e19-sized weights overflows an fp32 sum of squares (at 1e22, so does
     LAMB's ||u|| through weight decay); the step must stay finite and equal the float64
     spec."""
+    _huge_weights_step(case, impl, size, lambda opt: opt.step())
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["lars", "lamb"])
+@pytest.mark.parametrize("impl", ["single_tensor", "foreach"])
+def test_huge_weights_under_torch_compile_take_the_wide_norms(case, impl):
+    """Under ``torch.compile(opt.step, fullgraph=True)`` the overflowed norms are replaced
+    on the device, not after a host read: the same step as the float64 spec."""
+    torch._dynamo.reset()
+    _huge_weights_step(case, impl, 1e22, lambda opt: torch.compile(opt.step, fullgraph=True)())
+
+
+def _huge_weights_step(case, impl, size, step) -> None:
     _, cls, kwargs = case
     w = torch.nn.Parameter(torch.full((8,), size) * torch.linspace(1, 2, 8))
     opt = cls([w], **{**kwargs, "max_grad_norm": None} if cls is LAMB else kwargs, **IMPLS[impl])
     w0 = w.detach().double().numpy().copy()
     g = torch.linspace(-1, 1, 8) * 1e18
     w.grad = g.clone()
-    opt.step()
+    step(opt)
     assert torch.isfinite(w).all()
     hyper = group_hyper(cls.spec, {k: v for k, v in kwargs.items() if k in cls.spec.group_keys})
     expected = run_spec(

@@ -150,14 +150,15 @@ def stacked_norms(tensors: Sequence[Tensor], *, on_device: bool = False) -> Tens
     """Per-tensor L2 norms as one vector (fp64 for fp64 tensors, else fp32) that cannot
     overflow for finite inputs: a sum of squares past the fp32 range (||x|| > ~1.8e19) is
     recomputed with fp64 accumulation. The common case costs one fp32 pass and one host
-    read (whether any norm overflowed); ``on_device=True`` reads nothing on the host and
-    takes the fp64 norms of every tensor, kept where the fp32 ones overflowed (the same
-    values, for telemetry)."""
+    read (whether any norm overflowed); ``on_device=True``, and any call under
+    ``torch.compile`` (where that read would break the graph), reads nothing on the host
+    and takes the fp64 norms of every tensor, kept where the fp32 ones overflowed (the
+    same values)."""
     if not tensors:
         return torch.zeros(0)
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     norms = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=dtype))
-    if dtype == torch.float32 and on_device:
+    if dtype == torch.float32 and (on_device or torch.compiler.is_compiling()):
         wide = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float64)).to(dtype)
         return torch.where(torch.isfinite(norms), norms, wide)
     if dtype == torch.float32 and not bool(torch.isfinite(norms).all()):
