@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -19,6 +19,9 @@ try:  # torch.distributed may be absent from a build
     import torch.distributed as dist
 except ImportError:  # pragma: no cover
     dist = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _dtensor() -> Any:
@@ -34,7 +37,7 @@ def _dtensor() -> Any:
 Key = tuple[Any, ...]
 
 
-def is_sharded(tensor: Any) -> bool:
+def is_sharded(tensor: Any) -> TypeGuard[DTensor]:
     return isinstance(tensor, _dtensor())
 
 
