@@ -2,8 +2,8 @@
 ``torch.distributed.run``). Rank 0 writes one JSON line per case as it finishes.
 
 ``python -m torch.distributed.run --nproc_per_node=N comm_worker.py OUT.jsonl [full]
-[fused] [only=CASE,...]``: every world size runs the hook-contract cases (``only``: those
-named of everything, reference, simulation); ``full`` adds real training against the
+[fused]``: every world size runs the hook-contract cases (everything selected, the
+reference, the simulation); ``full`` adds real training against the
 one-process simulation, non-finite gradients and resume. The hook and the simulation run
 on torch operations, or with ``fused`` on the Triton kernels (``TRITON_INTERPRET=1`` on
 the CPU).
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from triton_interpreter import cache_builtin_lists
 
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import (
@@ -413,9 +414,9 @@ def main() -> None:
     out = sys.argv[1]
     full = "full" in sys.argv[2:]
     FUSED["fused"] = "fused" in sys.argv[2:]
-    only = [a.split("=", 1)[1].split(",") for a in sys.argv[2:] if a.startswith("only=")]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
+    cache_builtin_lists()  # the interpreter as under pytest (tests/triton_interpreter.py)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def record(case: str, **values) -> None:
@@ -423,16 +424,10 @@ def main() -> None:
             with open(out, "a") as f:
                 f.write(json.dumps({"case": f"{case}/{world}", **values}) + "\n")
 
-    def wanted(case: str) -> bool:
-        return not only or case in only[0]
-
     for form in ("allgather", "two_phase"):
-        if wanted("everything"):
-            record(f"everything/{form}", **everything_equals_allreduce(form))
-        if wanted("reference"):
-            record(f"reference/{form}", **against_reference(form))
-        if wanted("simulation"):
-            record(f"simulation/{form}", **against_simulation(form))
+        record(f"everything/{form}", **everything_equals_allreduce(form))
+        record(f"reference/{form}", **against_reference(form))
+        record(f"simulation/{form}", **against_simulation(form))
         if full:
             record(f"training/{form}", **training_equals_simulation(form))
             record(f"nonfinite/{form}", **nonfinite_leaves_residuals(form))

@@ -25,6 +25,7 @@ from cases import torch_paths
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from triton_interpreter import cache_builtin_lists
 
 from largebatch.lars.torch import _sharded
 from largebatch.torch import LAMB, LARS, param_groups
@@ -346,6 +347,7 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
+    cache_builtin_lists()  # the interpreter as under pytest (tests/triton_interpreter.py)
     cases = []
 
     def record(case: str, **values) -> None:

@@ -371,13 +371,6 @@ def two_fused(tmp_path_factory):
     return _run_worker(tmp_path_factory, 2, "full", "fused")
 
 
-@pytest.fixture(scope="module")
-def four_fused(tmp_path_factory):
-    """4 processes on the kernels: the cases against the reference (the interpreter's
-    launches are slow; 2 processes run every case)."""
-    return _run_worker(tmp_path_factory, 4, "fused", "only=reference")
-
-
 @pytest.fixture(params=["torch", "fused"])
 def path(request) -> str:
     """The hook's path: torch operations per layer, or the Triton kernels (interpreted)."""
@@ -391,11 +384,12 @@ def two(request, path):
 
 @pytest.fixture(params=[2, 4])
 def world(request, path):
+    """2 processes on either path; 4 on torch operations only. The kernels' exchange among
+    more workers is test_simulation_equals_reference's (3 and 8 simulated workers, which
+    test_hook_equals_simulation_bit_for_bit ties to the hook at 2); 4 interpreted
+    processes would add half a minute on 2 cores for what those check."""
     if request.param == 4 and path == "fused":
-        cases = request.getfixturevalue("four_fused")
-        if request.function.__name__ != "test_hook_equals_reference":
-            pytest.skip("4 processes on the kernels run the reference cases only")
-        return 4, cases
+        pytest.skip("4 processes run on torch operations; 3 and 8 simulated workers on the kernels")
     return request.param, request.getfixturevalue(f"{'two' if request.param == 2 else 'four'}_{path}")
 
 
