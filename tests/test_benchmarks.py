@@ -281,9 +281,10 @@ def test_study_cpu_times_the_micro_batches_and_the_scoring_chunks(capsys) -> Non
     assert "every --micro must divide --batch 256, got 100" in capsys.readouterr().err
 
 
-def _one_gpu_env(tmp_path: Path) -> dict[str, str]:
+def _one_gpu_env(tmp_path: Path, run: bool = True) -> dict[str, str]:
     """The environment of a gpu-check on a machine that says it has one GPU: a stand-in
-    Python that answers the script's two probes (the real one runs everything else), a
+    Python that answers the script's two probes (the real one runs everything else, or
+    with ``run=False`` the scripts of tools/ only: each step's command ends at once), a
     data folder, and the report in ``tmp_path / "report"``."""
     import os
 
@@ -294,7 +295,8 @@ def _one_gpu_env(tmp_path: Path) -> dict[str, str]:
         '  "-c import torch; print(torch.cuda.is_available())") echo True; exit 0 ;;\n'
         '  "-c import torch; print(torch.cuda.device_count())") echo 1; exit 0 ;;\n'
         "esac\n"
-        f'exec {sys.executable} "$@"\n'
+        + ("" if run else 'case "$1" in tools/*) ;; *) echo "ran: $*"; exit 0 ;; esac\n')
+        + f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
     data = tmp_path / "data"
@@ -309,21 +311,22 @@ def _one_gpu_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_gpu_check_runs_the_steps_gpu_check_steps_names(tmp_path) -> None:
-    """GPU_CHECK_STEPS=1,3-4: steps 1, 3 and 4 run (on this machine they fail, having no
-    GPU, but they run), every other is reported as not run, naming the setting."""
+    """GPU_CHECK_STEPS=1,3-4: steps 1, 3 and 4 run (their commands, by a stand-in Python
+    that ends at once), every other is reported as not run, naming the setting."""
     import re
     import subprocess
 
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.sh"
-    env = {**_one_gpu_env(tmp_path), "GPU_CHECK_STEPS": "1,3-4", "GPU_CHECK_BUDGET": "100"}
-    # steps 3 and 4 run pytest on tests that this machine skips: quick
+    env = {**_one_gpu_env(tmp_path, run=False), "GPU_CHECK_STEPS": "1,3-4", "GPU_CHECK_BUDGET": "100"}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout, done.stderr)
     ran = re.findall(r"^\[(\d+)\] .*\(at most \d+ s\)$", done.stdout, flags=re.M)
     skipped = re.findall(r"^\[(\d+)\] .*: not run \(not in GPU_CHECK_STEPS=1,3-4\)$", done.stdout, flags=re.M)
     assert ran == ["1", "3", "4"], done.stdout
     assert "2" in skipped and "5" in skipped and "18" in skipped and not set(ran) & set(skipped)
-    assert "from step 1, steps 1,3-4;" in (tmp_path / "report" / "report.md").read_text()
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "from step 1, steps 1,3-4;" in report
+    assert report.count("ran: ") == 3, report  # the three steps' commands, each once
 
 
 @pytest.mark.parametrize("value", ["x", "8-", "1,,2", "2-3a", "-1"])
