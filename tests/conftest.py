@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not CUDA_MODE:
     from triton_interpreter import cache_builtin_lists
 
-    cache_builtin_lists()  # the interpreter a third faster (tests/triton_interpreter.py says how)
+    cache_builtin_lists()  # the interpreter up to a third faster (tests/triton_interpreter.py)
 
 
 def pytest_addoption(parser):
