@@ -20,30 +20,28 @@ import inspect
 import os
 
 
-def cache_builtin_lists() -> bool:
-    """Install the cached listing; True where installed (the interpreter is on and has
-    ``_patch_builtin`` with its usual parameters)."""
+def cache_builtin_lists() -> None:
+    """Install the cached listing where the interpreter is on and its ``_patch_builtin``
+    has the parameters this replacement keeps; elsewhere do nothing."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
+        return
     try:
         from triton import language as tl
         from triton.runtime import interpreter
     except ImportError:
-        return False
+        return
     original = getattr(interpreter, "_patch_builtin", None)
     if original is None or getattr(original, "cached_listing", False):
-        return original is not None
+        return
     if list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]:
-        return False
+        return
     patch_attr = interpreter._patch_attr
-    listed: dict[int, tuple[object, list[tuple[str, object]]]] = {}
+    listed: dict[object, list[tuple[str, object]]] = {}  # modules and classes hash by identity
 
-    def listing(pkg) -> tuple[object, list[tuple[str, object]]]:
-        entry = listed.get(id(pkg))
-        if entry is None or entry[0] is not pkg:
-            members = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
-            entry = listed[id(pkg)] = (pkg, members)
-        return entry
+    def listing(pkg) -> list[tuple[str, object]]:
+        if pkg not in listed:
+            listed[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+        return listed[pkg]
 
     # Listed now, before any launch has wrapped a builtin: the modules the interpreter
     # wraps (others are listed at their first launch).
@@ -52,8 +50,7 @@ def cache_builtin_lists() -> bool:
             listing(pkg)
 
     def _patch_builtin(pkg, builder, scope) -> None:
-        entry = listing(pkg)
-        for name, member in entry[1]:
+        for name, member in listing(pkg):
             # A builtin an enclosing launch already wrapped is no longer one: the
             # interpreter's own listing skips it too.
             if getattr(pkg, name, None) is member:
@@ -61,4 +58,3 @@ def cache_builtin_lists() -> bool:
 
     _patch_builtin.cached_listing = True  # type: ignore[attr-defined]
     interpreter._patch_builtin = _patch_builtin
-    return True
