@@ -61,7 +61,7 @@ def fit_steps(batches: Sequence[float], steps: Sequence[float]) -> tuple[float, 
     least squares on log S (each point's relative error weighs alike). For a given
     ``B_noise`` the best ``log S_min`` is the mean of ``log S - log(1 + B_noise / B)``; the
     ``B_noise`` is the best of a grid 100 to the decade from 1e-3 to 1e3 times the
-    largest batch, refined by golden-section search. Needs two points or more."""
+    largest batch, refined by bisection on the sign of the loss's slope. Needs two points or more."""
     b = np.asarray(batches, dtype=np.float64)
     s = np.asarray(steps, dtype=np.float64)
     if len(b) < 2 or len(b) != len(s):
@@ -79,10 +79,11 @@ def _fit_many(b: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     count = w.sum(axis=1)
     log_s = np.log(np.where(keep, steps, 1.0))
 
-    def loss(log_noise: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        residual = log_s - np.log1p(np.exp(log_noise)[:, None] / b)
+    def parts(log_noise: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ratio = np.exp(log_noise)[:, None] / b
+        residual = log_s - np.log1p(ratio)
         log_min = (w * residual).sum(axis=1) / count
-        return (w * (residual - log_min[:, None]) ** 2).sum(axis=1), log_min
+        return residual - log_min[:, None], log_min, ratio / (1 + ratio)
 
     top = np.log(np.where(keep, b, 0.0).max(axis=1))
     grid = top[:, None] + np.linspace(-3 * math.log(10), 3 * math.log(10), 601)
@@ -92,13 +93,18 @@ def _fit_many(b: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     i = np.argmin((weights * (residual - mean) ** 2).sum(axis=2), axis=1)
     rows = np.arange(len(steps))
     lo, hi = grid[rows, np.maximum(i - 1, 0)], grid[rows, np.minimum(i + 1, grid.shape[1] - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(60):
-        x1, x2 = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        left = loss(x1)[0] < loss(x2)[0]
-        hi, lo = np.where(left, x2, hi), np.where(left, lo, x1)
+    # Bisection on the sign of the loss's slope, not on comparisons of the loss: at the
+    # bottom the loss is flat to its rounding over a width of about the square root of
+    # the float spacing, so comparisons there follow the last bits of exp and log (which
+    # differ between CPUs) and move B_noise by 1e-8; the slope crosses zero cleanly.
+    # d loss / d log B_noise = -2 sum w (r - mean r) q, q = (B_noise / B) / (1 + B_noise / B).
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        centred, _, q = parts(mid)
+        rising = (w * centred * q).sum(axis=1) < 0
+        hi, lo = np.where(rising, mid, hi), np.where(rising, lo, mid)
     best = (lo + hi) / 2
-    return np.exp(loss(best)[1]), np.exp(best)
+    return np.exp(parts(best)[1]), np.exp(best)
 
 
 class CriticalBatch(NamedTuple):
