@@ -35,7 +35,7 @@ from largebatch.study.steps import (
     target,
 )
 from largebatch.study.steps.plan import budget_steps, lr_dimension, point_pick, point_trials, sobol_points
-from largebatch.study.steps.run import check_resume
+from largebatch.study.steps.run import IMAGES_PER_THREAD_SECOND, batch_speeds, check_resume
 from largebatch.study.steps.trial import StepStatistics, micro_batch, run_trial, trial_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -228,6 +228,27 @@ def test_the_cost_bound_runs_at_the_speed_of_the_runs_cpu_time():
     for row in results.values():
         row["cpu_seconds"] = row["seconds"] / 2  # half the wall time: the study was paused
     assert estimate(SMALL, results) == (images, pytest.approx(hours / 2))
+
+
+def test_the_cost_bound_takes_each_batchs_images_at_that_batchs_speed():
+    """An image costs more in a large batch: the runs still to go at a batch are timed by
+    the runs finished at that batch, or at the nearest batch that has some."""
+    results = _smallest_done()  # finished runs at 64 only
+    speed_64 = sum(r["steps"] * 64 for r in results.values()) / len(results)  # 1 s each
+    assert batch_speeds(SMALL, results) == {64: speed_64, 256: speed_64}
+    images, hours = estimate(SMALL, results)
+    assert hours == pytest.approx(images / speed_64 / 3600)
+    spec = next(s for s in plan(SMALL, results) if s.batch == 256)
+    row = _row(spec, [0.5, 0.6]) | {"cpu_seconds": 8.0}
+    results[spec.key] = row
+    speed_256 = row["steps"] * 256 / 8.0
+    assert speed_256 == speed_64 / 2  # twice the time an image
+    assert batch_speeds(SMALL, results) == {64: speed_64, 256: speed_256}
+    images_64, _ = estimate(dataclasses.replace(SMALL, batches=(64,)), results)
+    images, hours = estimate(SMALL, results)
+    assert hours == pytest.approx((images_64 / speed_64 + (images - images_64) / speed_256) / 3600)
+    # before any run, the model's stated speed at every batch
+    assert set(batch_speeds(SMALL, {}).values()) == {IMAGES_PER_THREAD_SECOND[SMALL.model]}
 
 
 def test_seeds_and_final_runs_follow_the_pick():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from largebatch.study.steps.trial import run_trial
 
 __all__ = [
     "SETTINGS",
+    "batch_speeds",
     "check_resume",
     "compare_steps",
     "cpu_seconds",
@@ -85,10 +87,11 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
     """``(images, CPU-hours)`` of the runs still to run, at most: every search trial of
     every point to its budget (the blocks of ``trials`` begun so far: an extension not
     yet decided is not counted), the seeds to the budget and the final runs, less the runs
-    finished, at the speed of the finished runs (images per CPU second: a run's
-    ``cpu_seconds``, or where it has none its wall ``seconds`` times its threads) or, before
-    the first, :data:`IMAGES_PER_THREAD_SECOND`."""
-    images = 0.0
+    finished. Each batch's images take the time of the finished runs at that batch
+    (:func:`batch_speeds`): an image costs more in a large batch than in a small one, so
+    the mean speed of the runs so far, most of them small batches, would understate what
+    the large batches still to run cost."""
+    images: dict[int, float] = {}
     for batch, optimizer in cfg.points():
         per_run = budget_steps(cfg, batch) * batch
         specs, _ = point_trials(cfg, results, batch, optimizer)
@@ -96,19 +99,34 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
         searched = sum(1 for r in results.values() if _at(r, "search", batch, optimizer))
         seeded = sum(1 for r in results.values() if _at(r, "steps", batch, optimizer))
         finals = sum(1 for r in results.values() if _at(r, "final", batch, optimizer))
-        images += max(0, blocks * cfg.trials - searched) * per_run + max(0, cfg.seeds - seeded) * per_run
-        images += (
-            max(0, cfg.seeds - finals)
+        images[batch] = images.get(batch, 0.0) + (
+            max(0, blocks * cfg.trials - searched) * per_run
+            + max(0, cfg.seeds - seeded) * per_run
+            + max(0, cfg.seeds - finals)
             * cfg.final_epochs
             * (train_images(cfg.subset, "final") // batch)
             * batch
         )
-    done = [r for r in results.values() if r.get("threads") and r["seconds"] > 0]
-    if done:
-        speed = sum(r["steps"] * r["spec"]["batch"] for r in done) / sum(cpu_seconds(r) for r in done)
-    else:
-        speed = IMAGES_PER_THREAD_SECOND[cfg.model]
-    return images, images / speed / 3600
+    speeds = batch_speeds(cfg, results)
+    return sum(images.values()), sum(n / speeds[b] for b, n in images.items()) / 3600
+
+
+def batch_speeds(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[int, float]:
+    """Images per CPU second at each of the study's batches: those of its finished runs
+    (a run's ``cpu_seconds``, or where it has none its wall ``seconds`` times its
+    threads); a batch with none takes the speed of the nearest batch that has some (the
+    larger of two as near), and a study with no finished run
+    :data:`IMAGES_PER_THREAD_SECOND`."""
+    done: dict[int, list[float]] = {}
+    for r in results.values():
+        if r.get("threads") and r["seconds"] > 0:
+            mine = done.setdefault(r["spec"]["batch"], [0.0, 0.0])
+            mine[0] += r["steps"] * r["spec"]["batch"]
+            mine[1] += cpu_seconds(r)
+    measured = {b: n / t for b, (n, t) in done.items()}
+    if not measured:
+        return dict.fromkeys(cfg.batches, IMAGES_PER_THREAD_SECOND[cfg.model])
+    return {b: measured[min(measured, key=lambda m: (abs(math.log(m / b)), -m))] for b in cfg.batches}
 
 
 def cpu_seconds(row: dict[str, Any]) -> float:
