@@ -247,6 +247,10 @@ def test_the_cost_bound_takes_each_batchs_images_at_that_batchs_speed():
     images_64, _ = estimate(dataclasses.replace(SMALL, batches=(64,)), results)
     images, hours = estimate(SMALL, results)
     assert hours == pytest.approx((images_64 / speed_64 + (images - images_64) / speed_256) / 3600)
+    # a run from a GPU does not time the CPU's runs
+    gpu = next(s for s in plan(SMALL, results) if s.batch == 256)
+    results[gpu.key] = _row(gpu, [0.5, 0.6]) | {"cpu_seconds": 0.01, "device": "NVIDIA H200"}
+    assert batch_speeds(SMALL, results) == {64: speed_64, 256: speed_256}
     # before any run, the model's stated speed at every batch
     assert set(batch_speeds(SMALL, {}).values()) == {IMAGES_PER_THREAD_SECOND[SMALL.model]}
 

@@ -113,13 +113,14 @@ def estimate(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> tuple[floa
 
 def batch_speeds(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[int, float]:
     """Images per CPU second at each of the study's batches: those of its finished runs
-    (a run's ``cpu_seconds``, or where it has none its wall ``seconds`` times its
-    threads); a batch with none takes the speed of the nearest batch that has some (the
-    larger of two as near), and a study with no finished run
-    :data:`IMAGES_PER_THREAD_SECOND`."""
+    on ``cfg.device``'s kind (a run's ``cpu_seconds``, or where it has none its wall ``seconds``
+    times its threads; a run from a GPU does not time the CPU's); a batch with none takes
+    the speed of the nearest batch that has some (the larger of two as near), and a study
+    with no such run :data:`IMAGES_PER_THREAD_SECOND`."""
     done: dict[int, list[float]] = {}
     for r in results.values():
-        if r.get("threads") and r["seconds"] > 0:
+        on_cpu = r.get("device", "cpu") == "cpu"  # a GPU's run names its GPU
+        if r.get("threads") and r["seconds"] > 0 and on_cpu == (cfg.device == "cpu"):
             mine = done.setdefault(r["spec"]["batch"], [0.0, 0.0])
             mine[0] += r["steps"] * r["spec"]["batch"]
             mine[1] += cpu_seconds(r)
