@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+import triton_interpreter
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from triton_interpreter import cache_builtin_lists
 
 from largebatch.comm import reference as ref
 from largebatch.comm.torch import (
@@ -416,7 +416,7 @@ def main() -> None:
     FUSED["fused"] = "fused" in sys.argv[2:]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
-    cache_builtin_lists()  # the interpreter as under pytest (tests/triton_interpreter.py)
+    triton_interpreter.install()  # the interpreter as under pytest (tests/triton_interpreter.py)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def record(case: str, **values) -> None:

@@ -2,8 +2,8 @@
 
 - TRITON_INTERPRET=1: the Triton kernels run on the CPU (the interpreter is chosen when a
   ``@triton.jit`` function is defined, so this must come first).
-- The interpreter's listing of Triton's builtins kept from one launch to the next
-  (tests/triton_interpreter.py).
+- The interpreter's listing of Triton's builtins and its NumPy dtypes kept from one launch
+  to the next (tests/triton_interpreter.py).
 - 8 host CPU devices for the JAX sharding tests, and XLA's CPU code built without its
   costlier LLVM passes (the JAX tests compile many small functions once each).
 
@@ -15,6 +15,8 @@ CUDA tensors (tests/devices.py).
 """
 
 import os
+import shutil
+import tempfile
 
 CUDA_MODE = os.environ.get("LARGEBATCH_CUDA_TESTS") == "1"
 if CUDA_MODE:
@@ -33,9 +35,9 @@ os.environ["XLA_FLAGS"] = _xla.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 if not CUDA_MODE:
-    from triton_interpreter import cache_builtin_lists
+    import triton_interpreter
 
-    cache_builtin_lists()  # the interpreter up to a third faster (tests/triton_interpreter.py)
+    triton_interpreter.install()  # the interpreter faster (tests/triton_interpreter.py)
 
 
 def pytest_addoption(parser):
@@ -53,6 +55,30 @@ def pytest_configure(config):
         "gpu: needs a CUDA GPU and the compiled kernels: runs only with "
         "LARGEBATCH_CUDA_TESTS=1 (make gpu-check), skipped otherwise",
     )
+
+
+_SUBPROCESS_TMP: list[tuple[str, str | None]] = []
+
+
+def pytest_sessionstart(session):
+    """The processes the tests start (torchrun and its workers, pools, commands) write
+    their temporary files into a folder of this session's, removed when it ends: torchrun
+    leaves a log folder in the temporary folder at each launch. This process's own
+    temporary files, pytest's tmp_path among them, stay where they were."""
+    tempfile.gettempdir()  # fixed for this process before TMPDIR changes
+    folder = tempfile.mkdtemp(prefix="largebatch-tests-")
+    _SUBPROCESS_TMP.append((folder, os.environ.get("TMPDIR")))
+    os.environ["TMPDIR"] = folder
+
+
+def pytest_sessionfinish(session):
+    while _SUBPROCESS_TMP:
+        folder, before = _SUBPROCESS_TMP.pop()
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _gpu_skip():

@@ -21,11 +21,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import triton_interpreter
 from cases import torch_paths
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from triton_interpreter import cache_builtin_lists
 
 from largebatch.lars.torch import _sharded
 from largebatch.torch import LAMB, LARS, param_groups
@@ -347,7 +347,7 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    cache_builtin_lists()  # the interpreter as under pytest (tests/triton_interpreter.py)
+    triton_interpreter.install()  # the interpreter as under pytest (tests/triton_interpreter.py)
     cases = []
 
     def record(case: str, **values) -> None:
