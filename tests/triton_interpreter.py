@@ -8,26 +8,26 @@ Our kernels call helpers once per program, so a 161-tensor step lists them tens 
 thousands of times: up to a third of an interpreted test's time (test_triton_kernels:
 47 s before, 31 s after).
 
-``cache_builtin_lists()`` keeps each module's list of builtins from its first listing and
-wraps, as before, those still unwrapped. What the kernels compute is the interpreter's as
-before: every kernel test compares it with the references. Where the interpreter lacks the
-function (another Triton), nothing is changed.
-
-``cache_np_dtypes()`` keeps the NumPy dtype of each Triton dtype. The interpreter's
-``_get_np_dtype`` builds its table of 19 dtypes anew at each call, and it is called for
-most operations of every program: 8% of an interpreted test's time. The answers are the
-table's, looked up once per dtype.
+``install()`` keeps each module's list of builtins from its first listing and wraps, as
+before, those still unwrapped. It also keeps the NumPy dtype of each Triton dtype: the
+interpreter's ``_get_np_dtype`` builds its table of 19 dtypes anew at each call, and most
+operations of every program call it (test_triton_kernels: 57 s of CPU before, 50 s after).
+What the kernels compute is the interpreter's as before: every kernel test compares it
+with the references. Where the interpreter lacks either function (another Triton), that
+one is left as it is.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from typing import Any
 
 
-def cache_builtin_lists() -> None:
-    """Install the cached listing where the interpreter is on and its ``_patch_builtin``
-    has the parameters this replacement keeps; elsewhere do nothing."""
+def install() -> None:
+    """Keep the interpreter's listings of builtins and its NumPy dtypes from one launch
+    to the next, where the interpreter is on (``TRITON_INTERPRET=1``) and Triton imports;
+    elsewhere do nothing."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -35,6 +35,13 @@ def cache_builtin_lists() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
+    _cache_builtin_lists(tl, interpreter)
+    _cache_np_dtypes(tl, interpreter)
+
+
+def _cache_builtin_lists(tl: Any, interpreter: Any) -> None:
+    """The cached listing, where the interpreter's ``_patch_builtin`` has the parameters
+    this replacement keeps."""
     original = getattr(interpreter, "_patch_builtin", None)
     if original is None or getattr(original, "cached_listing", False):
         return
@@ -65,16 +72,8 @@ def cache_builtin_lists() -> None:
     interpreter._patch_builtin = _patch_builtin
 
 
-def cache_np_dtypes() -> None:
-    """Install the kept lookup where the interpreter is on and has ``_get_np_dtype``;
-    elsewhere do nothing."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton import language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return
+def _cache_np_dtypes(tl: Any, interpreter: Any) -> None:
+    """The kept lookup, where the interpreter has ``_get_np_dtype``."""
     original = getattr(interpreter, "_get_np_dtype", None)
     if original is None or getattr(original, "kept", False):
         return
@@ -93,9 +92,3 @@ def cache_np_dtypes() -> None:
 
     _get_np_dtype.kept = True  # type: ignore[attr-defined]
     interpreter._get_np_dtype = _get_np_dtype
-
-
-def install() -> None:
-    """Both: the kept listing of builtins and the kept NumPy dtypes."""
-    cache_builtin_lists()
-    cache_np_dtypes()
