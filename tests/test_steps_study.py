@@ -762,6 +762,17 @@ def test_the_brief_gives_each_number_with_its_interval():
     assert "No trial reached the target for Nesterov at B = 1,024: the final runs there take " in text
 
 
+def test_the_brief_names_each_unreached_batch_once():
+    from largebatch.study.steps import headline, summarize
+
+    results = _whole_study(beyond=((256, "lars"), (1024, "nesterov"), (1024, "lars")))
+    text = headline(summarize(THREE, results))
+    assert (
+        "No trial reached the target for LARS at B = 256 and for Nesterov and LARS at B = 1,024: "
+        "the final runs there take " in text
+    )
+
+
 def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
     from largebatch.study.steps import headline, summarize
 

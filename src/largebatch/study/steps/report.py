@@ -330,13 +330,18 @@ def _status(summary: dict[str, Any]) -> str:
     )
 
 
+def _in_words(items: Sequence[str]) -> str:
+    """``A``, ``A and B``, ``A, B and C``: a list as a sentence names it."""
+    return " and ".join(filter(None, (", ".join(items[:-1]), items[-1])))
+
+
 def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimizers: Sequence[str]) -> str:
     """What a cell that compares ``optimizers`` at ``batch`` shows when it has no number:
     which of them reached no target in its search, or "…" (still running)."""
     missed = [
         NAMES[o] for o in optimizers if by_point[batch, o]["finished"] and "pick" not in by_point[batch, o]
     ]
-    return " and ".join(missed) + " not reached" if missed else "…"
+    return _in_words(missed) + " not reached" if missed else "…"
 
 
 def _grouped(
@@ -508,14 +513,16 @@ def headline(summary: dict[str, Any]) -> str:
             + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, pair) for c, pair in found)
             + " |"
         )
-    unreached = [
-        f"{NAMES[p['optimizer']]} at B = {p['batch']:,}" for p in summary["points"] if "final_pick" in p
-    ]
+    unreached: dict[int, list[str]] = {}
+    for p in summary["points"]:
+        if "final_pick" in p:
+            unreached.setdefault(p["batch"], []).append(NAMES[p["optimizer"]])
     if unreached:
+        groups = [f"for {_in_words(unreached[b])} at B = {b:,}" for b in sorted(unreached)]
         lines += [
             "",
-            f"No trial reached the target for {', '.join(unreached)}: the final runs there take the "
-            "trial of the search with the best validation accuracy.",
+            f"No trial reached the target {_in_words(groups)}: the final runs there "
+            "take the trial of the search with the best validation accuracy.",
         ]
     smallest = s["batches"][0]
     lines += [
