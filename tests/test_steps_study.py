@@ -773,6 +773,23 @@ def test_the_brief_names_each_unreached_batch_once():
     )
 
 
+def test_a_final_comparison_still_running_says_so_where_a_search_missed():
+    """A point whose search reached no target still has final runs (of its most accurate
+    trial); while the other side's final runs are to come, the final-accuracy cells and
+    readings say running, and only the steps say "not reached"."""
+    from largebatch.study.steps import headline, summarize
+
+    results = _whole_study(beyond=((1024, "nesterov"),))
+    for key in [k for k, r in results.items() if (r["spec"]["kind"], r["spec"]["batch"]) == ("final", 1024)]:
+        if results[key]["spec"]["optimizer"] != "nesterov":
+            del results[key]
+    text = headline(summarize(THREE, results))
+    assert text.count("Nesterov not reached") == 2  # the ratio's cell, and the steps' reading
+    assert "\n| 1,024 | … |\n" in text  # LARS - Nesterov: LARS's finals to come
+    assert "Final accuracy, LARS's less Nesterov's: higher at B = 64, 256 (" in text
+    assert "); running at B = 1,024 (" in text
+
+
 def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
     from largebatch.study.steps import headline, summarize
 

@@ -336,8 +336,10 @@ def _in_words(items: Sequence[str]) -> str:
 
 
 def _no_pick(by_point: dict[tuple[int, str], dict[str, Any]], batch: int, optimizers: Sequence[str]) -> str:
-    """What a cell that compares ``optimizers`` at ``batch`` shows when it has no number:
-    which of them reached no target in its search, or "…" (still running)."""
+    """What a cell that compares the steps of ``optimizers`` at ``batch`` shows when it has
+    no number: which of them reached no target in its search, or "…" (still running). A
+    final-accuracy cell without a number is always "…": a point whose search reached no
+    target still has final runs, of its most accurate trial."""
     missed = [
         NAMES[o] for o in optimizers if by_point[batch, o]["finished"] and "pick" not in by_point[batch, o]
     ]
@@ -407,7 +409,7 @@ def readings(summary: dict[str, Any]) -> list[str]:
             missing = _no_pick(by_point, batch, (a, b))
             steps.append((batch, *_verdict(ratios.get((batch, a)), 1.0, ("fewer", "more"), missing)))
             c = compared.get(((batch, a), (batch, b)))
-            final.append((batch, *_verdict(c, 0.0, ("lower", "higher"), missing)))
+            final.append((batch, *_verdict(c, 0.0, ("lower", "higher"), "…")))
         mine = [fits[o] for o in (a, b) if o in fits]
         text = (
             f"**{NAMES[a]} against {NAMES[b]}.** Steps to the target, {NAMES[a]}'s over {NAMES[b]}'s: "
@@ -431,7 +433,7 @@ def readings(summary: dict[str, Any]) -> list[str]:
         within = []
         for batch in s["batches"][1:]:
             c = compared.get(((batch, o), (smallest, o)))
-            within.append((batch, *_verdict(c, line, ("below", "within"), _no_pick(by_point, batch, (o,)))))
+            within.append((batch, *_verdict(c, line, ("below", "within"), "…")))
         own = [fits[o]] if o in fits else []
         out.append(
             f"**{NAMES[o]} against itself at B = {smallest}**, final accuracy within "
@@ -507,12 +509,8 @@ def headline(summary: dict[str, Any]) -> str:
         "|---:|" + "---:|" * len(between),
     ]
     for b in s["batches"]:
-        found = [(compared.get(((b, a), (b, r))), (a, r)) for a, r in between]
-        lines.append(
-            f"| {b:,} | "
-            + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, pair) for c, pair in found)
-            + " |"
-        )
+        found = [compared.get(((b, a), (b, r))) for a, r in between]
+        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in found) + " |")
     unreached: dict[int, list[str]] = {}
     for p in summary["points"]:
         if "final_pick" in p:
@@ -534,12 +532,8 @@ def headline(summary: dict[str, Any]) -> str:
         "|---:|" + "---:|" * len(optimizers),
     ]
     for b in s["batches"][1:]:
-        own = [(compared.get(((b, o), (smallest, o))), o) for o in optimizers]
-        lines.append(
-            f"| {b:,} | "
-            + " | ".join(_points_interval(c) if c else _no_pick(by_point, b, (o,)) for c, o in own)
-            + " |"
-        )
+        own = [compared.get(((b, o), (smallest, o))) for o in optimizers]
+        lines.append(f"| {b:,} | " + " | ".join(_points_interval(c) if c else "…" for c in own) + " |")
     lines += ["", 'What the intervals settle (95%; "not resolved": the interval holds the line):', ""]
     lines += [f"- {text}" for text in readings(summary)]
     return "\n".join(lines) + "\n"
