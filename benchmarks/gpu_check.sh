@@ -160,11 +160,20 @@ step() {
     echo "    exit status $status after ${took} s"
 }
 
-# not_run TITLE REASON: a step that cannot run here, reported as such.
+# not_run TITLE REASON: a step that cannot run here, reported as such; where
+# GPU_CHECK_FROM or GPU_CHECK_STEPS leaves it out, that is the reason given first.
 not_run() {
     N=$((N + 1))
-    printf '\n## %s. %s\n\nnot run: %s\n' "$N" "$1" "$2" >>"$REPORT"
-    echo "[$N] $1: not run ($2)"
+    local why=$2
+    if [ "$N" -lt "$FROM" ]; then
+        why="before GPU_CHECK_FROM=$FROM"
+    elif ! selected "$N"; then
+        why="not in GPU_CHECK_STEPS=$STEPS"
+    fi
+    local detail=$why
+    [ "$why" != "$2" ] && detail="$why; nor could it run here: $2"
+    printf '\n## %s. %s\n\nnot run: %s\n' "$N" "$1" "$detail" >>"$REPORT"
+    echo "[$N] $1: not run ($why)"
 }
 
 have_data() { [ -f "$DATA/train-images-idx3-ubyte.gz" ]; }
