@@ -790,6 +790,33 @@ def test_a_final_comparison_still_running_says_so_where_a_search_missed():
     assert "); running at B = 1,024 (" in text
 
 
+def test_an_optimizer_finished_short_of_three_batches_has_no_fit_and_says_why():
+    """Nesterov's search at 1,024 reaches no target, so its median seed reaches it at two
+    batches, one short of a fit: the headline, the readings and the side-by-side table say
+    "no fit" and why, and say nothing of the kind while one of its points still runs."""
+    from largebatch.study.steps import compare, headline, summarize
+
+    results = _whole_study(beyond=((1024, "nesterov"),))
+    summary = summarize(THREE, results)
+    assert "nesterov" not in summary["critical_batch"] and summary["no_fit"] == {"nesterov": [64, 256]}
+    why = "Nesterov's median seed reaches the target at 2 batches (64 and 256), where a fit needs 3"
+    text = headline(summary)
+    assert f"\nNo fit: {why}.\n" in text
+    assert f"Critical batch: no fit; {why}. Final accuracy, LARS's" in text
+    cells = compare([summary]).splitlines()[2].split(" | ")
+    assert cells[3] == "no fit" and cells[7] == "no fit"  # B_crit Nesterov, LARS / Nesterov
+    assert cells[4] == "…"  # AdamW: not in this study
+    del results[
+        next(
+            k
+            for k, r in results.items()
+            if r["spec"]["kind"] == "final" and r["spec"]["optimizer"] == "nesterov"
+        )
+    ]
+    running = summarize(THREE, results)
+    assert running["no_fit"] == {} and "no fit" not in headline(running) + compare([running]).lower()
+
+
 def test_a_ratio_whose_median_seed_ran_out_its_budget_is_a_bound():
     from largebatch.study.steps import headline, summarize
 

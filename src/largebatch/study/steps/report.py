@@ -115,6 +115,15 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
             seeded[optimizer] = {p["batch"]: p["seed_steps"] for p in mine}
             fit = critical_batch([p["batch"] for p in mine], [p["seed_steps"] for p in mine])
             fits[optimizer] = fit._asdict()
+    no_fit = {  # finished, and fewer than the three batches a fit needs
+        o: [
+            p["batch"]
+            for p in points
+            if p["optimizer"] == o and math.isfinite(p.get("steps_median", math.inf))
+        ]
+        for o in cfg.optimizers
+        if o not in fits and all(p["finished"] for p in points if p["optimizer"] == o)
+    }
     ratios, per_batch = [], []
     for a, b in PAIRS:
         for batch in cfg.batches:
@@ -150,6 +159,7 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         "final_images": train_images(cfg.subset, "final"),
         "points": points,
         "critical_batch": fits,
+        "no_fit": no_fit,
         "critical_ratios": ratios,
         "steps_ratios": per_batch,
         "comparisons": compared,
@@ -303,6 +313,17 @@ def _ratio_interval(r: dict[str, Any], shown: str | None = None) -> str:
     return f"{shown} ({_off(r['low'], 1.0)}-{_off(r['high'], 1.0)})"
 
 
+def _no_fit(summary: dict[str, Any], optimizer: str) -> str:
+    """Why a finished optimizer has no critical batch: the batches where its median seed
+    reached the target, fewer than the three a fit needs."""
+    batches = summary["no_fit"][optimizer]
+    where = f" ({_in_words([f'{b:,}' for b in batches])})" if batches else ""
+    return (
+        f"{NAMES[optimizer]}'s median seed reaches the target at "
+        f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}{where}, where a fit needs 3"
+    )
+
+
 def _b_crit(fit: dict[str, Any]) -> str:
     return _interval(fit["b_noise"], fit["b_noise_low"], fit["b_noise_high"], ",.0f")
 
@@ -416,6 +437,9 @@ def readings(summary: dict[str, Any]) -> list[str]:
             f"{_grouped(steps, mine, 'x')}."
         )
         r = critical.get((a, b))
+        unfitted = [o for o in (b, a) if o in summary.get("no_fit", {})]
+        if unfitted:
+            text += f" Critical batch: no fit; {'; '.join(_no_fit(summary, o) for o in unfitted)}."
         if r:
             text += (
                 f" Critical batch: {_ratio_interval(r)} times {NAMES[b]}'s, "
@@ -498,6 +522,8 @@ def headline(summary: dict[str, Any]) -> str:
         ]
     else:
         lines.append("(needs three batches with their seeds' steps)")
+    for o in summary.get("no_fit", {}):
+        lines += ["", f"No fit: {_no_fit(summary, o)}."]
     compared = {(tuple(c["point"]), tuple(c["reference"])): c for c in summary["comparisons"]}
     between = [(a, b) for a, b in (*pairs, ("lamb", "lars")) if a in optimizers and b in optimizers]
     lines += [
@@ -541,7 +567,8 @@ def headline(summary: dict[str, Any]) -> str:
 
 def compare(summaries: list[dict[str, Any]]) -> str:
     """The critical batches of several studies side by side (one model each), with the
-    ratios of LARS's and LAMB's over their controls'."""
+    ratios of LARS's and LAMB's over their controls': "no fit" for an optimizer whose
+    runs have finished without the three batches a fit needs, "…" for one still running."""
     names = list(NAMES)
     lines = [
         "| model | target | runs | "
@@ -552,9 +579,13 @@ def compare(summaries: list[dict[str, Any]]) -> str:
     ]
     for summary in summaries:
         fits = summary["critical_batch"]
-        cells = [_b_crit(fits[o]) if o in fits else "…" for o in names]
+        unfitted = summary.get("no_fit", {})
+        cells = [_b_crit(fits[o]) if o in fits else "no fit" if o in unfitted else "…" for o in names]
         ratios = {(r["optimizer"], r["against"]): r for r in summary["critical_ratios"]}
-        cells += [_ratio_interval(r) if (r := ratios.get(pair)) else "…" for pair in PAIRS]
+        cells += [
+            _ratio_interval(r) if (r := ratios.get(pair)) else "no fit" if set(pair) & set(unfitted) else "…"
+            for pair in PAIRS
+        ]
         goal = summary["target"]
         lines.append(
             f"| {summary['settings']['model']} | {f'{100 * goal:.1f}%' if goal is not None else '…'} | "
