@@ -108,22 +108,16 @@ def summarize(cfg: StepsConfig, results: dict[str, dict[str, Any]]) -> dict[str,
         p["finished"] = (p["batch"], p["optimizer"]) not in pending and bool(
             p["search_done"] and ("pick" not in p or ("seed_steps" in p and "final_accuracy" in p))
         )
-    fits, seeded = {}, {}
+    fits, seeded, no_fit = {}, {}, {}
     for optimizer in cfg.optimizers:
         mine = [p for p in points if p["optimizer"] == optimizer and "seed_steps" in p]
-        if len([p for p in mine if math.isfinite(p["steps_median"])]) >= 3:
+        reached = [p["batch"] for p in mine if math.isfinite(p["steps_median"])]
+        if len(reached) >= 3:
             seeded[optimizer] = {p["batch"]: p["seed_steps"] for p in mine}
             fit = critical_batch([p["batch"] for p in mine], [p["seed_steps"] for p in mine])
             fits[optimizer] = fit._asdict()
-    no_fit = {  # finished, and fewer than the three batches a fit needs
-        o: [
-            p["batch"]
-            for p in points
-            if p["optimizer"] == o and math.isfinite(p.get("steps_median", math.inf))
-        ]
-        for o in cfg.optimizers
-        if o not in fits and all(p["finished"] for p in points if p["optimizer"] == o)
-    }
+        elif all(p["finished"] for p in points if p["optimizer"] == optimizer):
+            no_fit[optimizer] = reached  # finished, short of the three batches a fit needs
     ratios, per_batch = [], []
     for a, b in PAIRS:
         for batch in cfg.batches:
